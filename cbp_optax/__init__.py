@@ -1,0 +1,33 @@
+"""cbp_optax: Conditioned Backpropagation for JAX, Optax and Flax.
+
+Optimizer side (optax transforms):
+
+* :func:`equalize` - M1, layerwise gradient-norm equalization (eqs. 5-7).
+* :func:`precondition` - M3, damped lagged diagonal preconditioning (eqs. 11-12).
+* :func:`cbp` - the two chained with a learning rate (Algorithm 1, steps 3-9).
+
+Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
+``cbp_optax.linen``.
+"""
+
+from cbp_optax.alias import cbp
+from cbp_optax.equalize import block_names
+from cbp_optax.equalize import BlockStats
+from cbp_optax.equalize import equalize
+from cbp_optax.equalize import equalize_stats
+from cbp_optax.equalize import EqualizeState
+from cbp_optax.precondition import precondition
+from cbp_optax.precondition import PreconditionState
+
+__version__ = '0.1.0'
+
+__all__ = (
+    'BlockStats',
+    'EqualizeState',
+    'PreconditionState',
+    'block_names',
+    'cbp',
+    'equalize',
+    'equalize_stats',
+    'precondition',
+)

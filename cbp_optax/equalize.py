@@ -1,0 +1,413 @@
+"""M1: layerwise gradient-norm equalization (paper §4.1, eqs. 5-7).
+
+Each parameter block ``l`` (by default one layer: the leaves that share a parent
+path) keeps an EMA ``q_l`` of its squared Frobenius gradient norm, eq. (5). The
+update at step ``t`` multiplies block ``l`` by
+
+    s_l = clip(c / sqrt(q_l), min_scale, max_scale),  c = sqrt(mean_j q_j),
+
+eq. (6), formed from the energies stored at the end of step ``t - 1`` (``s_l = 1``
+at ``t = 1``); only then are the energies refreshed with the current, raw block
+gradients (Algorithm 1, steps 3-5).
+
+The state is one flat vector of block energies, so its structure and dtype never
+depend on the parameter tree: it survives ``optax.masked``, ``MultiSteps``,
+``apply_if_finite``, ``tree_map_params`` and sharding unchanged. The block that
+each entry belongs to is recovered from the parameter tree by
+:func:`block_names`, and :func:`equalize_stats` reads energies and scales by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from optax._src import numerics
+
+from cbp_optax import _checks
+
+KeyPath = tuple[Any, ...]
+BlockFn = Callable[[KeyPath, Any], Hashable]
+StackedFn = Callable[[KeyPath, Any], bool]
+
+
+class EqualizeState(NamedTuple):
+  """State of :func:`equalize`."""
+
+  count: chex.Array  # shape=(), dtype=jnp.int32.
+  energy: chex.Array  # shape=(num_blocks,): the EMAs q_l of eq. (5).
+
+
+class BlockLayout(NamedTuple):
+  """Static assignment of the leaves of a tree to M1 blocks.
+
+  Attributes:
+    names: one readable name per block, in state order.
+    groups: for each group of leaves that share a block key, the indices of
+      its leaves in ``jax.tree.leaves`` order.
+    group_starts: index of each group's first block in ``names``.
+    group_stacks: ``None`` for a group that forms one block, or the length of
+      the leading layer axis for a stacked group (one block per slice).
+  """
+
+  names: tuple[str, ...]
+  groups: tuple[tuple[int, ...], ...]
+  group_starts: tuple[int, ...]
+  group_stacks: tuple[Optional[int], ...]
+
+
+class BlockStats(NamedTuple):
+  """Energy and scale of one block, as read by :func:`equalize_stats`."""
+
+  energy: chex.Array  # q_l, eq. (5).
+  scale: chex.Array  # s_l the next step applies, eq. (6).
+
+
+def _strip_variable_suffix(path: KeyPath) -> KeyPath:
+  # NNX states flatten a Variable to its `.value`; `nnx.Optimizer` hands
+  # Variables to `init` but plain arrays to `update`, so drop the suffix to
+  # give both the same block keys.
+  if (
+      path
+      and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name == 'value'
+  ):
+    return path[:-1]
+  return path
+
+
+def _key_name(key: jax.tree_util.KeyEntry) -> str:
+  for attribute in ('key', 'name', 'idx'):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def _block_name(block_key: Hashable) -> str:
+  if isinstance(block_key, tuple) and all(
+      isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
+                     jax.tree_util.SequenceKey,
+                     jax.tree_util.FlattenedIndexKey))
+      for k in block_key
+  ):
+    return '/'.join(_key_name(k) for k in block_key)
+  return str(block_key)
+
+
+def default_block_key(path: KeyPath, leaf: Any) -> Hashable:
+  """One block per layer: a leaf's parent path; a root leaf is its own block."""
+  del leaf
+  return path[:-1] if len(path) > 1 else path
+
+
+def block_layout(
+    tree: Any,
+    *,
+    block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None,
+) -> BlockLayout:
+  """Assigns the leaves of ``tree`` to M1 blocks.
+
+  Args:
+    tree: parameters or gradients (arrays, or NNX Variables).
+    block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys form
+      one block. Defaults to :func:`default_block_key`.
+    stacked: ``stacked(path, leaf) -> bool``; a leaf for which it returns True
+      carries a leading layer axis (``nn.scan``, ``nnx.vmap`` layer stacks) and
+      each slice along that axis is a block of its own.
+
+  Returns:
+    The static :class:`BlockLayout`.
+  """
+  key_fn = block_fn or default_block_key
+  paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  group_index: dict[Hashable, int] = {}
+  group_keys: list[Hashable] = []
+  groups: list[list[int]] = []
+  stacks: list[Optional[int]] = []
+  for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
+    path = _strip_variable_suffix(path)
+    key = key_fn(path, leaf)
+    stack = None
+    if stacked is not None and stacked(path, leaf):
+      shape = jnp.shape(leaf)
+      if not shape:
+        raise ValueError(
+            f'Leaf {jax.tree_util.keystr(path)} is declared stacked but is a '
+            'scalar; a stacked leaf needs a leading layer axis.'
+        )
+      stack = shape[0]
+    if key not in group_index:
+      group_index[key] = len(groups)
+      group_keys.append(key)
+      groups.append([])
+      stacks.append(stack)
+    group = group_index[key]
+    if stacks[group] != stack:
+      raise ValueError(
+          f'Block {_block_name(key)!r} mixes leaves with different layer '
+          f'stacks ({stacks[group]} and {stack}, at leaf '
+          f'{jax.tree_util.keystr(path)}); every leaf of a block must be '
+          'stacked along the same leading axis, or none.'
+      )
+    groups[group].append(leaf_index)
+
+  names: list[str] = []
+  starts: list[int] = []
+  for key, stack in zip(group_keys, stacks):
+    starts.append(len(names))
+    name = _block_name(key)
+    if stack is None:
+      names.append(name)
+    else:
+      names.extend(f'{name}[{i}]' for i in range(stack))
+  return BlockLayout(
+      names=tuple(names),
+      groups=tuple(tuple(g) for g in groups),
+      group_starts=tuple(starts),
+      group_stacks=tuple(stacks),
+  )
+
+
+def block_names(
+    params: Any,
+    *,
+    block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None,
+) -> tuple[str, ...]:
+  """Names of the M1 blocks of ``params``, in the order of the state vector."""
+  return block_layout(params, block_fn=block_fn, stacked=stacked).names
+
+
+def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
+  """Float32 statistics, or float64 when any leaf is float64."""
+  if stats_dtype is not None:
+    return jnp.dtype(stats_dtype)
+  dtype = jnp.dtype(jnp.float32)
+  for leaf in jax.tree.leaves(tree):
+    leaf_dtype = jnp.result_type(leaf)
+    if jnp.issubdtype(leaf_dtype, jnp.floating):
+      dtype = jnp.promote_types(dtype, leaf_dtype)
+  return dtype
+
+
+def block_energies(
+    layout: BlockLayout, leaves: Sequence[chex.Array], dtype: Any
+) -> chex.Array:
+  """Squared Frobenius norm of every block, ``||g_l||_F^2``, shape (L,)."""
+  per_group = []
+  for leaf_ids, stack in zip(layout.groups, layout.group_stacks):
+    total = 0.0
+    for i in leaf_ids:
+      leaf = jnp.asarray(leaves[i]).astype(dtype)
+      axes = tuple(range(1, leaf.ndim)) if stack is not None else None
+      total = total + jnp.sum(jnp.square(leaf), axis=axes)
+    per_group.append(jnp.reshape(total, (-1,)))
+  if not per_group:
+    return jnp.zeros((0,), dtype)
+  return jnp.concatenate(per_group)
+
+
+def block_scales(
+    energy: chex.Array,
+    count: chex.Array,
+    min_scale: chex.Numeric,
+    max_scale: chex.Numeric,
+) -> chex.Array:
+  """The scales ``s_l`` of eq. (6) from stored energies; ones at the first step.
+
+  A block with zero energy (frozen, unused, or never reached) has an infinite
+  ratio ``c / sqrt(q_l)`` and gets ``max_scale``; when every energy is zero
+  there is no target scale and the ratio is taken as one. Either way the scale
+  stays finite, so a zero gradient gives a zero update.
+  """
+  if energy.shape[0] == 0:
+    return energy
+  target = jnp.sqrt(jnp.mean(energy))
+  positive = energy > 0
+  safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
+  ratio = jnp.where(
+      positive,
+      target / jnp.sqrt(safe_energy),
+      jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
+  )
+  scales = jnp.clip(
+      ratio,
+      jnp.asarray(min_scale, energy.dtype),
+      jnp.asarray(max_scale, energy.dtype),
+  )
+  return jnp.where(count > 0, scales, jnp.ones_like(scales))
+
+
+def _scale_leaves(
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    scales: chex.Array,
+) -> list[chex.Array]:
+  scaled = list(leaves)
+  for leaf_ids, start, stack in zip(
+      layout.groups, layout.group_starts, layout.group_stacks
+  ):
+    for i in leaf_ids:
+      leaf = leaves[i]
+      if stack is None:
+        scale = scales[start]
+      else:
+        scale = jnp.reshape(
+            scales[start:start + stack], (stack,) + (1,) * (leaf.ndim - 1)
+        )
+      scaled[i] = (leaf.astype(scales.dtype) * scale).astype(leaf.dtype)
+  return scaled
+
+
+def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
+  expected = state.energy.shape[0]
+  if len(layout.names) != expected:
+    raise ValueError(
+        f'equalize: the gradient tree has {len(layout.names)} blocks but the '
+        f'state was initialized for {expected}. The updates must have the '
+        'structure of the parameters given to init (same leaves, same block '
+        'grouping).'
+    )
+
+
+def equalize(
+    decay: float = 0.99,
+    min_scale: float = 0.1,
+    max_scale: float = 4.0,
+    *,
+    block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None,
+    stats_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+  r"""Layerwise gradient-norm equalization, M1 of Conditioned Backpropagation.
+
+  Multiplies each parameter block :math:`l` by
+  :math:`s_l = \mathrm{clip}(c / \sqrt{q_l}, s_{\min}, s_{\max})` with
+  :math:`c = (\frac{1}{L}\sum_j q_j)^{1/2}` (eq. 6), where :math:`q_l` is an EMA
+  of :math:`\|g^{(l)}\|_F^2` (eq. 5). The scales of step :math:`t` use the
+  energies stored at the end of step :math:`t-1` (:math:`s_l = 1` at
+  :math:`t = 1`); the energies are refreshed with the raw block gradients only
+  afterwards (Algorithm 1, steps 3-5), so the scaling is a function of the past.
+
+  Args:
+    decay: EMA decay :math:`\rho` of the block energies, in [0, 1).
+    min_scale: lower clip :math:`s_{\min} > 0`.
+    max_scale: upper clip :math:`s_{\max} \ge s_{\min}`.
+    block_fn: ``block_fn(path, leaf) -> hashable`` groups leaves into blocks
+      (leaves with equal keys share a block). The default groups the leaves
+      that share a parent path, i.e. one block per layer (``Dense_0``'s kernel
+      and bias form block ``Dense_0``); NNX ``.value`` path suffixes are
+      ignored. ``lambda path, leaf: path`` gives one block per leaf.
+    stacked: ``stacked(path, leaf) -> bool`` declares leaves that carry a
+      leading layer axis (``nn.scan`` / ``nnx.vmap`` layer stacks); each slice
+      along that axis becomes its own block, as one block per layer intends.
+    stats_dtype: dtype of the energies; defaults to float32, or float64 when a
+      parameter is float64.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is :class:`EqualizeState`.
+
+  Examples:
+    >>> import cbp_optax as cbp
+    >>> import jax.numpy as jnp
+    >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
+    >>> tx = cbp.equalize()
+    >>> state = tx.init(params)
+    >>> cbp.block_names(params)
+    ('a', 'b')
+
+  References:
+    Conditioned Backpropagation, §4.1 and Algorithm 1.
+  """
+  _checks.check_decay('decay', decay)
+  _checks.check_positive('min_scale', min_scale)
+  _checks.check_positive('max_scale', max_scale)
+  low, high = _checks.concrete_float(min_scale), _checks.concrete_float(
+      max_scale
+  )
+  if low is not None and high is not None and high < low:
+    raise ValueError(
+        f'max_scale must be >= min_scale, got max_scale={max_scale!r} < '
+        f'min_scale={min_scale!r}.'
+    )
+  _checks.check_callable('block_fn', block_fn)
+  _checks.check_callable('stacked', stacked)
+
+  def init_fn(params):
+    layout = block_layout(params, block_fn=block_fn, stacked=stacked)
+    dtype = stats_dtype_for(params, stats_dtype)
+    return EqualizeState(
+        count=jnp.zeros([], jnp.int32),
+        energy=jnp.zeros((len(layout.names),), dtype),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
+    _check_matches_state(layout, state)
+    leaves, treedef = jax.tree.flatten(updates)
+    scales = block_scales(state.energy, state.count, min_scale, max_scale)
+    energies = block_energies(layout, leaves, state.energy.dtype)
+    energy = decay * state.energy + (1 - decay) * energies
+    scaled = _scale_leaves(layout, leaves, scales)
+    new_state = EqualizeState(
+        count=numerics.safe_increment(state.count),
+        energy=energy.astype(state.energy.dtype),
+    )
+    return jax.tree.unflatten(treedef, scaled), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def find_equalize_state(opt_state: Any) -> EqualizeState:
+  """The single :class:`EqualizeState` nested anywhere inside ``opt_state``."""
+  found = [
+      leaf
+      for leaf in jax.tree.leaves(
+          opt_state, is_leaf=lambda x: isinstance(x, EqualizeState)
+      )
+      if isinstance(leaf, EqualizeState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+        f'Expected exactly one EqualizeState inside the optimizer state, found '
+        f'{len(found)}; pass the sub-state of the equalize transform you mean.'
+    )
+  return found[0]
+
+
+def equalize_stats(
+    opt_state: Any,
+    params: Any,
+    *,
+    min_scale: float = 0.1,
+    max_scale: float = 4.0,
+    block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None,
+) -> dict[str, BlockStats]:
+  """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
+
+  Args:
+    opt_state: the state of :func:`equalize`, or any optimizer state (a chain,
+      ``cbp.cbp``, ``inject_hyperparams``, ``MultiSteps``...) holding one.
+    params: the parameters (or the subtree) the transform was initialized on.
+    min_scale: the clip bounds the transform uses.
+    max_scale: the clip bounds the transform uses.
+    block_fn: the grouping the transform uses.
+    stacked: the layer-stack declaration the transform uses.
+
+  Returns:
+    ``{block name: BlockStats(energy, scale)}`` in state order.
+  """
+  state = find_equalize_state(opt_state)
+  layout = block_layout(params, block_fn=block_fn, stacked=stacked)
+  _check_matches_state(layout, state)
+  scales = block_scales(state.energy, state.count, min_scale, max_scale)
+  return {
+      name: BlockStats(energy=state.energy[i], scale=scales[i])
+      for i, name in enumerate(layout.names)
+  }

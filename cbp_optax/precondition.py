@@ -1,0 +1,150 @@
+"""M3: damped, lagged diagonal second-moment preconditioning (§4.3-4.4, eqs. 11-12).
+
+With ``g~`` the (equalized) gradient of step ``t``:
+
+    m_t = b1 m_{t-1} + (1 - b1) g~,          m_hat = m_t / (1 - b1^t)      (12)
+    P_t = 1 / (sqrt(v_{t-1} / (1 - b2^(t-1))) + damping),  P_1 = I          (11)
+    update = P_t m_hat
+    v_t = b2 v_{t-1} + (1 - b2) g~^2
+
+The preconditioner of step ``t`` is formed from the *stored* second moment
+before it is refreshed with the current gradient (Algorithm 1, steps 6-9): this
+one-step lag makes ``P_t`` independent of the current minibatch, which the
+stochastic analysis (Theorem 3) requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from optax._src import numerics
+
+from cbp_optax import _checks
+
+
+class PreconditionState(NamedTuple):
+  """State of :func:`precondition`."""
+
+  count: chex.Array  # shape=(), dtype=jnp.int32.
+  mu: optax.Updates  # First moment m, in stats dtype.
+  nu: optax.Updates  # Second moment v, in stats dtype.
+
+
+def _moment_dtype(leaf: Any, stats_dtype: Optional[Any]) -> jnp.dtype:
+  if stats_dtype is not None:
+    return jnp.dtype(stats_dtype)
+  # Low-precision parameters keep float32 statistics; float64 stays float64.
+  return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
+
+
+def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
+  return jax.tree.map(
+      lambda leaf: jnp.zeros(jnp.shape(leaf), _moment_dtype(leaf, stats_dtype)),
+      tree,
+  )
+
+
+def _check_matches_state(updates: Any, state: PreconditionState) -> None:
+  updates_def = jax.tree.structure(updates)
+  state_def = jax.tree.structure(state.mu)
+  if updates_def != state_def:
+    raise ValueError(
+        'precondition: the gradient tree does not match the state the '
+        f'transform was initialized with.\n  gradients: {updates_def}\n  '
+        f'state:     {state_def}'
+    )
+  for path_and_g, m in zip(
+      jax.tree_util.tree_flatten_with_path(updates)[0],
+      jax.tree.leaves(state.mu),
+  ):
+    path, g = path_and_g
+    if jnp.shape(g) != jnp.shape(m):
+      raise ValueError(
+          f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
+          f'{jnp.shape(g)} but its state has shape {jnp.shape(m)}.'
+      )
+
+
+def precondition(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    damping: float = 1e-3,
+    *,
+    stats_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+  r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
+
+  Returns :math:`\hat m_t / (\sqrt{\hat v_{t-1}} + \zeta)` with bias-corrected
+  momentum :math:`\hat m_t = m_t / (1 - \beta_1^t)` (eq. 12) and the *stored*
+  second moment :math:`\hat v_{t-1} = v_{t-1} / (1 - \beta_2^{t-1})` (eq. 11);
+  the first step uses :math:`P_1 = I`, i.e. returns :math:`\hat m_1`. The
+  second moment is refreshed with the current gradient only after the update
+  is formed (Algorithm 1, steps 6-9).
+
+  Differs from Adam in the lag (Adam divides by :math:`\hat v_t`, which contains
+  the current gradient), in :math:`P_1 = I`, and in the damping :math:`\zeta`
+  outside the square root playing the role that bounds the operator (Lemma 1):
+  :math:`1/(G + \zeta) \le P_t \le 1/\zeta`.
+
+  Args:
+    b1: momentum decay :math:`\beta_1` in [0, 1); 0 gives the momentum-free
+      method analysed in §5.4.
+    b2: second-moment decay :math:`\beta_2` in [0, 1).
+    damping: :math:`\zeta > 0`.
+    stats_dtype: dtype of both moments; defaults to float32 for low-precision
+      parameters and to the parameter dtype otherwise.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is
+    :class:`PreconditionState`.
+
+  References:
+    Conditioned Backpropagation, §4.3-4.4 and Algorithm 1.
+  """
+  _checks.check_decay('b1', b1)
+  _checks.check_decay('b2', b2)
+  _checks.check_positive('damping', damping)
+
+  def init_fn(params):
+    return PreconditionState(
+        count=jnp.zeros([], jnp.int32),
+        mu=_zeros_like_tree(params, stats_dtype),
+        nu=_zeros_like_tree(params, stats_dtype),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    _check_matches_state(updates, state)
+    count = state.count
+    count_inc = numerics.safe_increment(count)
+    first_step = count == 0
+    # 1 - b2^(t-1) is zero at the first step, where P_1 = I is used instead.
+    nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)
+    mu_correction = 1.0 - b1 ** count_inc
+
+    def leaf_update(g, m, v):
+      g_stats = g.astype(m.dtype)
+      m_new = b1 * m + (1.0 - b1) * g_stats
+      m_hat = m_new / mu_correction.astype(m.dtype)
+      denom = jnp.sqrt(v / nu_correction.astype(v.dtype)) + damping
+      step = jnp.where(first_step, m_hat, m_hat / denom)
+      v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
+      return step.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+    g_leaves, treedef = jax.tree.flatten(updates)
+    results = [
+        leaf_update(g, m, v)
+        for g, m, v in zip(
+            g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+        )
+    ]
+    steps, mu, nu = (
+        treedef.unflatten([r[i] for r in results]) for i in range(3)
+    )
+    return steps, PreconditionState(count=count_inc, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
