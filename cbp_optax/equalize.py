@@ -404,10 +404,12 @@ def equalize_stats(
     ``{block name: BlockStats(energy, scale)}`` in state order.
   """
   state = find_equalize_state(opt_state)
+  # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.
+  energy, count = jnp.asarray(state.energy[...]), jnp.asarray(state.count[...])
   layout = block_layout(params, block_fn=block_fn, stacked=stacked)
   _check_matches_state(layout, state)
-  scales = block_scales(state.energy, state.count, min_scale, max_scale)
+  scales = block_scales(energy, count, min_scale, max_scale)
   return {
-      name: BlockStats(energy=state.energy[i], scale=scales[i])
+      name: BlockStats(energy=energy[i], scale=scales[i])
       for i, name in enumerate(layout.names)
   }

@@ -1,0 +1,92 @@
+"""Independent float64 NumPy implementation of Algorithm 1, written from the paper.
+
+Nothing here imports cbp_optax or JAX: these are the numbers the library is
+checked against. Blocks are lists of arrays (a layer's kernel and bias, say);
+parameters are a list of blocks, and the optimizer is built from their shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def scales_from_energy(q, t, s_min, s_max):
+  """Eq. (6) from the energies stored through step t-1; ones at t = 1."""
+  if t == 1:
+    return np.ones_like(q)
+  c = np.sqrt(np.mean(q))
+  with np.errstate(divide='ignore'):
+    ratio = np.where(q > 0, c / np.sqrt(np.where(q > 0, q, 1.0)), np.inf)
+  return np.clip(ratio, s_min, s_max)
+
+
+class CBPReference:
+  """Algorithm 1, steps 3-9 (M1 + M3 with bias-corrected momentum)."""
+
+  def __init__(self, shapes, *, lr, b1=0.9, b2=0.999, damping=1e-3,
+               rho=0.99, s_min=0.1, s_max=4.0, equalize=True,
+               precondition=True):
+    self.lr, self.b1, self.b2, self.damping = lr, b1, b2, damping
+    self.rho, self.s_min, self.s_max = rho, s_min, s_max
+    self.equalize, self.precondition = equalize, precondition
+    self.t = 0
+    self.q = np.zeros(len(shapes))
+    self.m = [[np.zeros(shape) for shape in block] for block in shapes]
+    self.v = [[np.zeros(shape) for shape in block] for block in shapes]
+    self.last_scales = None
+    self.last_operator = None  # M_t = P_t S_t per coordinate (for b1 = 0).
+
+  def direction(self, grads):
+    """The update direction P_t m_hat_t of step t (before the learning rate)."""
+    self.t += 1
+    t = self.t
+    if self.equalize:
+      s = scales_from_energy(self.q, t, self.s_min, self.s_max)   # step 3
+      energies = np.array([sum(np.sum(g.astype(np.float64) ** 2) for g in b)
+                           for b in grads])
+      self.q = self.rho * self.q + (1 - self.rho) * energies        # step 4
+    else:
+      s = np.ones(len(grads))
+    self.last_scales = s
+    directions, operators = [], []
+    for l, block in enumerate(grads):
+      block_dirs, block_ops = [], []
+      for i, g in enumerate(block):
+        g_eq = s[l] * g.astype(np.float64)                         # step 5
+        m = self.b1 * self.m[l][i] + (1 - self.b1) * g_eq           # step 6
+        self.m[l][i] = m
+        m_hat = m / (1 - self.b1 ** t)
+        if self.precondition:
+          if t == 1:
+            p = np.ones_like(m)                                     # P_1 = I
+          else:
+            v_hat = self.v[l][i] / (1 - self.b2 ** (t - 1))         # step 7
+            p = 1.0 / (np.sqrt(v_hat) + self.damping)
+          self.v[l][i] = (self.b2 * self.v[l][i]
+                          + (1 - self.b2) * g_eq ** 2)              # step 9
+        else:
+          p = np.ones_like(m)
+        block_dirs.append(p * m_hat)
+        block_ops.append(p * s[l])
+      directions.append(block_dirs)
+      operators.append(block_ops)
+    self.last_operator = operators
+    return directions
+
+  def step(self, params, grads):
+    """theta_{t+1} = theta_t - lr P_t m_hat_t (step 8)."""
+    directions = self.direction(grads)
+    return [[p - self.lr * d for p, d in zip(pb, db)]
+            for pb, db in zip(params, directions)]
+
+
+def gradient_sequence(rng, shapes, steps, block_scales):
+  """Gradients whose blocks differ by the given orders of magnitude."""
+  seq = []
+  for t in range(steps):
+    wobble = 1.0 + 0.5 * np.sin(0.7 * t + np.arange(len(shapes)))
+    seq.append([
+        [scale * w * rng.standard_normal(shape) for shape in block]
+        for block, scale, w in zip(shapes, block_scales, wobble)
+    ])
+  return seq
