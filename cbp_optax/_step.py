@@ -1,0 +1,58 @@
+"""Pieces shared by the fused train steps of ``cbp_optax.nnx`` and ``.linen``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class StepOutput(NamedTuple):
+  """What a fused CBP train step reports.
+
+  Attributes:
+    loss: the loss of the batch, computed before the update.
+    aux: whatever else the loss function returned (metrics), or None.
+    skipped: True when the loss or a gradient was not finite; the step then
+      left parameters, optimizer state and centering means exactly as they
+      were.
+  """
+
+  loss: jax.Array
+  aux: Any
+  skipped: jax.Array
+
+
+def split_loss(output: Any) -> tuple[jax.Array, Any]:
+  """A loss function may return ``loss`` or ``(loss, aux)``."""
+  if isinstance(output, tuple):
+    if len(output) != 2:
+      raise ValueError(
+          'The loss function must return a scalar loss or a (loss, aux) pair, '
+          f'got a tuple of {len(output)}.'
+      )
+    return output
+  return output, None
+
+
+def check_scalar_loss(loss: jax.Array) -> None:
+  if jnp.shape(loss) != ():
+    raise ValueError(
+        f'The loss function must return a scalar, got shape {jnp.shape(loss)}.'
+    )
+
+
+def all_finite(*trees: Any) -> jax.Array:
+  """True when every floating-point entry of ``trees`` is finite."""
+  flags = [
+      jnp.all(jnp.isfinite(x))
+      for x in jax.tree.leaves(trees)
+      if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  ]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``ok``, else ``old``, leaf by leaf (same structure)."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

@@ -1,0 +1,188 @@
+"""M2: the activation-centering reparameterization, framework-independent math.
+
+A centered linear layer computes ``z = W (a - mu) + b~`` (eq. 8). ``mu`` is an
+EMA of the layer's input mean; when it moves, the bias is transported,
+``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so that the represented function is
+unchanged. The Flax wrappers in ``cbp_optax.nnx`` and ``cbp_optax.linen`` call
+these functions; they hold no state of their own.
+
+Convolutions with zero padding are centered *after* padding: the input is
+padded explicitly, ``mu`` is subtracted everywhere (the border included), and
+the convolution runs unpadded. Every output position then sees a full window
+of ``-mu`` shifts, so the transport is exact at the border too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Padding = Union[str, int, Sequence[Union[int, tuple[int, int]]]]
+
+
+def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
+  if isinstance(axes, int):
+    axes = (axes,)
+  return tuple(a % ndim for a in axes)
+
+
+def batch_mean(
+    inputs: jax.Array, feature_axes: Sequence[int], dtype: Any
+) -> jax.Array:
+  """Mean of ``inputs`` over every axis but ``feature_axes``, in their order.
+
+  For a dense layer the feature axes are the contracted ones, so the mean is
+  per input feature; for a convolution it is the channel axis, and the mean is
+  per input channel over batch and spatial positions.
+  """
+  feature_axes = normalize_axes(feature_axes, inputs.ndim)
+  reduce_axes = tuple(a for a in range(inputs.ndim) if a not in feature_axes)
+  mean = jnp.mean(inputs.astype(dtype), axis=reduce_axes)
+  # jnp.mean leaves the kept axes in ascending order; restore feature order.
+  ascending = sorted(feature_axes)
+  return jnp.transpose(mean, [ascending.index(a) for a in feature_axes])
+
+
+def subtract_mean(
+    inputs: jax.Array, mean: jax.Array, feature_axes: Sequence[int]
+) -> jax.Array:
+  """``inputs - mean`` with ``mean`` laid along ``feature_axes``."""
+  feature_axes = normalize_axes(feature_axes, inputs.ndim)
+  ascending = sorted(feature_axes)
+  mean = jnp.transpose(mean, [feature_axes.index(a) for a in ascending])
+  shape = [1] * inputs.ndim
+  for axis in ascending:
+    shape[axis] = inputs.shape[axis]
+  dtype = jnp.result_type(inputs)
+  return inputs - jnp.reshape(mean, shape).astype(dtype)
+
+
+def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
+  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10)."""
+  return (decay * mean + (1 - decay) * recorded).astype(mean.dtype)
+
+
+def dense_bias_shift(kernel: jax.Array, delta_mean: jax.Array) -> jax.Array:
+  """``W (mu_new - mu_old)`` for a kernel laid out ``in_shape + out_shape``."""
+  n = delta_mean.ndim
+  return jnp.tensordot(
+      delta_mean.astype(kernel.dtype),
+      kernel,
+      axes=(tuple(range(n)), tuple(range(n))),
+      precision=lax.Precision.HIGHEST,
+  )
+
+
+def conv_bias_shift(
+    kernel: jax.Array, delta_mean: jax.Array, feature_group_count: int
+) -> jax.Array:
+  """``W (mu_new - mu_old)`` for a convolution kernel ``(*window, C_in/G, C_out)``.
+
+  An unpadded convolution of a constant image ``d`` gives, at every output
+  position, the kernel summed over its window and contracted with ``d``
+  within each of the ``G`` feature groups.
+  """
+  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
+  groups = feature_group_count
+  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
+  grouped_kernel = jnp.reshape(
+      window_sum, (in_per_group, groups, out_features // groups)
+  )
+  grouped_delta = jnp.reshape(
+      delta_mean.astype(kernel.dtype), (groups, in_per_group)
+  )
+  shift = jnp.einsum(
+      'gc,cgo->go',
+      grouped_delta,
+      grouped_kernel,
+      precision=lax.Precision.HIGHEST,
+  )
+  return jnp.reshape(shift, (out_features,))
+
+
+def transported_bias(bias: jax.Array, shift: jax.Array) -> jax.Array:
+  """``b~ + W (mu_new - mu_old)`` (eq. 10), in the bias dtype."""
+  return (bias + shift.astype(bias.dtype)).astype(bias.dtype)
+
+
+def _as_tuple(value: Optional[Union[int, Sequence[int]]], rank: int):
+  if value is None:
+    return (1,) * rank
+  if isinstance(value, int):
+    return (value,) * rank
+  return tuple(value)
+
+
+def conv_input_pads(
+    padding: Padding,
+    spatial_shape: Sequence[int],
+    kernel_size: Sequence[int],
+    strides: Optional[Union[int, Sequence[int]]],
+    kernel_dilation: Optional[Union[int, Sequence[int]]],
+) -> tuple[list[tuple[int, int]], str]:
+  """Explicit spatial padding and ``jnp.pad`` mode equivalent to Flax's conv.
+
+  Returns the ``(low, high)`` pads of each spatial axis and the mode
+  (``'constant'`` for zero padding, ``'wrap'`` or ``'reflect'``), following
+  ``flax.linen.Conv`` / ``flax.nnx.Conv`` exactly.
+  """
+  rank = len(kernel_size)
+  strides = _as_tuple(strides, rank)
+  dilation = _as_tuple(kernel_dilation, rank)
+  dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
+  if isinstance(padding, str):
+    name = padding.upper()
+    if name in ('SAME', 'SAME_LOWER', 'VALID'):
+      pads = lax.padtype_to_pads(spatial_shape, dilated, strides, name)
+      return [tuple(p) for p in pads], 'constant'
+    if name in ('CIRCULAR', 'REFLECT'):
+      pads = [((k - 1) // 2, k // 2) for k in dilated]
+      return pads, {'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[name]
+    if name == 'CAUSAL':
+      if rank != 1:
+        raise ValueError('Causal padding is only defined for 1D convolutions.')
+      return [(dilation[0] * (kernel_size[0] - 1), 0)], 'constant'
+    raise ValueError(f'Unknown padding {padding!r}.')
+  if isinstance(padding, int):
+    return [(padding, padding)] * rank, 'constant'
+  pads = []
+  for p in padding:
+    pads.append((p, p) if isinstance(p, int) else tuple(p))
+  if len(pads) != rank:
+    raise ValueError(
+        f'Padding {padding!r} has {len(pads)} entries for {rank} spatial axes.'
+    )
+  return pads, 'constant'
+
+
+def pad_spatial(
+    inputs: jax.Array, pads: Sequence[tuple[int, int]], mode: str
+) -> jax.Array:
+  """Pads the spatial axes of channels-last ``inputs`` (any batch axes)."""
+  rank = len(pads)
+  leading = inputs.ndim - rank - 1
+  full = [(0, 0)] * leading + list(pads) + [(0, 0)]
+  if all(p == (0, 0) for p in full):
+    return inputs
+  return jnp.pad(inputs, full, mode=mode)
+
+
+def check_conv_supported(
+    input_dilation: Optional[Union[int, Sequence[int]]], use_bias: bool
+) -> None:
+  """Refuses convolutions whose transport could not be exact."""
+  if not use_bias:
+    raise ValueError(
+        'Centering needs a bias to transport (eq. 10): build the layer with '
+        'use_bias=True.'
+    )
+  if input_dilation is not None and any(
+      d != 1 for d in _as_tuple(input_dilation, 1)
+  ):
+    raise ValueError(
+        'Centering cannot be exact with input dilation: the inserted zeros are '
+        'not shifted by mu, so a mean update would change the function.'
+    )

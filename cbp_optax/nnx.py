@@ -1,0 +1,245 @@
+"""Conditioned Backpropagation for Flax NNX: centered layers and the fused step.
+
+* :class:`Centered` wraps an ``nnx.Linear``, ``nnx.LinearGeneral`` or
+  ``nnx.Conv`` so that it computes ``z = W (a - mu) + b~`` (eq. 8).
+* :func:`transport` refreshes every centering mean and moves the biases so the
+  function is unchanged (Algorithm 1, steps 10-11; eq. 10).
+* :func:`train_step` builds one ``nnx.jit``-compiled CBP iteration.
+
+Example::
+
+  model = nnx.Sequential(
+      cbp_optax.nnx.Centered(nnx.Linear(784, 256, rngs=rngs)), nnx.relu,
+      cbp_optax.nnx.Centered(nnx.Linear(256, 10, rngs=rngs)))
+  optimizer = nnx.Optimizer(model, cbp_optax.cbp(1e-3), wrt=nnx.Param)
+  step = cbp_optax.nnx.train_step(loss_fn)   # loss_fn(model, *batch)
+  out = step(model, optimizer, images, labels)   # out.loss, out.skipped
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cbp_optax import _step
+from cbp_optax import centering as centering_lib
+from cbp_optax._step import StepOutput
+
+__all__ = [
+    'Centered',
+    'CenteringMean',
+    'RecordedMean',
+    'StepOutput',
+    'train_step',
+    'transport',
+]
+
+
+class CenteringMean(nnx.BatchStat):
+  """The EMA ``mu`` a centered layer subtracts from its input (eq. 8)."""
+
+
+class RecordedMean(nnx.BatchStat):
+  """The input mean of the last training batch, consumed by :func:`transport`."""
+
+
+_SUPPORTED = (nnx.Linear, nnx.LinearGeneral, nnx.Conv)
+
+
+class Centered(nnx.Module):
+  """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
+
+  ``mu`` starts at zero, so a freshly wrapped layer computes exactly what the
+  layer did. The forward pass centers with the stored ``mu`` and, in training
+  mode, records the batch mean of its input (per input feature; per input
+  channel over batch and spatial positions for convolutions); it never changes
+  ``mu`` itself. :func:`transport` does, after the parameter update, together
+  with the bias shift that keeps the function unchanged. ``model.eval()`` (or
+  ``nnx.view(model, use_running_average=True)``) stops the recording;
+  ``model.train()`` resumes it.
+
+  The wrapper owns the layer: for a convolution it pads the input itself (zero
+  padding must come before centering for the transport to be exact at the
+  border) and runs the layer unpadded, so the wrapped layer's ``padding`` is
+  set to ``'VALID'`` and the original kept in :attr:`padding`.
+
+  Args:
+    layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
+      ``nnx.Conv`` (without input dilation), built with a bias.
+    use_running_average: True stops recording batch means (evaluation).
+    mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
+
+  Raises:
+    TypeError: for any other layer type (e.g. ``nnx.ConvTranspose``, whose
+      inserted zeros make an exact transport impossible).
+    ValueError: for a layer without bias or with input dilation.
+  """
+
+  def __init__(
+      self,
+      layer: nnx.Module,
+      *,
+      use_running_average: bool = False,
+      mean_dtype: Optional[Any] = None,
+  ):
+    if not isinstance(layer, _SUPPORTED):
+      raise TypeError(
+          'Centered wraps nnx.Linear, nnx.LinearGeneral or nnx.Conv; got '
+          f'{type(layer).__name__}. Transposed convolutions and input '
+          'dilation insert zeros that a mean shift would not move, so no bias '
+          'transport could keep them exact.'
+      )
+    if not layer.use_bias:
+      raise ValueError(
+          f'Centered needs a bias to transport (eq. 10); {type(layer).__name__}'
+          ' was built with use_bias=False.'
+      )
+    dtype = mean_dtype or layer.param_dtype
+    if isinstance(layer, nnx.Conv):
+      centering_lib.check_conv_supported(layer.input_dilation, layer.use_bias)
+      shape = (layer.in_features,)
+      self.padding = layer.padding
+      layer.padding = 'VALID'
+    elif isinstance(layer, nnx.LinearGeneral):
+      if layer.batch_axis:
+        raise ValueError(
+            'Centered does not support LinearGeneral with batch_axis: the '
+            'kernel then differs along the batch axes and so would mu.'
+        )
+      shape = tuple(layer.in_features)
+    else:
+      shape = (layer.in_features,)
+    self.layer = layer
+    self.use_running_average = use_running_average
+    self.mean = CenteringMean(jnp.zeros(shape, dtype))
+    self.batch_mean = RecordedMean(jnp.zeros(shape, dtype))
+
+  def set_view(self, use_running_average: Optional[bool] = None):
+    """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
+    if use_running_average is not None:
+      self.use_running_average = use_running_average
+
+  def _feature_axes(self, inputs: jax.Array) -> tuple[int, ...]:
+    if isinstance(self.layer, nnx.LinearGeneral):
+      return centering_lib.normalize_axes(self.layer.axis, inputs.ndim)
+    return (inputs.ndim - 1,)
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    axes = self._feature_axes(inputs)
+    if not self.use_running_average:
+      self.batch_mean[...] = centering_lib.batch_mean(
+          inputs, axes, self.batch_mean.dtype
+      )
+    if isinstance(self.layer, nnx.Conv):
+      rank = len(self.layer.kernel_size)
+      pads, mode = centering_lib.conv_input_pads(
+          self.padding,
+          inputs.shape[inputs.ndim - rank - 1:-1],
+          self.layer.kernel_size,
+          self.layer.strides,
+          self.layer.kernel_dilation,
+      )
+      inputs = centering_lib.pad_spatial(inputs, pads, mode)
+    return self.layer(centering_lib.subtract_mean(inputs, self.mean[...], axes))
+
+  def transport(self, decay: Any = 0.99) -> None:
+    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
+    old = self.mean[...]
+    new = centering_lib.ema(old, self.batch_mean[...], decay)
+    kernel = self.layer.kernel[...]
+    if isinstance(self.layer, nnx.Conv):
+      if self.layer.mask is not None:
+        kernel = kernel * self.layer.mask
+      shift = centering_lib.conv_bias_shift(
+          kernel, new - old, self.layer.feature_group_count
+      )
+    else:
+      shift = centering_lib.dense_bias_shift(kernel, new - old)
+    self.layer.bias[...] = centering_lib.transported_bias(
+        self.layer.bias[...], shift
+    )
+    self.mean[...] = new
+
+
+def centered_layers(model: nnx.Module) -> list[Centered]:
+  """Every :class:`Centered` layer inside ``model``."""
+  return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
+
+
+def transport(model: nnx.Module, decay: Any = 0.99) -> None:
+  """Mean refresh and bias transport for every centered layer, in place.
+
+  ``mu_new = decay * mu + (1 - decay) * batch_mean``, then
+  ``b~ += W (mu_new - mu_old)`` with the current (updated) weights
+  (Algorithm 1, steps 10-11), so the model's output is unchanged. Call it
+  after the optimizer update, inside the same ``nnx.jit`` -- or use
+  :func:`train_step`, which does.
+
+  Args:
+    model: any NNX module; layers that are not :class:`Centered` are ignored.
+    decay: the EMA decay ``rho`` of the means.
+  """
+  for layer in centered_layers(model):
+    layer.transport(decay)
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    *,
+    decay: float = 0.99,
+    donate: bool = True,
+) -> Callable[..., StepOutput]:
+  """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
+
+  The returned ``step(model, optimizer, *batch)`` runs the forward pass with
+  centering (recording batch means), the backward pass, ``optimizer.update``
+  with whatever optax transform the ``nnx.Optimizer`` holds (``cbp.cbp`` for
+  full CBP, ``optax.adam`` for "Adam + Center"), then :func:`transport`; all
+  inside one ``nnx.jit`` with the model and optimizer buffers donated. If the
+  loss or any gradient is not finite the step is skipped: parameters,
+  optimizer state and centering statistics stay exactly as they were and
+  ``StepOutput.skipped`` is True. With no centered layer it is an ordinary
+  train step.
+
+  Args:
+    loss_fn: ``loss_fn(model, *batch)`` returning a scalar loss or
+      ``(loss, aux)``; it runs the model in training mode.
+    decay: the EMA decay ``rho`` of the centering means.
+    donate: donate the model and optimizer buffers to the step.
+
+  Returns:
+    ``step(model, optimizer, *batch) -> StepOutput``; the model and optimizer
+    are updated in place.
+  """
+
+  def step(model, optimizer, *batch):
+    before = nnx.as_pure(nnx.state((model, optimizer)))
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    rest = nnx.as_pure(rest)
+
+    def loss_of(params):
+      # A pure function of the parameters, so it differentiates the same way
+      # in graph and tree mode. Merging builds fresh Variables at this trace
+      # level (from arrays for `rest`), which the forward pass may write
+      # batch means into; `params` keeps its Variable types so the gradients
+      # pass `optimizer.update`'s `wrt` filter.
+      model = nnx.merge(graphdef, params, rest)
+      loss, aux = _step.split_loss(loss_fn(model, *batch))
+      _step.check_scalar_loss(loss)
+      return loss, (aux, nnx.state(model, nnx.Not(optimizer.wrt)))
+
+    (loss, (aux, recorded)), grads = jax.value_and_grad(
+        loss_of, has_aux=True
+    )(params)
+    nnx.update(model, recorded)
+    ok = _step.all_finite(loss, grads)
+    optimizer.update(model, grads)
+    transport(model, decay)
+    after = nnx.as_pure(nnx.state((model, optimizer)))
+    nnx.update((model, optimizer), _step.keep_if(ok, after, before))
+    return StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
+
+  return nnx.jit(step, donate_argnums=(0, 1) if donate else ())
