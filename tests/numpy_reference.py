@@ -90,3 +90,56 @@ def gradient_sequence(rng, shapes, steps, block_scales):
         for block, scale, w in zip(shapes, block_scales, wobble)
     ])
   return seq
+
+
+class CenteredMLPReference:
+  """A ReLU MLP with every layer centered (eq. 8), hand-written backprop, the
+  full CBP update and the mean refresh with bias transport (Algorithm 1,
+  steps 1-11). Kernels are (in, out) as in Flax; the loss is the mean softmax
+  cross-entropy."""
+
+  def __init__(self, kernels, biases, *, lr, rho, **cbp_kwargs):
+    self.kernels = [np.array(k, np.float64) for k in kernels]
+    self.biases = [np.array(b, np.float64) for b in biases]
+    self.means = [np.zeros(k.shape[0]) for k in self.kernels]
+    self.rho = rho
+    self.optimizer = CBPReference(
+        [[k.shape, b.shape] for k, b in zip(self.kernels, self.biases)],
+        lr=lr, rho=rho, **cbp_kwargs)
+
+  def loss_and_grads(self, x, labels):
+    activations, centered, pre = [np.asarray(x, np.float64)], [], []
+    for l, (k, b) in enumerate(zip(self.kernels, self.biases)):
+      c = activations[-1] - self.means[l]                        # eq. (8)
+      z = c @ k + b
+      centered.append(c)
+      pre.append(z)
+      if l < len(self.kernels) - 1:
+        activations.append(np.maximum(z, 0.0))
+    logits = pre[-1]
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    n = logits.shape[0]
+    loss = -np.mean(np.log(probs[np.arange(n), labels]))
+    delta = probs.copy()
+    delta[np.arange(n), labels] -= 1.0
+    delta /= n
+    grads = [None] * len(self.kernels)
+    for l in reversed(range(len(self.kernels))):
+      grads[l] = [centered[l].T @ delta, delta.sum(axis=0)]      # eq. (9)
+      if l > 0:
+        delta = (delta @ self.kernels[l].T) * (pre[l - 1] > 0)
+    batch_means = [a.mean(axis=0) for a in activations]
+    return loss, grads, batch_means
+
+  def step(self, x, labels):
+    loss, grads, batch_means = self.loss_and_grads(x, labels)
+    params = [[k, b] for k, b in zip(self.kernels, self.biases)]
+    params = self.optimizer.step(params, grads)                   # steps 3-9
+    self.kernels = [p[0] for p in params]
+    self.biases = [p[1] for p in params]
+    for l in range(len(self.kernels)):
+      new = self.rho * self.means[l] + (1 - self.rho) * batch_means[l]  # 10
+      self.biases[l] = self.biases[l] + (new - self.means[l]) @ self.kernels[l]
+      self.means[l] = new                                         # step 11
+    return loss

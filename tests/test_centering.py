@@ -1,0 +1,287 @@
+"""M2 centering: exactness of the transport, gradients (eq. 9), modes, refusals."""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cbp_optax import linen as cbp_linen
+from cbp_optax import nnx as cbp_nnx
+
+# (name, input shape, NNX constructor, Linen constructor)
+LAYERS = [
+    ('dense', (5, 7),
+     lambda d, r: nnx.Linear(7, 4, param_dtype=d, rngs=r),
+     lambda d: nn.Dense(4, param_dtype=d)),
+    ('dense_general_trailing', (5, 3, 4),
+     lambda d, r: nnx.LinearGeneral((3, 4), (2, 3), axis=(-2, -1),
+                                    param_dtype=d, rngs=r),
+     lambda d: nn.DenseGeneral((2, 3), axis=(-2, -1), param_dtype=d)),
+    ('dense_general_inner_axis', (5, 3, 4),
+     lambda d, r: nnx.LinearGeneral(3, 6, axis=1, param_dtype=d, rngs=r),
+     lambda d: nn.DenseGeneral(6, axis=1, param_dtype=d)),
+    ('conv_same_strided', (2, 9, 8, 4),
+     lambda d, r: nnx.Conv(4, 6, (3, 3), strides=(2, 2), padding='SAME',
+                           param_dtype=d, rngs=r),
+     lambda d: nn.Conv(6, (3, 3), strides=(2, 2), padding='SAME',
+                       param_dtype=d)),
+    ('conv_valid', (2, 7, 7, 3),
+     lambda d, r: nnx.Conv(3, 5, (3, 3), padding='VALID', param_dtype=d,
+                           rngs=r),
+     lambda d: nn.Conv(5, (3, 3), padding='VALID', param_dtype=d)),
+    ('conv_explicit_int', (2, 6, 6, 3),
+     lambda d, r: nnx.Conv(3, 5, (3, 3), padding=2, param_dtype=d, rngs=r),
+     lambda d: nn.Conv(5, (3, 3), padding=2, param_dtype=d)),
+    ('conv_explicit_pairs_dilated', (2, 9, 10, 3),
+     lambda d, r: nnx.Conv(3, 5, (3, 2), padding=((1, 2), (0, 1)),
+                           kernel_dilation=(2, 1), param_dtype=d, rngs=r),
+     lambda d: nn.Conv(5, (3, 2), padding=((1, 2), (0, 1)),
+                       kernel_dilation=(2, 1), param_dtype=d)),
+    ('conv_grouped', (2, 8, 8, 6),
+     lambda d, r: nnx.Conv(6, 9, (3, 3), padding='SAME',
+                           feature_group_count=3, param_dtype=d, rngs=r),
+     lambda d: nn.Conv(9, (3, 3), padding='SAME', feature_group_count=3,
+                       param_dtype=d)),
+    ('conv_circular', (2, 6, 6, 3),
+     lambda d, r: nnx.Conv(3, 4, (3, 3), padding='CIRCULAR', param_dtype=d,
+                           rngs=r),
+     lambda d: nn.Conv(4, (3, 3), padding='CIRCULAR', param_dtype=d)),
+    ('conv_reflect', (2, 6, 6, 3),
+     lambda d, r: nnx.Conv(3, 4, (3, 3), padding='REFLECT', param_dtype=d,
+                           rngs=r),
+     lambda d: nn.Conv(4, (3, 3), padding='REFLECT', param_dtype=d)),
+    ('conv1d_causal', (2, 10, 3),
+     lambda d, r: nnx.Conv(3, 4, (3,), padding='CAUSAL', kernel_dilation=2,
+                           param_dtype=d, rngs=r),
+     lambda d: nn.Conv(4, (3,), padding='CAUSAL', kernel_dilation=2,
+                       param_dtype=d)),
+]
+IDS = [layer[0] for layer in LAYERS]
+TOLERANCE = {jnp.float32: 2e-5, jnp.float64: 1e-12}
+
+
+def inputs(shape, seed, dtype, offset=2.0):
+  return jnp.asarray(
+      np.random.default_rng(seed).standard_normal(shape) + offset, dtype)
+
+
+def max_relative(a, b):
+  return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.float64])
+@pytest.mark.parametrize('name, shape, make_nnx, make_linen', LAYERS, ids=IDS)
+def test_nnx_transport_is_exact(name, shape, make_nnx, make_linen, dtype):
+  del name, make_linen
+  with jax.enable_x64(dtype == jnp.float64):
+    layer = make_nnx(dtype, nnx.Rngs(0))
+    x = inputs(shape, 0, dtype)
+    plain = layer(x)
+    centered = cbp_nnx.Centered(layer)
+    # mu = 0: exactly the wrapped layer, border included.
+    np.testing.assert_array_equal(centered(x), plain)
+    assert not np.allclose(centered.batch_mean[...], 0)
+    for seed, decay in ((1, 0.0), (2, 0.5)):
+      centered.eval()
+      before = centered(x)
+      centered.train()
+      centered(inputs(shape, seed, dtype, offset=5.0 * seed))
+      cbp_nnx.transport(centered, decay=decay)
+      centered.eval()
+      after = centered(x)
+      assert max_relative(after, before) <= TOLERANCE[dtype]
+    assert float(jnp.min(jnp.abs(centered.mean[...]))) > 1.0
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.float64])
+@pytest.mark.parametrize('name, shape, make_nnx, make_linen', LAYERS, ids=IDS)
+def test_linen_transport_is_exact(name, shape, make_nnx, make_linen, dtype):
+  del name, make_nnx
+  with jax.enable_x64(dtype == jnp.float64):
+    model = cbp_linen.Centered(make_linen(dtype))
+    x = inputs(shape, 0, dtype)
+    variables = model.init(jax.random.key(0), x)
+    params, centering = variables['params'], variables['centering']
+    plain = make_linen(dtype).apply(
+        {'params': next(iter(params.values()))}, x)
+    evaluate = lambda p, c: model.apply(
+        {'params': p, 'centering': c}, x, use_running_average=True)
+    np.testing.assert_array_equal(evaluate(params, centering), plain)
+    for seed, decay in ((1, 0.0), (2, 0.5)):
+      before = evaluate(params, centering)
+      _, mutated = model.apply(
+          {'params': params, 'centering': centering},
+          inputs(shape, seed, dtype, offset=5.0 * seed),
+          mutable=['centering'])
+      params, centering = cbp_linen.transport(
+          params, mutated['centering'], decay)
+      after = evaluate(params, centering)
+      assert max_relative(after, before) <= TOLERANCE[dtype]
+    assert float(jnp.min(jnp.abs(centering['mean']))) > 1.0
+
+
+def test_gradient_is_centered_outer_product():
+  """Eq. (9): dL/dW = delta (a - mu)^T, i.e. (a - mu)^T delta for (in, out)."""
+  layer = cbp_nnx.Centered(nnx.Linear(5, 3, rngs=nnx.Rngs(0)))
+  mu = jnp.arange(5.0) - 1.0
+  layer.mean[...] = mu
+  x = inputs((8, 5), 0, jnp.float32)
+  delta = inputs((8, 3), 1, jnp.float32, offset=0.0)
+  grads = nnx.grad(lambda m: jnp.sum(m(x) * delta))(layer)
+  np.testing.assert_allclose(grads['layer']['kernel'][...],
+                             (x - mu).T @ delta, rtol=1e-5)
+  np.testing.assert_allclose(grads['layer']['bias'][...], delta.sum(0),
+                             rtol=1e-5)
+  assert 'mean' not in grads and 'batch_mean' not in grads
+
+
+def test_means_are_not_parameters():
+  model = cbp_nnx.Centered(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  assert set(jax.tree.leaves(jax.tree.map(lambda _: 1, params))) == {1}
+  assert len(jax.tree.leaves(params)) == 2  # kernel and bias only
+  stats = nnx.state(model, nnx.BatchStat)
+  assert len(jax.tree.leaves(stats)) == 2
+  assert isinstance(model.mean, cbp_nnx.CenteringMean)
+  variables = cbp_linen.Centered(nn.Dense(2)).init(
+      jax.random.key(0), jnp.ones((3, 4)))
+  assert set(variables['centering']) == {'mean', 'batch_mean'}
+  assert set(variables['params']) == {'dense'}
+
+
+def test_forward_records_but_never_moves_mu():
+  model = cbp_nnx.Centered(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+  x = inputs((6, 4), 0, jnp.float32)
+  model(x)
+  np.testing.assert_array_equal(model.mean[...], jnp.zeros(4))
+  np.testing.assert_allclose(model.batch_mean[...], x.mean(0), rtol=1e-6)
+
+
+def test_eval_mode_records_nothing():
+  model = nnx.Sequential(cbp_nnx.Centered(nnx.Linear(4, 2, rngs=nnx.Rngs(0))))
+  model.eval()
+  model(inputs((6, 4), 0, jnp.float32))
+  np.testing.assert_array_equal(model.layers[0].batch_mean[...], 0.0)
+  viewed = nnx.view(model, use_running_average=False)
+  viewed(inputs((6, 4), 0, jnp.float32))
+  assert not np.allclose(model.layers[0].batch_mean[...], 0.0)
+  model.train()
+  assert not model.layers[0].use_running_average
+
+
+def test_linen_records_only_when_mutable_and_training():
+  model = cbp_linen.Centered(nn.Dense(2))
+  x = inputs((6, 4), 0, jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(variables['centering']['batch_mean'], 0.0)
+  _, mutated = model.apply(variables, x, use_running_average=True,
+                           mutable=['centering'])
+  np.testing.assert_array_equal(mutated['centering']['batch_mean'], 0.0)
+  _, mutated = model.apply(variables, x, mutable=['centering'])
+  np.testing.assert_allclose(mutated['centering']['batch_mean'], x.mean(0),
+                             rtol=1e-6)
+  np.testing.assert_array_equal(mutated['centering']['mean'], 0.0)
+  model.apply(variables, x)  # immutable: evaluates, records nothing
+
+
+class CompactParent(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(cbp_linen.Centered(nn.Dense(8))(x))
+    return cbp_linen.Centered(nn.Dense(2, name='head'))(x)
+
+
+class SetupParent(nn.Module):
+
+  def setup(self):
+    self.hidden = cbp_linen.Centered(nn.Dense(8))
+    self.head = cbp_linen.Centered(nn.Dense(2))
+
+  def __call__(self, x):
+    return self.head(nn.relu(self.hidden(x)))
+
+
+class UnboundParent(nn.Module):
+  layers: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    for layer in self.layers:
+      x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize('parent', [
+    CompactParent(),
+    SetupParent(),
+    UnboundParent((cbp_linen.Centered(nn.Dense(8)), nn.relu,
+                   cbp_linen.Centered(nn.Dense(2)))),
+], ids=['compact', 'setup', 'unbound'])
+def test_linen_spellings_pair_params_with_means(parent):
+  x = inputs((6, 3), 0, jnp.float32)
+  variables = parent.init(jax.random.key(0), x)
+  # Every centering entry has its layer's parameters beside it.
+  for path in variables['centering']:
+    assert set(variables['params'][path]) == {'dense'}
+  assert len(variables['centering']) == 2
+  before = parent.apply(variables, x)
+  _, mutated = parent.apply(variables, x + 3.0, mutable=['centering'])
+  params, centering = cbp_linen.transport(
+      variables['params'], mutated['centering'], 0.0)
+  after = parent.apply({'params': params, 'centering': centering}, x)
+  np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+def test_linen_transport_keeps_frozen_dicts():
+  model = cbp_linen.Centered(nn.Dense(2))
+  variables = flax.core.freeze(
+      model.init(jax.random.key(0), jnp.ones((2, 3))))
+  params, centering = cbp_linen.transport(
+      variables['params'], variables['centering'])
+  assert isinstance(params, flax.core.FrozenDict)
+  assert isinstance(centering, flax.core.FrozenDict)
+
+
+def test_linen_transport_refuses_mismatched_collections():
+  a = CompactParent().init(jax.random.key(0), jnp.ones((2, 3)))
+  with pytest.raises(ValueError, match='same model'):
+    cbp_linen.transport({'Centered_9': a['params']['Centered_0']},
+                        a['centering'])
+
+
+@pytest.mark.parametrize('make', [
+    lambda r: nnx.ConvTranspose(3, 4, (3, 3), rngs=r),
+    lambda r: nnx.Embed(10, 4, rngs=r),
+], ids=['conv_transpose', 'embed'])
+def test_nnx_refuses_unsupported_layers(make):
+  with pytest.raises(TypeError, match='Centered wraps'):
+    cbp_nnx.Centered(make(nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize('make, match', [
+    (lambda r: nnx.Linear(3, 4, use_bias=False, rngs=r), 'bias'),
+    (lambda r: nnx.Conv(3, 4, (3, 3), use_bias=False, rngs=r), 'bias'),
+    (lambda r: nnx.Conv(3, 4, (3, 3), input_dilation=2, rngs=r), 'dilation'),
+    (lambda r: nnx.LinearGeneral(3, 4, batch_axis={0: 2}, rngs=r),
+     'batch_axis'),
+], ids=['linear_no_bias', 'conv_no_bias', 'input_dilation', 'batch_axis'])
+def test_nnx_refuses_inexact_layers(make, match):
+  with pytest.raises(ValueError, match=match):
+    cbp_nnx.Centered(make(nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize('layer, error, match', [
+    (nn.ConvTranspose(4, (3, 3)), TypeError, 'Centered wraps'),
+    (nn.ConvLocal(4, (3, 3)), TypeError, 'Centered wraps'),
+    (nn.Dense(4, use_bias=False), ValueError, 'bias'),
+    (nn.Conv(4, (3, 3), input_dilation=2), ValueError, 'dilation'),
+    (nn.DenseGeneral(4, batch_dims=(0,)), ValueError, 'batch_dims'),
+], ids=['conv_transpose', 'conv_local', 'no_bias', 'input_dilation',
+        'batch_dims'])
+def test_linen_refuses_at_construction(layer, error, match):
+  with pytest.raises(error, match=match):
+    cbp_linen.Centered(layer)

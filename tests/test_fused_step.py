@@ -1,0 +1,290 @@
+"""The fused CBP step (Algorithm 1, steps 1-11) for NNX and Linen."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import cbp_optax as cbp
+from cbp_optax import linen as cbp_linen
+from cbp_optax import nnx as cbp_nnx
+from tests import numpy_reference as ref
+
+WIDTHS = (6, 16, 12, 4)
+STEPS = 25
+HPARAMS = dict(b1=0.9, b2=0.99, damping=1e-3)
+DECAY = 0.9
+LR = 3e-2
+
+
+def data(seed=0, n=32):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((n, WIDTHS[0])) + 1.5  # far from centered
+  labels = rng.integers(0, WIDTHS[-1], n)
+  return x, labels
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def relative_error(actual, expected):
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  return float(np.max(np.abs(actual - expected))
+               / max(np.max(np.abs(expected)), 1e-300))
+
+
+def reference_for(kernels, biases):
+  return ref.CenteredMLPReference(kernels, biases, lr=LR, rho=DECAY, **HPARAMS)
+
+
+class LinenMLP(nn.Module):
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    for i, width in enumerate(WIDTHS[1:]):
+      x = cbp_linen.Centered(nn.Dense(width, param_dtype=self.dtype))(
+          x, use_running_average=not train)
+      if i < len(WIDTHS) - 2:
+        x = nn.relu(x)
+    return x
+
+
+class NnxMLP(nnx.Module):
+
+  def __init__(self, rngs, dtype=jnp.float32):
+    self.layers = nnx.List([
+        cbp_nnx.Centered(nnx.Linear(a, b, param_dtype=dtype, rngs=rngs))
+        for a, b in zip(WIDTHS[:-1], WIDTHS[1:])
+    ])
+
+  def __call__(self, x):
+    for i, layer in enumerate(self.layers):
+      x = layer(x)
+      if i < len(self.layers) - 1:
+        x = nnx.relu(x)
+    return x
+
+
+def test_linen_fused_step_matches_numpy_reference():
+  x, labels = data()
+  with jax.enable_x64(True):
+    model = LinenMLP(jnp.float64)
+    variables = model.init(jax.random.key(0), jnp.asarray(x))
+    names = sorted(variables['params'])
+    reference = reference_for(
+        [np.asarray(variables['params'][n]['dense']['kernel']) for n in names],
+        [np.asarray(variables['params'][n]['dense']['bias']) for n in names])
+    state = cbp_linen.TrainState.create(
+        apply_fn=model.apply, params=variables['params'],
+        centering=variables['centering'],
+        tx=cbp.cbp(LR, decay=DECAY, **HPARAMS))
+    step = cbp_linen.train_step(
+        lambda apply, x, y: cross_entropy(apply(x), y), decay=DECAY)
+    worst = 0.0
+    for _ in range(STEPS):
+      state, out = step(state, jnp.asarray(x), jnp.asarray(labels))
+      loss = reference.step(x, labels)
+      worst = max(worst, abs(float(out.loss) - loss) / abs(loss))
+      for l, n in enumerate(names):
+        worst = max(
+            worst,
+            relative_error(state.params[n]['dense']['kernel'],
+                           reference.kernels[l]),
+            relative_error(state.params[n]['dense']['bias'],
+                           reference.biases[l]),
+            relative_error(state.centering[n]['mean'], reference.means[l]))
+    assert int(state.step) == STEPS
+  assert worst <= 1e-9, worst
+  # The means moved well away from zero: the test exercised the transport.
+  assert np.min(np.abs(reference.means[0])) > 0.5
+
+
+@pytest.mark.parametrize('graph', [True, False], ids=['graph', 'tree'])
+def test_nnx_fused_step_matches_numpy_reference(graph):
+  x, labels = data(1)
+  with jax.enable_x64(True), nnx.set_graph_mode(graph):
+    model = NnxMLP(nnx.Rngs(0), jnp.float64)
+    reference = reference_for(
+        [np.asarray(l.layer.kernel[...]) for l in model.layers],
+        [np.asarray(l.layer.bias[...]) for l in model.layers])
+    optimizer = nnx.Optimizer(
+        model, cbp.cbp(LR, decay=DECAY, **HPARAMS), wrt=nnx.Param)
+    step = cbp_nnx.train_step(
+        lambda m, x, y: cross_entropy(m(x), y), decay=DECAY)
+    worst = 0.0
+    for _ in range(STEPS):
+      out = step(model, optimizer, jnp.asarray(x), jnp.asarray(labels))
+      loss = reference.step(x, labels)
+      worst = max(worst, abs(float(out.loss) - loss) / abs(loss))
+      for l, layer in enumerate(model.layers):
+        worst = max(
+            worst,
+            relative_error(layer.layer.kernel[...], reference.kernels[l]),
+            relative_error(layer.layer.bias[...], reference.biases[l]),
+            relative_error(layer.mean[...], reference.means[l]))
+  assert worst <= 1e-9, worst
+
+
+def _flat(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_linen_nonfinite_batch_skips_everything():
+  x, labels = data()
+  model = LinenMLP()
+  variables = model.init(jax.random.key(0), jnp.asarray(x))
+  state = cbp_linen.TrainState.create(
+      apply_fn=model.apply, params=variables['params'],
+      centering=variables['centering'], tx=cbp.cbp(LR))
+  step = cbp_linen.train_step(
+      lambda apply, x, y: cross_entropy(apply(x), y), donate=False)
+  for _ in range(3):
+    state, out = step(state, x, labels)
+    assert not bool(out.skipped)
+  bad = np.array(x)
+  bad[3, 2] = np.nan
+  new_state, out = step(state, bad, labels)
+  assert bool(out.skipped)
+  chex.assert_trees_all_equal(new_state, state)
+  assert int(new_state.step) == 3
+  state, out = step(new_state, x, labels)  # and training goes on
+  assert not bool(out.skipped) and int(state.step) == 4
+
+
+@pytest.mark.parametrize('graph', [True, False], ids=['graph', 'tree'])
+def test_nnx_nonfinite_batch_skips_everything(graph):
+  x, labels = data()
+  with nnx.set_graph_mode(graph):
+    model = NnxMLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, cbp.cbp(LR), wrt=nnx.Param)
+    step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
+    for _ in range(3):
+      step(model, optimizer, x, labels)
+    before = _flat(nnx.state((model, optimizer)))
+    bad = np.array(x)
+    bad[0, 0] = np.inf
+    out = step(model, optimizer, bad, labels)
+    assert bool(out.skipped)
+    after = _flat(nnx.state((model, optimizer)))
+    for a, b in zip(before, after):
+      np.testing.assert_array_equal(a, b)
+    assert int(optimizer.step[...]) == 3
+
+
+def test_loss_function_aux_metrics_are_returned():
+  x, labels = data()
+  model = NnxMLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, cbp.cbp(LR), wrt=nnx.Param)
+
+  def loss_fn(model, x, y):
+    logits = model(x)
+    return cross_entropy(logits, y), {'accuracy': jnp.mean(
+        jnp.argmax(logits, -1) == y)}
+
+  out = cbp_nnx.train_step(loss_fn)(model, optimizer, x, labels)
+  assert set(out.aux) == {'accuracy'}
+  with pytest.raises(ValueError, match='scalar'):
+    cbp_nnx.train_step(lambda m, x, y: m(x))(model, optimizer, x, labels)
+
+
+def test_uncentered_model_is_an_ordinary_step():
+  x, labels = data()
+  make = lambda: nnx.Sequential(
+      nnx.Linear(WIDTHS[0], 8, rngs=nnx.Rngs(0)), nnx.relu,
+      nnx.Linear(8, WIDTHS[-1], rngs=nnx.Rngs(1)))
+  model, twin = make(), make()  # no shared buffers: the step donates
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  twin_optimizer = nnx.Optimizer(twin, optax.adam(1e-2), wrt=nnx.Param)
+  loss_fn = lambda m, x, y: cross_entropy(m(x), y)
+  step = cbp_nnx.train_step(loss_fn)
+
+  @nnx.jit
+  def plain_step(model, optimizer, x, y):
+    grads = nnx.grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+
+  for _ in range(5):
+    step(model, optimizer, x, labels)
+    plain_step(twin, twin_optimizer, x, labels)
+  for a, b in zip(_flat(nnx.state(model)), _flat(nnx.state(twin))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_linen_uncentered_model_and_adam_plus_center():
+  x, labels = data()
+  plain = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(WIDTHS[-1])])
+  variables = plain.init(jax.random.key(0), x)
+  state = cbp_linen.TrainState.create(
+      apply_fn=plain.apply, params=variables['params'], tx=optax.adam(1e-2))
+  step = cbp_linen.train_step(lambda apply, x, y: cross_entropy(apply(x), y))
+  losses = []
+  for _ in range(30):
+    state, out = step(state, x, labels)
+    losses.append(float(out.loss))
+  assert losses[-1] < losses[0]
+  # "Adam + Center": centering with any optax optimizer.
+  model = LinenMLP()
+  variables = model.init(jax.random.key(0), x)
+  state = cbp_linen.TrainState.create(
+      apply_fn=model.apply, params=variables['params'],
+      centering=variables['centering'], tx=optax.adam(1e-2))
+  losses = []
+  for _ in range(30):
+    state, out = step(state, x, labels)
+    losses.append(float(out.loss))
+  assert losses[-1] < 0.7 * losses[0]
+  assert float(jnp.abs(state.centering['Centered_0']['mean']).min()) > 0.1
+
+
+class ResidualBlock(nnx.Module):
+  """A ResNet basic block with every convolution centered."""
+
+  def __init__(self, channels, rngs):
+    self.conv1 = cbp_nnx.Centered(
+        nnx.Conv(channels, channels, (3, 3), padding='SAME', rngs=rngs))
+    self.conv2 = cbp_nnx.Centered(
+        nnx.Conv(channels, channels, (3, 3), padding='SAME', rngs=rngs))
+
+  def __call__(self, x):
+    return nnx.relu(x + self.conv2(nnx.relu(self.conv1(x))))
+
+
+class SmallResNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.stem = cbp_nnx.Centered(
+        nnx.Conv(1, 8, (3, 3), strides=2, padding='SAME', rngs=rngs))
+    self.block = ResidualBlock(8, rngs)
+    self.head = cbp_nnx.Centered(nnx.Linear(8, 3, rngs=rngs))
+
+  def __call__(self, x):
+    x = self.block(nnx.relu(self.stem(x)))
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def test_resnet_block_trains_and_transport_is_exact():
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 3, 16)
+  images = rng.standard_normal((16, 8, 8, 1)) * 0.3 + labels[:, None, None,
+                                                             None] * 0.5 + 1.0
+  model = SmallResNet(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, cbp.cbp(1e-2), wrt=nnx.Param)
+  step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
+  losses = [float(step(model, optimizer, images, labels).loss)
+            for _ in range(40)]
+  assert losses[-1] < 0.5 * losses[0], losses
+  # A further transport moves every mean yet leaves the output unchanged.
+  model.eval()
+  before = model(images)
+  model.train()
+  model(images * 2.0 + 1.0)  # records a very different batch mean
+  cbp_nnx.transport(model, decay=0.0)
+  model.eval()
+  after = model(images)
+  np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4)
