@@ -10,6 +10,8 @@ Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
 ``cbp_optax.linen``.
 """
 
+from cbp_optax import linen
+from cbp_optax import nnx
 from cbp_optax.alias import cbp
 from cbp_optax.equalize import block_names
 from cbp_optax.equalize import BlockStats
@@ -29,5 +31,7 @@ __all__ = (
     'cbp',
     'equalize',
     'equalize_stats',
+    'linen',
+    'nnx',
     'precondition',
 )

@@ -1,0 +1,222 @@
+"""MNIST from the standard IDX files, for the examples and the comparison job.
+
+Not part of the optimizer: nothing in the transforms or the Flax modules
+imports it. Files are read from a directory the user names (gzipped or not);
+where the network allows, the full dataset is downloaded into it, verified
+against known checksums and written atomically. Every file is validated (magic
+number, dimensions, size, label range) before use; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import pathlib
+import struct
+import tempfile
+import urllib.request
+from typing import NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+PathLike = Union[str, os.PathLike]
+
+_IMAGES_MAGIC, _LABELS_MAGIC = 2051, 2049
+_FILES = {
+    'train_images': 'train-images-idx3-ubyte',
+    'train_labels': 'train-labels-idx1-ubyte',
+    'test_images': 't10k-images-idx3-ubyte',
+    'test_labels': 't10k-labels-idx1-ubyte',
+}
+# MD5 of the original gzipped files (as published with the dataset and used by
+# torchvision); guards downloads against truncation and corruption.
+_MD5 = {
+    'train-images-idx3-ubyte.gz': 'f68b3c2dcbeaaa9fbdd348bbdeb94873',
+    'train-labels-idx1-ubyte.gz': 'd53e105ee54ea40749a09fcbcd1e9432',
+    't10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
+    't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c',
+}
+_MIRRORS = (
+    'https://storage.googleapis.com/cvdf-datasets/mnist/',
+    'https://ossci-datasets.s3.amazonaws.com/mnist/',
+)
+TEST_ONLY_TRAIN_SIZE = 8000
+
+
+class Mnist(NamedTuple):
+  """Images as float32 in [0, 1], shape (N, 28, 28); labels int32 in [0, 9]."""
+
+  train_images: np.ndarray
+  train_labels: np.ndarray
+  test_images: np.ndarray
+  test_labels: np.ndarray
+  source: str  # What the split is, for printing beside results.
+
+
+class DataError(ValueError):
+  """A data file is missing, truncated or not what it claims to be."""
+
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+  try:
+    if path.suffix == '.gz':
+      with gzip.open(path, 'rb') as f:
+        return f.read()
+    return path.read_bytes()
+  except (OSError, EOFError, gzip.BadGzipFile) as e:
+    raise DataError(f'{path}: cannot read ({e}).') from e
+
+
+def parse_idx(data: bytes, *, expect_magic: int, name: str = 'IDX data'):
+  """Parses an IDX unsigned-byte file, validating its header and size."""
+  if len(data) < 8:
+    raise DataError(f'{name}: {len(data)} bytes is too short for an IDX header.')
+  magic = struct.unpack('>I', data[:4])[0]
+  if magic != expect_magic:
+    raise DataError(
+        f'{name}: magic number {magic}, expected {expect_magic} '
+        f'({"images" if expect_magic == _IMAGES_MAGIC else "labels"}).'
+    )
+  ndim = magic & 0xFF
+  header = 4 + 4 * ndim
+  if len(data) < header:
+    raise DataError(f'{name}: truncated header.')
+  shape = struct.unpack(f'>{ndim}I', data[4:header])
+  expected = int(np.prod(shape, dtype=np.int64))
+  if len(data) - header != expected:
+    raise DataError(
+        f'{name}: header promises {expected} bytes of data for shape {shape}, '
+        f'file has {len(data) - header}.'
+    )
+  return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _find(directory: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
+  for candidate in (directory / stem, directory / f'{stem}.gz'):
+    if candidate.is_file():
+      return candidate
+  return None
+
+
+def _load_pair(images_path, labels_path):
+  images = parse_idx(_read_bytes(images_path), expect_magic=_IMAGES_MAGIC,
+                     name=str(images_path))
+  labels = parse_idx(_read_bytes(labels_path), expect_magic=_LABELS_MAGIC,
+                     name=str(labels_path))
+  if images.ndim != 3 or images.shape[1:] != (28, 28):
+    raise DataError(f'{images_path}: images of shape {images.shape[1:]}, '
+                    'expected 28x28.')
+  if labels.shape != (images.shape[0],):
+    raise DataError(f'{labels_path}: {labels.shape} labels for '
+                    f'{images.shape[0]} images.')
+  if labels.size and labels.max() > 9:
+    raise DataError(f'{labels_path}: label {labels.max()} outside 0-9.')
+  return images.astype(np.float32) / 255.0, labels.astype(np.int32)
+
+
+def _download(directory: pathlib.Path, stem: str) -> pathlib.Path:
+  filename = f'{stem}.gz'
+  errors = []
+  for mirror in _MIRRORS:
+    try:
+      with urllib.request.urlopen(mirror + filename, timeout=30) as response:
+        payload = response.read()
+    except OSError as e:
+      errors.append(f'{mirror}: {e}')
+      continue
+    digest = hashlib.md5(payload).hexdigest()
+    if digest != _MD5[filename]:
+      errors.append(f'{mirror}: checksum {digest} != {_MD5[filename]}')
+      continue
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / filename
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f'.{filename}.')
+    with os.fdopen(fd, 'wb') as f:
+      f.write(payload)
+    os.replace(tmp, target)  # atomic: a reader never sees half a file
+    return target
+  raise DataError(f'Could not download {filename}: ' + '; '.join(errors))
+
+
+def load_mnist(
+    data_dir: PathLike, *, download: bool = False, seed: int = 0
+) -> Mnist:
+  """Loads MNIST from ``data_dir``.
+
+  With all four standard files present this is the usual 60,000 / 10,000
+  split. With only the test files (``t10k-*``, as in an offline copy) the
+  10,000 images are split 8,000 / 2,000 by a fixed permutation (``seed``), and
+  :attr:`Mnist.source` says so.
+
+  Args:
+    data_dir: directory with the IDX files, gzipped or not.
+    download: fetch missing files of the full dataset into ``data_dir`` when
+      the network allows (checksummed, atomic writes); if that fails and the
+      test files are there, the test-only split is used and ``source`` says
+      why.
+    seed: permutation seed of the test-only split.
+
+  Raises:
+    DataError: files missing (and not downloadable) or invalid.
+  """
+  directory = pathlib.Path(data_dir).expanduser()
+  paths = {key: _find(directory, stem) for key, stem in _FILES.items()}
+  note = ''
+  if download and not all(paths.values()):
+    try:
+      for key, stem in _FILES.items():
+        if paths[key] is None:
+          paths[key] = _download(directory, stem)
+    except (DataError, OSError):
+      if not (paths['test_images'] and paths['test_labels']):
+        raise
+      # Offline: fall back to the test files, and say so in `source`.
+      note = '; the full set could not be downloaded'
+  if paths['train_images'] and paths['train_labels'] and paths['test_images'] \
+      and paths['test_labels']:
+    train = _load_pair(paths['train_images'], paths['train_labels'])
+    test = _load_pair(paths['test_images'], paths['test_labels'])
+    return Mnist(*train, *test,
+                 source=f'MNIST, full 60,000/10,000 split ({directory})')
+  if paths['test_images'] and paths['test_labels']:
+    images, labels = _load_pair(paths['test_images'], paths['test_labels'])
+    order = np.random.default_rng(seed).permutation(len(labels))
+    cut = TEST_ONLY_TRAIN_SIZE * len(labels) // 10000
+    train, test = order[:cut], order[cut:]
+    return Mnist(
+        images[train], labels[train], images[test], labels[test],
+        source=(f'MNIST test set only ({len(labels):,} real images), fixed '
+                f'{len(train):,}/{len(test):,} split, seed {seed} '
+                f'({directory}){note}'),
+    )
+  raise DataError(
+      f'No MNIST IDX files in {directory} (looked for '
+      f'{", ".join(_FILES.values())}, optionally .gz); pass a directory that '
+      'has them, or allow downloading.'
+  )
+
+
+def default_mnist_dirs() -> Sequence[pathlib.Path]:
+  """Where the examples look for MNIST when no directory is given."""
+  dirs = []
+  if os.environ.get('CBP_OPTAX_MNIST'):
+    dirs.append(pathlib.Path(os.environ['CBP_OPTAX_MNIST']))
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  dirs += [pathlib.Path.cwd() / '../shared/data/mnist',
+           repo / '../shared/data/mnist',
+           pathlib.Path.home() / '.cache/cbp_optax/mnist']
+  return dirs
+
+
+def find_mnist(data_dir: Optional[PathLike] = None, *,
+               download: bool = True) -> Mnist:
+  """``load_mnist`` on ``data_dir``, or on the first default directory with
+  data; downloads into the user cache as a last resort."""
+  if data_dir is not None:
+    return load_mnist(data_dir, download=download)
+  candidates = default_mnist_dirs()
+  for directory in candidates:
+    if _find(directory, _FILES['test_images']):
+      return load_mnist(directory)
+  return load_mnist(candidates[-1], download=download)
