@@ -297,17 +297,21 @@ def train_step(
         loss_of, has_aux=True
     )(state.params)
     ok = _step.all_finite(loss, grads)
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    if centering:
-      params, centering = transport(params, centering, decay)
-    new_state = state.replace(
-        step=state.step + 1,
-        params=params,
-        opt_state=opt_state,
-        centering=centering,
-    )
-    new_state = _step.keep_if(ok, new_state, state)
+
+    def apply_step(state):
+      updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      new_centering = centering
+      if centering:
+        params, new_centering = transport(params, centering, decay)
+      return state.replace(
+          step=state.step + 1,
+          params=params,
+          opt_state=opt_state,
+          centering=new_centering,
+      )
+
+    new_state = jax.lax.cond(ok, apply_step, lambda state: state, state)
     return new_state, StepOutput(
         loss=loss, aux=aux, skipped=jnp.logical_not(ok)
     )

@@ -216,7 +216,6 @@ def train_step(
   """
 
   def step(model, optimizer, *batch):
-    before = nnx.as_pure(nnx.state((model, optimizer)))
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
     rest = nnx.as_pure(rest)
 
@@ -234,12 +233,19 @@ def train_step(
     (loss, (aux, recorded)), grads = jax.value_and_grad(
         loss_of, has_aux=True
     )(params)
-    nnx.update(model, recorded)
     ok = _step.all_finite(loss, grads)
-    optimizer.update(model, grads)
-    transport(model, decay)
-    after = nnx.as_pure(nnx.state((model, optimizer)))
-    nnx.update((model, optimizer), _step.keep_if(ok, after, before))
+
+    def apply_step(model, optimizer, grads, recorded):
+      nnx.update(model, recorded)
+      optimizer.update(model, grads)
+      transport(model, decay)
+
+    def skip_step(model, optimizer, grads, recorded):
+      del model, optimizer, grads, recorded
+
+    # A conditional, not a select of old and new state: selecting would keep
+    # every old buffer alive next to the new one and cost full copies.
+    nnx.cond(ok, apply_step, skip_step, model, optimizer, grads, recorded)
     return StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 
   return nnx.jit(step, donate_argnums=(0, 1) if donate else ())

@@ -130,3 +130,38 @@ def test_cbp_is_the_chain():
     uc, sc = chained.update(to_tree(grads), sc, params)
     for a, c in zip(jax.tree.leaves(ua), jax.tree.leaves(uc)):
       np.testing.assert_array_equal(a, c)
+
+
+def spiky_sequence(rng, steps):
+  """Gradients with sparse coordinates (exact zeros for a while, then
+  nonzero) and 1e4x spikes: where recovering v_{t-1} from v_t would lose
+  accuracy if it were going to."""
+  seq = ref.gradient_sequence(rng, SHAPES, steps, BLOCK_SCALES)
+  for t, grads in enumerate(seq):
+    for block in grads:
+      for g in block:
+        g[..., :1] = 0.0 if t < steps // 2 else g[..., :1]  # dead, revived
+        if t % 17 == 5:
+          g.flat[-1] *= 1e4  # a spike
+  return seq
+
+
+@pytest.mark.parametrize('b2', [0.999, 0.9, 0.0])
+def test_lagged_preconditioner_exact_through_spikes_and_sparse_gradients(b2):
+  rng = np.random.default_rng(7)
+  steps = 200
+  grads_seq = spiky_sequence(rng, steps)
+  params_np = [[rng.standard_normal(s) for s in b] for b in SHAPES]
+  reference = ref.CBPReference(SHAPES, lr=LR, b2=b2, rho=0.9, **REF_CLIP)
+  with jax.enable_x64(True):
+    tx = cbp.cbp(LR, b2=b2, decay=0.9, **CLIP)
+    params = to_tree(params_np)
+    state = tx.init(params)
+    update = jax.jit(tx.update, donate_argnums=(1,))
+    worst = 0.0
+    for grads_np in grads_seq:
+      updates, state = update(to_tree(grads_np), state, params)
+      params = optax.apply_updates(params, updates)
+      params_np = reference.step(params_np, grads_np)
+      worst = max(worst, max_relative_error(from_tree(params), params_np))
+  assert worst <= 1e-10, worst
