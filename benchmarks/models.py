@@ -1,0 +1,225 @@
+"""The paper's Table 4 architectures, in Flax Linen and Flax NNX.
+
+* MLP: 784 -> width x 4 hidden (ReLU) -> 10. Widths 256 / 1024 / 4096 give the
+  paper's 0.40M / 4.0M / 53.6M parameters.
+* ResNet-8 (§6.6): 3x3 stem conv to 16 channels, one basic block per stage at
+  16 / 32 / 64 channels (stride 2 and a 1x1 projection shortcut where the width
+  changes), global average pooling, Dense to 10: 77,706 parameters, the
+  paper's count.
+
+``centered=True`` wraps every Dense and every convolution in the library's
+``Centered`` (M2); otherwise the layers are plain. Only the public API of
+``cbp_optax`` is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import cbp_optax as cbp
+
+MLP_DEPTH = 4
+MNIST_FEATURES = 784
+CIFAR_SHAPE = (32, 32, 3)
+NUM_CLASSES = 10
+RESNET_WIDTHS = (16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Arch:
+  """One benchmarked architecture.
+
+  Attributes:
+    name: label used in tables, e.g. ``'MLP-1024'``.
+    kind: ``'mlp'`` or ``'resnet8'``.
+    width: hidden width of the MLP (unused for ResNet-8).
+  """
+
+  name: str
+  kind: str
+  width: int = 0
+
+  def input_shape(self, batch: int) -> tuple[int, ...]:
+    if self.kind == 'mlp':
+      return (batch, MNIST_FEATURES)
+    return (batch,) + CIFAR_SHAPE
+
+
+def mlp(width: int) -> Arch:
+  return Arch(name=f'MLP-{width}', kind='mlp', width=width)
+
+
+RESNET8 = Arch(name='ResNet-8', kind='resnet8')
+
+
+def make_batch(arch: Arch, batch: int, seed: int = 0):
+  """Random inputs (offset from zero, as real activations are) and labels."""
+  rng = np.random.default_rng(seed)
+  images = rng.standard_normal(arch.input_shape(batch)).astype(np.float32)
+  labels = rng.integers(0, NUM_CLASSES, batch).astype(np.int32)
+  return jnp.asarray(images + 0.5), jnp.asarray(labels)
+
+
+def _identity(layer):
+  return layer
+
+
+# ----------------------------------------------------------------- Linen
+
+
+class LinenMLP(nn.Module):
+  """784 -> width x 4 -> 10, every Dense optionally centered."""
+
+  width: int
+  centered: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    wrap = cbp.linen.Centered if self.centered else _identity
+    for _ in range(MLP_DEPTH):
+      x = nn.relu(wrap(nn.Dense(self.width))(x))
+    return wrap(nn.Dense(NUM_CLASSES))(x)
+
+
+class LinenBasicBlock(nn.Module):
+  """Two 3x3 convs with a residual; 1x1 projection when the shape changes."""
+
+  features: int
+  strides: int
+  centered: bool
+
+  @nn.compact
+  def __call__(self, x):
+    wrap = cbp.linen.Centered if self.centered else _identity
+    y = nn.relu(wrap(nn.Conv(self.features, (3, 3), self.strides,
+                             padding='SAME'))(x))
+    y = wrap(nn.Conv(self.features, (3, 3), padding='SAME'))(y)
+    shortcut = x
+    if self.strides != 1 or x.shape[-1] != self.features:
+      shortcut = wrap(nn.Conv(self.features, (1, 1), self.strides,
+                              padding='VALID'))(x)
+    return nn.relu(y + shortcut)
+
+
+class LinenResNet8(nn.Module):
+  """The paper's eight-layer ResNet (16-32-64, one basic block per stage)."""
+
+  centered: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    wrap = cbp.linen.Centered if self.centered else _identity
+    x = nn.relu(wrap(nn.Conv(RESNET_WIDTHS[0], (3, 3), padding='SAME'))(x))
+    for stage, features in enumerate(RESNET_WIDTHS):
+      x = LinenBasicBlock(features, 1 if stage == 0 else 2, self.centered)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    return wrap(nn.Dense(NUM_CLASSES))(x)
+
+
+def linen_model(arch: Arch, centered: bool) -> nn.Module:
+  if arch.kind == 'mlp':
+    return LinenMLP(arch.width, centered)
+  return LinenResNet8(centered)
+
+
+# ------------------------------------------------------------------- NNX
+
+
+class NnxMLP(nnx.Module):
+  """784 -> width x 4 -> 10, every Linear optionally centered."""
+
+  def __init__(self, width: int, centered: bool, rngs: nnx.Rngs):
+    wrap = cbp.nnx.Centered if centered else _identity
+    sizes = [MNIST_FEATURES] + [width] * MLP_DEPTH + [NUM_CLASSES]
+    self.layers = nnx.List([
+        wrap(nnx.Linear(a, b, rngs=rngs)) for a, b in zip(sizes, sizes[1:])
+    ])
+
+  def __call__(self, x):
+    for layer in self.layers[:-1]:
+      x = nnx.relu(layer(x))
+    return self.layers[-1](x)
+
+
+class NnxBasicBlock(nnx.Module):
+  """Two 3x3 convs with a residual; 1x1 projection when the shape changes."""
+
+  def __init__(self, in_features: int, features: int, strides: int,
+               centered: bool, rngs: nnx.Rngs):
+    wrap = cbp.nnx.Centered if centered else _identity
+    self.conv1 = wrap(nnx.Conv(in_features, features, (3, 3), strides,
+                               padding='SAME', rngs=rngs))
+    self.conv2 = wrap(nnx.Conv(features, features, (3, 3), padding='SAME',
+                               rngs=rngs))
+    projection = None
+    if strides != 1 or in_features != features:
+      projection = wrap(nnx.Conv(in_features, features, (1, 1), strides,
+                                 padding='VALID', rngs=rngs))
+    # A module-or-None attribute must be declared data explicitly in NNX.
+    self.projection = nnx.data(projection)
+
+  def __call__(self, x):
+    y = self.conv2(nnx.relu(self.conv1(x)))
+    shortcut = x if self.projection is None else self.projection(x)
+    return nnx.relu(y + shortcut)
+
+
+class NnxResNet8(nnx.Module):
+  """The paper's eight-layer ResNet (16-32-64, one basic block per stage)."""
+
+  def __init__(self, centered: bool, rngs: nnx.Rngs):
+    wrap = cbp.nnx.Centered if centered else _identity
+    self.stem = wrap(nnx.Conv(CIFAR_SHAPE[-1], RESNET_WIDTHS[0], (3, 3),
+                              padding='SAME', rngs=rngs))
+    blocks = []
+    in_features = RESNET_WIDTHS[0]
+    for stage, features in enumerate(RESNET_WIDTHS):
+      blocks.append(NnxBasicBlock(in_features, features,
+                                  1 if stage == 0 else 2, centered, rngs))
+      in_features = features
+    self.blocks = nnx.List(blocks)
+    self.head = wrap(nnx.Linear(in_features, NUM_CLASSES, rngs=rngs))
+
+  def __call__(self, x):
+    x = nnx.relu(self.stem(x))
+    for block in self.blocks:
+      x = block(x)
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def nnx_model(arch: Arch, centered: bool, seed: int = 0) -> nnx.Module:
+  rngs = nnx.Rngs(seed)
+  if arch.kind == 'mlp':
+    return NnxMLP(arch.width, centered, rngs)
+  return NnxResNet8(centered, rngs)
+
+
+def count_params(tree) -> int:
+  return int(sum(np.size(leaf) for leaf in jax.tree.leaves(tree)))
+
+
+def tree_bytes(tree) -> int:
+  return int(sum(np.size(leaf) * np.dtype(jnp.result_type(leaf)).itemsize
+                 for leaf in jax.tree.leaves(tree)))
+
+
+def kernel_shapes(params) -> list[tuple[int, ...]]:
+  """Shapes of the weight leaves of rank >= 2 (kernels), one per layer."""
+  return [tuple(np.shape(leaf)) for leaf in jax.tree.leaves(params)
+          if np.ndim(leaf) >= 2]
+
+
+def layer_count(params) -> int:
+  """Number of layers L, i.e. of M1 blocks (one per kernel/bias pair)."""
+  return len(cbp.block_names(params))
+
+
+LossFn = Callable[..., jax.Array]
+ALL_ARCHS: Sequence[Arch] = (mlp(256), mlp(1024), mlp(4096), RESNET8)
