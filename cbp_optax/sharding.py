@@ -1,0 +1,236 @@
+"""Helpers for training with CBP on a device mesh (``jax.sharding``).
+
+CBP needs no communication of its own: under ``jax.jit`` with sharded inputs,
+XLA inserts the collectives. The centering means (M2) are ``jnp.mean`` over the
+*global* batch, the block energies of M1 are sums over whole blocks whatever
+their sharding, and M3 is elementwise. What a user would otherwise write by
+hand is here:
+
+* :func:`optimizer_sharding` - the sharding of ``tx.init(params)`` derived
+  from the parameters' (moments like their parameter, the small per-block M1
+  state and the step counters replicated).
+* :func:`fsdp_sharding` - a simple fully-sharded rule: every array split along
+  its largest dimension that the mesh axis divides.
+* :func:`shard_batch` - places a batch along the data axis, refusing a batch
+  the axis does not divide.
+
+Example (data parallel, Linen)::
+
+  mesh = jax.make_mesh((jax.device_count(),), ('data',))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  params = jax.device_put(params, replicated)
+  opt_state = jax.jit(
+      tx.init, out_shardings=optimizer_sharding(tx, params))(params)
+  images, labels = shard_batch((images, labels), mesh)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+__all__ = [
+    'batch_sharding',
+    'check_batch_divisible',
+    'fsdp_sharding',
+    'optimizer_sharding',
+    'shard_batch',
+]
+
+AxisNames = Union[str, Sequence[str]]
+
+
+def _axis_size(mesh: Mesh, axes: AxisNames) -> int:
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  for name in names:
+    if name not in mesh.shape:
+      raise ValueError(
+          f'Mesh axis {name!r} is not in the mesh, whose axes are '
+          f'{tuple(mesh.axis_names)}.'
+      )
+  return int(np.prod([mesh.shape[name] for name in names]))
+
+
+def _mesh_of(shardings: Any) -> Mesh:
+  for sharding in jax.tree.leaves(shardings):
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  raise ValueError(
+      'optimizer_sharding needs at least one parameter with a NamedSharding '
+      '(place the parameters on a mesh first, or pass param_sharding).'
+  )
+
+
+def optimizer_sharding(
+    tx: optax.GradientTransformation,
+    params: Any,
+    param_sharding: Optional[Any] = None,
+) -> Any:
+  """The sharding of ``tx.init(params)``, derived from the parameters'.
+
+  Every parameter-shaped subtree of the optimizer state (CBP's moments ``mu``
+  and ``nu``, Adam's, ...) gets its parameter's sharding; every other leaf
+  (step counters, the per-block energies of M1, whose length is the number of
+  blocks) is replicated over the parameters' mesh. Built on
+  ``optax.tree_map_params``, so it sees through ``optax.chain``,
+  ``inject_hyperparams`` and the like.
+
+  Args:
+    tx: the optimizer, e.g. ``cbp_optax.cbp(1e-3)``.
+    params: the parameters ``tx`` is initialized on: arrays placed with a
+      ``NamedSharding``, or ``jax.ShapeDtypeStruct`` s carrying one.
+    param_sharding: the parameters' shardings (a tree like ``params``);
+      defaults to each leaf's ``.sharding``.
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of ``tx.init(params)``,
+    ready for ``jax.jit(tx.init, out_shardings=...)`` or ``jax.device_put``.
+
+  Examples:
+    >>> import jax, optax
+    >>> import cbp_optax as cbp
+    >>> from cbp_optax import sharding
+    >>> mesh = jax.make_mesh((1,), ('data',))
+    >>> spec = jax.sharding.PartitionSpec()
+    >>> params = jax.device_put(
+    ...     {'w': jax.numpy.ones(4)}, jax.NamedSharding(mesh, spec))
+    >>> tx = cbp.cbp(1e-3)
+    >>> state = jax.jit(
+    ...     tx.init, out_shardings=sharding.optimizer_sharding(tx, params)
+    ... )(params)
+  """
+  if param_sharding is None:
+    param_sharding = jax.tree.map(lambda p: p.sharding, params)
+  replicated = NamedSharding(_mesh_of(param_sharding), PartitionSpec())
+  abstract_state = jax.eval_shape(tx.init, params)
+  return optax.tree_map_params(
+      tx,
+      lambda _, sharding: sharding,
+      abstract_state,
+      param_sharding,
+      transform_non_params=lambda _: replicated,
+  )
+
+
+def fsdp_sharding(
+    tree: Any, mesh: Mesh, axis: AxisNames = 'data', *, min_size: int = 0
+) -> Any:
+  """A fully-sharded (FSDP / ZeRO-3 style) rule for any tree of arrays.
+
+  Each array is split over ``axis`` along its largest dimension that the
+  axis size divides (the last such dimension on ties); arrays with no such
+  dimension, or with fewer than ``min_size`` elements, are replicated. Use it
+  for parameters, for the centering means (they are vectors of input
+  features) and, through :func:`optimizer_sharding`, for the moments. A model
+  annotated with ``nnx.with_partitioning`` or Linen logical axes does not need
+  it.
+
+  Args:
+    tree: arrays, ``jax.ShapeDtypeStruct`` s or NNX Variables holding them.
+    mesh: the device mesh.
+    axis: mesh axis name (or names) to shard over.
+    min_size: arrays smaller than this stay replicated (gathering a tiny bias
+      costs more than storing it).
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of ``tree``.
+  """
+  size = _axis_size(mesh, axis)
+
+  def rule(leaf):
+    shape = np.shape(leaf)
+    candidates = [d for d in range(len(shape)) if shape[d] % size == 0]
+    if not candidates or int(np.prod(shape, dtype=np.int64)) < min_size:
+      return NamedSharding(mesh, PartitionSpec())
+    dim = max(candidates, key=lambda d: (shape[d], d))
+    spec = [None] * len(shape)
+    spec[dim] = axis
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+  return jax.tree.map(rule, tree)
+
+
+def batch_sharding(mesh: Mesh, axis: AxisNames = 'data') -> NamedSharding:
+  """Leading (batch) dimension split over ``axis``, the rest replicated."""
+  _axis_size(mesh, axis)
+  return NamedSharding(mesh, PartitionSpec(axis))
+
+
+def check_batch_divisible(
+    batch: Any, mesh: Mesh, axis: AxisNames = 'data'
+) -> None:
+  """Refuses a batch whose leading dimension ``axis`` does not divide.
+
+  Args:
+    batch: a tree of arrays with a common leading batch dimension (the global
+      batch).
+    mesh: the device mesh.
+    axis: the data axis (or axes) the batch is split over.
+
+  Raises:
+    ValueError: if a leaf has no batch dimension, or its size is not a
+      multiple of the number of devices along ``axis``.
+  """
+  size = _axis_size(mesh, axis)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape = np.shape(leaf)
+    name = jax.tree_util.keystr(path) or 'the batch'
+    if not shape:
+      raise ValueError(
+          f'{name} is a scalar; every batch leaf needs a leading batch '
+          f'dimension to split over mesh axis {axis!r}.'
+      )
+    if shape[0] % size:
+      raise ValueError(
+          f'Batch size {shape[0]} (of {name}, shape {shape}) is not divisible '
+          f'by the {size} devices of mesh axis {axis!r}. Every device must '
+          'hold the same number of examples; use a global batch size that '
+          f'is a multiple of {size} (e.g. {shape[0] - shape[0] % size or size}'
+          ') or drop the remainder.'
+      )
+
+
+def shard_batch(batch: Any, mesh: Mesh, axis: AxisNames = 'data') -> Any:
+  """Places a batch split along its leading dimension over ``axis``.
+
+  On one host ``batch`` is the global batch. With several processes
+  (``jax.distributed.initialize``) each process passes its own slice of the
+  global batch; the global array is assembled with
+  ``jax.make_array_from_process_local_data``. The global batch size must be
+  a multiple of the devices along ``axis`` (:func:`check_batch_divisible`).
+
+  Args:
+    batch: a tree of host arrays with a common leading batch dimension.
+    mesh: the device mesh.
+    axis: the data axis (or axes).
+
+  Returns:
+    The batch as global ``jax.Array`` s sharded with :func:`batch_sharding`.
+  """
+  sharding = batch_sharding(mesh, axis)
+  processes = jax.process_count()
+
+  def place(leaf):
+    leaf = np.asarray(leaf)
+    global_shape = (leaf.shape[0] * processes,) + leaf.shape[1:]
+    return jax.make_array_from_process_local_data(
+        sharding, leaf, global_shape
+    )
+
+  check_batch_divisible(
+      jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(
+              (np.shape(x)[0] * processes,) + np.shape(x)[1:]
+              if np.shape(x) else (), np.result_type(x)),
+          batch,
+      ),
+      mesh,
+      axis,
+  )
+  return jax.tree.map(place, batch)
