@@ -94,3 +94,26 @@ def summary(found: Iterable[Copy], min_elements: int = 1) -> dict[str, dict]:
     if size >= min_elements:
       table[c.place][f'{c.dtype}[{",".join(map(str, c.shape))}]'] += 1
   return {place: dict(counter) for place, counter in table.items()}
+
+
+_ROOT_TUPLE = re.compile(r'ROOT %[\w.\-]+ = .* tuple\((.*)\)')
+_COPY_NAME = re.compile(r'^\s*(%[\w.\-]+) = \w+\[[\d,]*\]\{[^}]*\} copy\(')
+
+
+def entry_output_copies(text: str) -> list[int]:
+  """Positions in the entry's output tuple that are produced by a ``copy``.
+
+  Together with the flattened output tree of the jitted function, this names
+  the state buffers XLA copies in the entry computation.
+  """
+  entry = text[text.index('\nENTRY'):]
+  body = entry[:entry.index('\n}')]
+  copy_names = {m.group(1) for m in map(_COPY_NAME.match, body.splitlines())
+                if m}
+  root = next(line for line in body.splitlines() if 'ROOT' in line)
+  match = _ROOT_TUPLE.search(root)
+  if not match:
+    return []
+  operands = re.sub(r'/\*[^*]*\*/', '', match.group(1)).split(',')
+  return [i for i, name in enumerate(op.strip() for op in operands)
+          if name in copy_names]

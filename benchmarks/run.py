@@ -274,7 +274,7 @@ def run_torch(archs, batch: int, rounds: int, warmup: int) -> dict:
 def select_archs(args):
   from benchmarks import models
   if args.quick:
-    default = [models.mlp(256), models.RESNET8]
+    default = [models.mlp(256)]
   else:
     default = list(models.ALL_ARCHS)
   if not args.archs:
@@ -306,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                steps_lib.VARIANTS]}
   if 'steps' in sections:
     results['steps'] = run_steps(args, archs, batches, rounds, warmup)
-    if args.device == 'cpu':
+    if args.device == 'cpu' and not args.quick:
       results['region_analysis_bitwise_identical'] = (
           region_analysis_identical())
   if 'optimizer' in sections:
