@@ -84,8 +84,14 @@ def _bound_runner(fn: Callable, args: tuple, donate: tuple[int, ...],
   return run, compiled.as_text()
 
 
-def optimizer_runners(arch: models.Arch) -> tuple[dict, dict, dict]:
-  """``{name: run}``, ``{name: bytes moved}``, ``{name: hlo}`` for one arch."""
+def optimizer_runners(
+    arch: models.Arch, region_analysis: bool = True
+) -> tuple[dict, dict, dict]:
+  """``{name: run}``, ``{name: bytes moved}``, ``{name: hlo}`` for one arch.
+
+  ``region_analysis`` adds the variants compiled with the CPU copy-insertion
+  option (meaningless on other backends).
+  """
   images, _ = models.make_batch(arch, 2)
   variables = models.linen_model(arch, centered=True).init(
       jax.random.key(0), images)
@@ -127,6 +133,8 @@ def optimizer_runners(arch: models.Arch) -> tuple[dict, dict, dict]:
   }
   runs, traffic, hlos = {}, {}, {}
   for name, (fn, args, donate, options, nbytes) in specs.items():
+    if options and not region_analysis:
+      continue
     runs[name], hlos[name] = _bound_runner(fn, args, donate, options)
     traffic[name] = nbytes
   return runs, traffic, hlos
@@ -137,10 +145,10 @@ def _with_recorded_means(centering: Any) -> Any:
   return jax.tree.map(lambda x: x + 0.25, centering)
 
 
-def run(arch: models.Arch, rounds: int, warmup: int,
-        bandwidth: dict) -> dict:
+def run(arch: models.Arch, rounds: int, warmup: int, bandwidth: dict,
+        region_analysis: bool = True) -> dict:
   """Times the optimizer-only variants of ``arch``, interleaved."""
-  runs, traffic, hlos = optimizer_runners(arch)
+  runs, traffic, hlos = optimizer_runners(arch, region_analysis)
   warm = timing.warm_up(runs, warmup)
   rounds, reduced = timing.rounds_for(warm, rounds, max(10, rounds // 3))
   times = timing.interleaved(runs, rounds)

@@ -139,13 +139,11 @@ def time_group(api: str, arch, batch: int, variants, rounds: int,
     per_step = sum(hlo_copies.count_by_shape(found, kernels).values())
     on_skip = sum(hlo_copies.count_by_shape(
         found, kernels, (hlo_copies.SKIP,)).values())
-    median = float(sorted(times[name])[len(times[name]) // 2])
     is_cbp = 'CBP' in name
     out['variants'][name] = {
         'time': timing.quartiles(times[name]),
         'ratio_to_adam': ratios.get(name),
-        'compile_s': (runner.compile_s - median if api == 'nnx'
-                      else runner.compile_s),
+        'compile_s': runner.compile_s,
         'opt_state_bytes': runner.opt_state_bytes,
         'expected_cbp_state_bytes': (4 * (2 * n_params + n_layers)
                                      if is_cbp else None),
@@ -186,7 +184,7 @@ def run_steps(args, archs, batches, rounds, warmup) -> list[dict]:
         else batches
     for batch in api_batches:
       for arch in archs:
-        variants = steps_lib.variants_for(api)
+        variants = steps_lib.variants_for()
         if args.device == 'gpu':
           variants = [v for v in variants if not v.compiler_options]
         print(f'[steps] {api} {arch.name} batch {batch}', flush=True)
@@ -198,7 +196,8 @@ def run_steps(args, archs, batches, rounds, warmup) -> list[dict]:
 # -------------------------------------------------------------- optimizer
 
 
-def run_optimizer(archs, rounds, warmup, quick) -> tuple[list[dict], dict]:
+def run_optimizer(archs, rounds, warmup, quick,
+                  device: str) -> tuple[list[dict], dict]:
   from benchmarks import optimizer_only
   bandwidth = optimizer_only.copy_bandwidth(
       repeats=5 if quick else 20,
@@ -206,7 +205,8 @@ def run_optimizer(archs, rounds, warmup, quick) -> tuple[list[dict], dict]:
   results = []
   for arch in archs:
     print(f'[optimizer] {arch.name}', flush=True)
-    results.append(optimizer_only.run(arch, rounds, warmup, bandwidth))
+    results.append(optimizer_only.run(arch, rounds, warmup, bandwidth,
+                                      region_analysis=device == 'cpu'))
   return results, bandwidth
 
 
@@ -312,11 +312,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if 'optimizer' in sections:
     opt_archs = archs[:1] if args.quick else archs
     results['optimizer'], results['bandwidth'] = run_optimizer(
-        opt_archs, rounds, warmup, args.quick)
+        opt_archs, rounds, warmup, args.quick, args.device)
   if 'rss' in sections:
     results['rss'] = run_rss(args, archs, batches[0])
   if 'torch' in sections:
-    results['torch'] = run_torch(archs, batches[0], rounds, warmup)
+    if args.device == 'cpu':
+      results['torch'] = run_torch(archs, batches[0], rounds, warmup)
+    else:
+      results['torch'] = {'skipped': 'PyTorch peer skipped: it is the '
+                                     "paper's CPU protocol (2 threads)."}
   results['environment']['load_average_at_end'] = os.getloadavg()
 
   os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,7 @@ it runs and that the compiled steps keep the buffer behaviour we rely on.
 """
 
 import collections
+import functools
 import os
 import subprocess
 import sys
@@ -36,6 +37,18 @@ def test_quick_suite_runs_and_prints_its_table(tmp_path):
   assert (tmp_path / 'results.md').exists()
 
 
+def _runner(api: str, variant: steps.Variant) -> steps.Runner:
+  """One compiled step per (API, variant) for the whole module: compiling
+  dominates these tests, and they only read the HLO or run a few steps."""
+  return _cached_runner(api, variant.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_runner(api: str, variant_name: str) -> steps.Runner:
+  variant = next(v for v in steps.VARIANTS if v.name == variant_name)
+  return steps.make_runner(api, ARCH, variant, BATCH)
+
+
 def _kernel_copies_per_step(runner: steps.Runner) -> collections.Counter:
   """Copies of kernel-shaped buffers that run on every (non-skipped) step."""
   found = hlo_copies.copies(runner.hlo)
@@ -49,7 +62,7 @@ def _one_per_kernel(runner: steps.Runner) -> collections.Counter:
 @pytest.mark.parametrize('api', ['linen', 'nnx'])
 @pytest.mark.parametrize('variant', [steps.ADAM, steps.ADAM_CENTER])
 def test_adam_fused_step_copies_no_parameter_buffer(api, variant):
-  runner = steps.make_runner(api, ARCH, variant, BATCH)
+  runner = _runner(api, variant)
   assert _kernel_copies_per_step(runner) == collections.Counter()
 
 
@@ -63,12 +76,12 @@ def test_cbp_fused_step_copies_exactly_the_lagged_second_moments(api, variant):
   # removes the lag copy (e.g. by compiling the step with
   # xla_cpu_copy_insertion_use_region_analysis, see BENCHMARKS.md), this count
   # must become zero: change the expectation to an empty Counter then.
-  runner = steps.make_runner(api, ARCH, variant, BATCH)
+  runner = _runner(api, variant)
   assert _kernel_copies_per_step(runner) == _one_per_kernel(runner)
 
 
 def test_linen_cbp_copies_are_the_second_moment_leaves():
-  runner = steps.linen_runner(ARCH, steps.CBP_FULL, BATCH)
+  runner = _runner('linen', steps.CBP_FULL)
   images, labels = models.make_batch(ARCH, BATCH)
 
   def loss_fn(apply, images, labels):
@@ -89,9 +102,10 @@ def test_linen_cbp_copies_are_the_second_moment_leaves():
              for p in copied)
 
 
-def test_region_analysis_removes_the_lag_copy_without_changing_results():
-  default = steps.linen_runner(ARCH, steps.CBP_FULL, BATCH)
-  region = steps.linen_runner(ARCH, steps.CBP_FULL_RA, BATCH)
+@pytest.mark.parametrize('api', ['linen', 'nnx'])
+def test_region_analysis_removes_the_lag_copy_without_changing_results(api):
+  default = _runner(api, steps.CBP_FULL)
+  region = _runner(api, steps.CBP_FULL_RA)
   assert _kernel_copies_per_step(region) == collections.Counter()
   for _ in range(3):
     default.step()
