@@ -66,6 +66,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def log(message: str) -> None:
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime('%H:%M:%S')
+  print(f'[{stamp}] {message}', flush=True)
+
+
 def configure_environment(args: argparse.Namespace) -> str:
   """Sets platform and XLA flags; must run before jax is imported."""
   if args.device == 'gpu':
@@ -187,7 +192,7 @@ def run_steps(args, archs, batches, rounds, warmup) -> list[dict]:
         variants = steps_lib.variants_for()
         if args.device == 'gpu':
           variants = [v for v in variants if not v.compiler_options]
-        print(f'[steps] {api} {arch.name} batch {batch}', flush=True)
+        log(f'steps: {api} {arch.name} batch {batch}')
         groups.append(time_group(api, arch, batch, variants, rounds,
                                  warmup))
   return groups
@@ -204,7 +209,7 @@ def run_optimizer(archs, rounds, warmup, quick,
       nbytes=(32 if quick else 256) * 2**20)
   results = []
   for arch in archs:
-    print(f'[optimizer] {arch.name}', flush=True)
+    log(f'optimizer only: {arch.name}')
     results.append(optimizer_only.run(arch, rounds, warmup, bandwidth,
                                       region_analysis=device == 'cpu'))
   return results, bandwidth
@@ -247,7 +252,7 @@ def run_rss(args, archs, batch: int) -> dict:
     for variant in steps_lib.VARIANTS:
       if variant.compiler_options:
         continue
-      print(f'[rss] {arch.name} {variant.name}', flush=True)
+      log(f'peak RSS: {arch.name} {variant.name}')
       rows.append({'arch': arch.name, 'api': 'linen', 'batch': batch,
                    'variant': variant.name,
                    'peak_rss_bytes': child(arch.name, variant.name)})
@@ -316,6 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if 'rss' in sections:
     results['rss'] = run_rss(args, archs, batches[0])
   if 'torch' in sections:
+    log('PyTorch peer')
     if args.device == 'cpu':
       results['torch'] = run_torch(archs, batches[0], rounds, warmup)
     else:

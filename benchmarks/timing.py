@@ -27,11 +27,14 @@ def quartiles(values: Sequence[float]) -> dict[str, float]:
 
 
 def warm_up(steps: Mapping[str, Callable[[], None]], count: int) -> dict:
-  """Runs each step ``count`` times; returns the median seconds of each."""
+  """Runs each step ``count`` times (2 when a step is slow, > SLOW_STEP_S);
+  returns the median seconds of each."""
   medians = {}
   for name, step in steps.items():
     times = []
-    for _ in range(count):
+    for i in range(count):
+      if i >= 2 and min(times) > SLOW_STEP_S:
+        break
       start = time.perf_counter()
       step()
       times.append(time.perf_counter() - start)
