@@ -56,11 +56,44 @@ def step_table(groups: list[dict], variants: list[str]) -> str:
   return '\n'.join(lines)
 
 
+# Issue 5: full CBP / Adam per step, medians on the 2-core machine.
+STEP_TARGETS = {'MLP-256': 1.10, 'MLP-1024': 1.05, 'MLP-4096': 1.05,
+                'ResNet-8': 1.05}
+
+
+def summary_table(groups: list[dict]) -> str:
+  """Full CBP / Adam against the issue's targets, every arch and batch."""
+  head = ['Arch', 'API', 'batch', 'target', 'CBP / Adam', 'met',
+          'CBP (RA) / Adam', 'met (RA)', 'CBP M1+M3 / Adam',
+          'Adam+Center / Adam']
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for g in groups:
+    target = STEP_TARGETS.get(g['arch'])
+    v = g['variants']
+
+    def met(name):
+      stats = v.get(name, {}).get('ratio_to_adam')
+      if not stats or target is None:
+        return '-'
+      return 'yes' if stats['median'] <= target else 'no'
+
+    cells = [g['arch'], g['api'], str(g['batch']),
+             '-' if target is None else f'<= {target:.2f}',
+             _ratio(v.get('CBP', {}).get('ratio_to_adam')), met('CBP'),
+             _ratio(v.get('CBP (RA)', {}).get('ratio_to_adam')),
+             met('CBP (RA)'),
+             _ratio(v.get('CBP M1+M3', {}).get('ratio_to_adam')),
+             _ratio(v.get('Adam+Center', {}).get('ratio_to_adam'))]
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
 def side_by_side(groups: list[dict], torch: Optional[dict]) -> str:
   """Paper's PyTorch ratio, the PyTorch peer here, and ours, batch 128."""
   head = ['Arch', 'paper Adam ms', 'paper CBP ms', 'paper x Adam',
           'torch Adam ms', 'torch CBP ms', 'torch x Adam',
-          'ours Adam ms', 'ours CBP ms', 'ours x Adam']
+          'ours Adam ms', 'ours CBP ms', 'ours x Adam', 'ours CBP (RA) ms',
+          'ours (RA) x Adam']
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   peer = {r['arch']: r for r in (torch or {}).get('groups', [])}
   for g in groups:
@@ -78,7 +111,9 @@ def side_by_side(groups: list[dict], torch: Optional[dict]) -> str:
              _ratio(t.get('CBP', {}).get('ratio_to_adam')),
              _time(ours.get('Adam', {}).get('time')),
              _time(ours.get('CBP', {}).get('time')),
-             _ratio(ours.get('CBP', {}).get('ratio_to_adam'))]
+             _ratio(ours.get('CBP', {}).get('ratio_to_adam')),
+             _time(ours.get('CBP (RA)', {}).get('time')),
+             _ratio(ours.get('CBP (RA)', {}).get('ratio_to_adam'))]
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
@@ -184,7 +219,9 @@ def render(results: dict[str, Any]) -> str:
   groups = results.get('steps', [])
   if groups:
     variants = results['step_variants']
-    parts += ['## Full train step', '', step_table(groups, variants), '',
+    parts += ['## CBP / Adam per step against the issue-5 targets', '',
+              summary_table(groups), '',
+              '## Full train step', '', step_table(groups, variants), '',
               '## Side by side with the paper (batch 128)', '',
               side_by_side(groups, results.get('torch')), '']
   if results.get('optimizer'):

@@ -180,22 +180,19 @@ def region_analysis_identical() -> bool:
              for a, b in zip(*finals))
 
 
-def run_steps(args, archs, batches, rounds, warmup) -> list[dict]:
+def run_steps(args, archs, batch: int, rounds: int, warmup: int,
+              apis: Sequence[str], results: dict, save) -> None:
+  """Times every architecture at ``batch``; saves after each group."""
   from benchmarks import steps as steps_lib
-  apis = ['linen', 'nnx'] if args.api == 'both' else [args.api]
-  groups = []
+  variants = steps_lib.variants_for()
+  if args.device != 'cpu':
+    variants = [v for v in variants if not v.compiler_options]
   for api in apis:
-    api_batches = batches[:1] if (args.api == 'both' and api == 'nnx') \
-        else batches
-    for batch in api_batches:
-      for arch in archs:
-        variants = steps_lib.variants_for()
-        if args.device == 'gpu':
-          variants = [v for v in variants if not v.compiler_options]
-        log(f'steps: {api} {arch.name} batch {batch}')
-        groups.append(time_group(api, arch, batch, variants, rounds,
-                                 warmup))
-  return groups
+    for arch in archs:
+      log(f'steps: {api} {arch.name} batch {batch}')
+      results.setdefault('steps', []).append(
+          time_group(api, arch, batch, variants, rounds, warmup))
+      save(results)
 
 
 # -------------------------------------------------------------- optimizer
@@ -309,8 +306,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   results: dict[str, Any] = {'environment': environment(args, flags),
                              'step_variants': [v.name for v in
                                                steps_lib.VARIANTS]}
+  os.makedirs(args.out, exist_ok=True)
+
+  def save(results: dict) -> str:
+    """Writes what is measured so far: a long run interrupted keeps it."""
+    markdown = report.render(results)
+    with open(os.path.join(args.out, 'results.json'), 'w') as f:
+      json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(args.out, 'results.md'), 'w') as f:
+      f.write(markdown + '\n')
+    return markdown
+
+  # The paper's protocol (first batch size) first, the optimizer-only and
+  # PyTorch comparisons next, other batch sizes last.
+  apis = ['linen', 'nnx'] if args.api == 'both' else [args.api]
   if 'steps' in sections:
-    results['steps'] = run_steps(args, archs, batches, rounds, warmup)
+    run_steps(args, archs, batches[0], rounds, warmup, apis, results, save)
     if args.device == 'cpu' and not args.quick:
       results['region_analysis_bitwise_identical'] = (
           region_analysis_identical())
@@ -318,8 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opt_archs = archs[:1] if args.quick else archs
     results['optimizer'], results['bandwidth'] = run_optimizer(
         opt_archs, rounds, warmup, args.quick, args.device)
-  if 'rss' in sections:
-    results['rss'] = run_rss(args, archs, batches[0])
+    save(results)
   if 'torch' in sections:
     log('PyTorch peer')
     if args.device == 'cpu':
@@ -327,14 +337,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
       results['torch'] = {'skipped': 'PyTorch peer skipped: it is the '
                                      "paper's CPU protocol (2 threads)."}
+    save(results)
+  if 'steps' in sections:
+    # NNX (with --api both) only at the paper's batch size.
+    for batch in batches[1:]:
+      run_steps(args, archs, batch, rounds, warmup, ['linen'], results, save)
+  if 'rss' in sections:
+    results['rss'] = run_rss(args, archs, batches[0])
   results['environment']['load_average_at_end'] = os.getloadavg()
-
-  os.makedirs(args.out, exist_ok=True)
-  markdown = report.render(results)
-  with open(os.path.join(args.out, 'results.json'), 'w') as f:
-    json.dump(results, f, indent=1, default=str)
-  with open(os.path.join(args.out, 'results.md'), 'w') as f:
-    f.write(markdown + '\n')
+  results['environment']['finished'] = datetime.datetime.now(
+      datetime.timezone.utc).isoformat(timespec='seconds')
+  markdown = save(results)
   print(markdown)
   print(f'\nWrote {args.out}/results.json and results.md')
   return 0
