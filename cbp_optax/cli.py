@@ -21,6 +21,7 @@ from flax import nnx
 import cbp_optax as cbp
 from cbp_optax import datasets
 from cbp_optax import nnx as cbp_nnx
+from cbp_optax.reproduce import cli as reproduce_cli
 
 
 class MLP(nnx.Module):
@@ -134,6 +135,7 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
 
 _COMMANDS: dict[str, Callable[[Optional[Sequence[str]]], int]] = {
     'compare': compare,
+    'reproduce': reproduce_cli.main,
 }
 
 
@@ -141,7 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ('-h', '--help') or argv[0] not in _COMMANDS:
     print('usage: cbp-optax {' + ','.join(_COMMANDS) + '} [options]\n\n'
-          '  compare   Adam vs Adam + Center vs CBP on the MNIST MLP (§6.6)')
+          '  compare   Adam vs Adam + Center vs CBP on the MNIST MLP (§6.6)\n'
+          '  reproduce the paper\'s studies: reproduce <study|all> [--quick]')
     return 0 if argv and argv[0] in ('-h', '--help') else 2
   return _COMMANDS[argv[0]](argv[1:])
 
