@@ -65,3 +65,16 @@ def check_callable(name: str, value: Any) -> None:
     raise ValueError(
         f'{name} must be a callable or None, got {type(value).__name__}.'
     )
+
+
+def check_float_leaves(name: str, tree: Any) -> None:
+  """Refuses non-floating leaves, which a scaled update would truncate."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = jax.numpy.result_type(leaf)
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+      raise ValueError(
+          f'{name}: parameter {jax.tree_util.keystr(path)} has dtype {dtype}; '
+          'CBP updates real floating-point parameters only. Keep integer, '
+          'boolean or complex leaves out of the optimizer with optax.masked '
+          'or optax.partition.'
+      )

@@ -51,8 +51,3 @@ def all_finite(*trees: Any) -> jax.Array:
       if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
   ]
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-
-
-def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``ok``, else ``old``, leaf by leaf (same structure)."""
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

@@ -338,6 +338,7 @@ def equalize(
   _checks.check_callable('stacked', stacked)
 
   def init_fn(params):
+    _checks.check_float_leaves('equalize', params)
     layout = block_layout(params, block_fn=block_fn, stacked=stacked)
     dtype = stats_dtype_for(params, stats_dtype)
     return EqualizeState(

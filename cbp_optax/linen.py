@@ -237,10 +237,14 @@ class TrainState(train_state.TrainState):
 
   Create it with ``TrainState.create(apply_fn=..., params=...,
   centering=variables['centering'], tx=...)``; ``centering`` may be empty for
-  an uncentered model.
+  an uncentered model. ``step`` counts the updates applied and
+  ``skipped_steps`` the batches :func:`train_step` skipped as non-finite.
   """
 
   centering: Any = flax.struct.field(default_factory=dict)
+  skipped_steps: jax.Array = flax.struct.field(
+      default_factory=lambda: jnp.zeros((), jnp.int32)
+  )
 
 
 def train_step(
@@ -255,9 +259,10 @@ def train_step(
   (recording batch means), the backward pass, ``state.tx`` (``cbp.cbp`` for
   full CBP, any optax transform otherwise, e.g. ``optax.adam`` for "Adam +
   Center"), the parameter update and :func:`transport`, in one ``jax.jit``
-  with the state donated. A non-finite loss or gradient skips the step: the
-  returned state equals the input state (parameters, optimizer state,
-  centering, step) and ``StepOutput.skipped`` is True.
+  with the state donated. A non-finite loss, gradient or recorded batch mean
+  skips the step: the returned state equals the input state (parameters,
+  optimizer state, centering, step) but for ``skipped_steps``, which grows by
+  one, and ``StepOutput.skipped`` is True.
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
@@ -296,7 +301,7 @@ def train_step(
     (loss, (aux, centering)), grads = jax.value_and_grad(
         loss_of, has_aux=True
     )(state.params)
-    ok = _step.all_finite(loss, grads)
+    ok = _step.all_finite(loss, grads, centering)
 
     def apply_step(state):
       updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -311,7 +316,12 @@ def train_step(
           centering=new_centering,
       )
 
-    new_state = jax.lax.cond(ok, apply_step, lambda state: state, state)
+    def skip_step(state):
+      return state.replace(skipped_steps=state.skipped_steps + 1)
+
+    # A conditional, not a select of old and new state: selecting would keep
+    # every old buffer alive next to the new one and cost full copies.
+    new_state = jax.lax.cond(ok, apply_step, skip_step, state)
     return new_state, StepOutput(
         loss=loss, aux=aux, skipped=jnp.logical_not(ok)
     )

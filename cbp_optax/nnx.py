@@ -31,6 +31,7 @@ from cbp_optax._step import StepOutput
 __all__ = [
     'Centered',
     'CenteringMean',
+    'Optimizer',
     'RecordedMean',
     'StepOutput',
     'train_step',
@@ -164,6 +165,20 @@ class Centered(nnx.Module):
     self.mean[...] = new
 
 
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
+
+  ``optimizer.skipped_steps`` (an ``nnx.OptState`` int32 scalar) grows by one
+  for every batch whose loss, gradients or recorded means were not finite;
+  ``optimizer.step`` counts only the updates applied. A plain
+  ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
+  """
+
+  def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
+    super().__init__(model, tx, wrt=wrt)
+    self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
+
+
 def centered_layers(model: nnx.Module) -> list[Centered]:
   """Every :class:`Centered` layer inside ``model``."""
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
@@ -199,9 +214,10 @@ def train_step(
   with whatever optax transform the ``nnx.Optimizer`` holds (``cbp.cbp`` for
   full CBP, ``optax.adam`` for "Adam + Center"), then :func:`transport`; all
   inside one ``nnx.jit`` with the model and optimizer buffers donated. If the
-  loss or any gradient is not finite the step is skipped: parameters,
-  optimizer state and centering statistics stay exactly as they were and
-  ``StepOutput.skipped`` is True. With no centered layer it is an ordinary
+  loss, any gradient or any recorded batch mean is not finite the step is
+  skipped: parameters, optimizer state and centering statistics stay exactly
+  as they were, ``StepOutput.skipped`` is True, and a :class:`Optimizer`
+  counts it in ``skipped_steps``. With no centered layer it is an ordinary
   train step.
 
   Args:
@@ -233,7 +249,7 @@ def train_step(
     (loss, (aux, recorded)), grads = jax.value_and_grad(
         loss_of, has_aux=True
     )(params)
-    ok = _step.all_finite(loss, grads)
+    ok = _step.all_finite(loss, grads, recorded)
 
     def apply_step(model, optimizer, grads, recorded):
       nnx.update(model, recorded)
@@ -241,7 +257,9 @@ def train_step(
       transport(model, decay)
 
     def skip_step(model, optimizer, grads, recorded):
-      del model, optimizer, grads, recorded
+      del model, grads, recorded
+      if isinstance(optimizer, Optimizer):
+        optimizer.skipped_steps[...] += 1
 
     # A conditional, not a select of old and new state: selecting would keep
     # every old buffer alive next to the new one and cost full copies.

@@ -110,6 +110,7 @@ def precondition(
   _checks.check_positive('damping', damping)
 
   def init_fn(params):
+    _checks.check_float_leaves('precondition', params)
     return PreconditionState(
         count=jnp.zeros([], jnp.int32),
         mu=_zeros_like_tree(params, stats_dtype),

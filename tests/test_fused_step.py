@@ -151,7 +151,9 @@ def test_linen_nonfinite_batch_skips_everything():
   bad[3, 2] = np.nan
   new_state, out = step(state, bad, labels)
   assert bool(out.skipped)
-  chex.assert_trees_all_equal(new_state, state)
+  assert int(new_state.skipped_steps) == 1
+  chex.assert_trees_all_equal(
+      new_state.replace(skipped_steps=state.skipped_steps), state)
   assert int(new_state.step) == 3
   state, out = step(new_state, x, labels)  # and training goes on
   assert not bool(out.skipped) and int(state.step) == 4
@@ -162,19 +164,22 @@ def test_nnx_nonfinite_batch_skips_everything(graph):
   x, labels = data()
   with nnx.set_graph_mode(graph):
     model = NnxMLP(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, cbp.cbp(LR), wrt=nnx.Param)
+    optimizer = cbp_nnx.Optimizer(model, cbp.cbp(LR), wrt=nnx.Param)
     step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
     for _ in range(3):
       step(model, optimizer, x, labels)
-    before = _flat(nnx.state((model, optimizer)))
+    state_of = lambda: _flat(nnx.state((model, optimizer),
+                                       nnx.Not(nnx.PathContains('skipped_steps'))))
+    before = state_of()
+    assert len(before) > 10  # parameters, moments, energies, means, counts
     bad = np.array(x)
     bad[0, 0] = np.inf
     out = step(model, optimizer, bad, labels)
     assert bool(out.skipped)
-    after = _flat(nnx.state((model, optimizer)))
-    for a, b in zip(before, after):
+    for a, b in zip(before, state_of()):
       np.testing.assert_array_equal(a, b)
     assert int(optimizer.step[...]) == 3
+    assert int(optimizer.skipped_steps[...]) == 1
 
 
 def test_loss_function_aux_metrics_are_returned():
