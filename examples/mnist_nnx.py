@@ -1,6 +1,6 @@
 """Train a centered MLP on MNIST with full CBP, Flax NNX.
 
-  python examples/mnist_nnx.py [--data-dir DIR] [--epochs 3]
+  python examples/mnist_nnx.py [--data-dir DIR] [--epochs 3] [--checkpoint-dir DIR]
 
 Every Dense layer is wrapped in ``cbp_optax.nnx.Centered`` (M2); the optimizer
 is ``cbp_optax.cbp`` (M1 + M3); ``cbp_optax.nnx.train_step`` fuses forward,
@@ -8,6 +8,7 @@ backward, update, mean refresh and bias transport into one ``nnx.jit`` step.
 """
 
 import argparse
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import cbp_optax as cbp
+from cbp_optax import checkpoint
 from cbp_optax import datasets
 
 
@@ -53,17 +55,29 @@ def main():
   parser.add_argument('--batch-size', type=int, default=256)
   parser.add_argument('--learning-rate', type=float, default=3e-3)
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--checkpoint-dir', default=None,
+                      help='save after every epoch; resume from the latest')
   args = parser.parse_args()
 
   data = datasets.find_mnist(args.data_dir)
   print(f'data: {data.source}')
   model = MLP(nnx.Rngs(args.seed))
-  optimizer = nnx.Optimizer(model, cbp.cbp(args.learning_rate), wrt=nnx.Param)
+  optimizer = cbp.nnx.Optimizer(model, cbp.cbp(args.learning_rate))
   step = cbp.nnx.train_step(loss_fn)
-  rng = np.random.default_rng(args.seed)
+  first_epoch = 0
+  checkpoints = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
+  if checkpoints and any(checkpoints.glob('epoch_*')):
+    latest = max(checkpoints.glob('epoch_*'), key=lambda p: int(p.name[6:]))
+    nnx.update((model, optimizer), checkpoint.restore(
+        latest, nnx.state((model, optimizer))))
+    first_epoch = int(latest.name[6:])
+    print(f'resumed from {latest}')
   steps_per_epoch = len(data.train_labels) // args.batch_size
-  for epoch in range(args.epochs):
-    order = rng.permutation(len(data.train_labels))
+  for epoch in range(first_epoch, args.epochs):
+    # The data order depends on (seed, epoch) alone, so a resumed run sees
+    # the same batches as an uninterrupted one.
+    order = np.random.default_rng([args.seed, epoch]).permutation(
+        len(data.train_labels))
     bar = tqdm(range(steps_per_epoch), desc=f'epoch {epoch + 1}')
     for i in bar:
       idx = order[i * args.batch_size:(i + 1) * args.batch_size]
@@ -77,7 +91,11 @@ def main():
                        == data.test_labels)
     model.train()
     print(f'epoch {epoch + 1}: train loss {float(out.loss):.4f}, '
-          f'test accuracy {accuracy:.4f}')
+          f'test accuracy {accuracy:.4f}, skipped steps '
+          f'{int(optimizer.skipped_steps[...])}')
+    if checkpoints:
+      checkpoint.save(checkpoints / f'epoch_{epoch + 1}',
+                      nnx.state((model, optimizer)))
 
 
 if __name__ == '__main__':
