@@ -247,7 +247,7 @@ def run_rss(args, archs, batch: int) -> dict:
   rows = []
   for arch in archs:
     for variant in steps_lib.VARIANTS:
-      if variant.compiler_options:
+      if variant.compiler_options and args.device != 'cpu':
         continue
       log(f'peak RSS: {arch.name} {variant.name}')
       rows.append({'arch': arch.name, 'api': 'linen', 'batch': batch,
