@@ -3,7 +3,7 @@
 Not part of the optimizer: nothing in the transforms or the Flax modules
 imports it. Files are read from a directory the user names (gzipped or not);
 where the network allows, the full dataset is downloaded into it, verified
-against known checksums and written atomically. Every file is validated (magic
+against known SHA-256 digests and written atomically. Every file is validated (magic
 number, dimensions, size, label range) before use; nothing is unpickled.
 """
 
@@ -29,13 +29,17 @@ _FILES = {
     'test_images': 't10k-images-idx3-ubyte',
     'test_labels': 't10k-labels-idx1-ubyte',
 }
-# MD5 of the original gzipped files (as published with the dataset and used by
-# torchvision); guards downloads against truncation and corruption.
-_MD5 = {
-    'train-images-idx3-ubyte.gz': 'f68b3c2dcbeaaa9fbdd348bbdeb94873',
-    'train-labels-idx1-ubyte.gz': 'd53e105ee54ea40749a09fcbcd1e9432',
-    't10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
-    't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c',
+# SHA-256 of the original gzipped files as published on the mirrors below;
+# a download is used only if its digest matches.
+_SHA256 = {
+    'train-images-idx3-ubyte.gz':
+        '440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609',
+    'train-labels-idx1-ubyte.gz':
+        '3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c',
+    't10k-images-idx3-ubyte.gz':
+        '8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6',
+    't10k-labels-idx1-ubyte.gz':
+        'f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6',
 }
 _MIRRORS = (
     'https://storage.googleapis.com/cvdf-datasets/mnist/',
@@ -125,9 +129,9 @@ def _download(directory: pathlib.Path, stem: str) -> pathlib.Path:
     except OSError as e:
       errors.append(f'{mirror}: {e}')
       continue
-    digest = hashlib.md5(payload).hexdigest()
-    if digest != _MD5[filename]:
-      errors.append(f'{mirror}: checksum {digest} != {_MD5[filename]}')
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != _SHA256[filename]:
+      errors.append(f'{mirror}: SHA-256 {digest} != {_SHA256[filename]}')
       continue
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / filename
@@ -152,7 +156,7 @@ def load_mnist(
   Args:
     data_dir: directory with the IDX files, gzipped or not.
     download: fetch missing files of the full dataset into ``data_dir`` when
-      the network allows (checksummed, atomic writes); if that fails and the
+      the network allows (SHA-256-verified, atomic writes); if that fails and the
       test files are there, the test-only split is used and ``source`` says
       why.
     seed: permutation seed of the test-only split.

@@ -91,3 +91,40 @@ def test_random_bytes_never_crash_the_reader():
     blob = rng.integers(0, 256, rng.integers(0, 64)).astype(np.uint8).tobytes()
     with pytest.raises(datasets.DataError):
       datasets.parse_idx(blob, expect_magic=2051)
+
+
+def test_download_is_verified_and_atomic(tmp_path, monkeypatch):
+  """A tampered download is refused and nothing is written; a good one is
+  written whole. The network is replaced by an in-memory server."""
+  good = gzip.compress(idx_bytes(np.zeros((2, 28, 28)), 2051))
+  served = {'payload': good}
+
+  class Response:
+    def __init__(self, payload):
+      self.payload = payload
+    def read(self):
+      return self.payload
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      return False
+
+  monkeypatch.setattr(datasets.urllib.request, 'urlopen',
+                      lambda url, timeout: Response(served['payload']))
+  monkeypatch.setitem(datasets._SHA256, 't10k-images-idx3-ubyte.gz',
+                      __import__('hashlib').sha256(good).hexdigest())
+  path = datasets._download(tmp_path, 't10k-images-idx3-ubyte')
+  assert path.read_bytes() == good
+  path.unlink()
+  served['payload'] = good[:-3] + b'bad'
+  with pytest.raises(datasets.DataError, match='SHA-256'):
+    datasets._download(tmp_path, 't10k-images-idx3-ubyte')
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_gzip_is_refused(tmp_path):
+  write_pair(tmp_path, np.zeros((4, 28, 28)), np.zeros(4), gz=True)
+  path = tmp_path / 't10k-images-idx3-ubyte.gz'
+  path.write_bytes(path.read_bytes()[:40])
+  with pytest.raises(datasets.DataError, match='cannot read'):
+    datasets.load_mnist(tmp_path)
