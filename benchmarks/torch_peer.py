@@ -132,7 +132,8 @@ if torch is not None:
       groups = [{'params': list(b)} for b in blocks]
       super().__init__(groups, dict(lr=lr, b1=b1, b2=b2, damping=damping))
       self.rho, self.s_min, self.s_max = rho, s_min, s_max
-      self.energy = torch.zeros(len(groups))
+      dtype = groups[0]['params'][0].dtype if groups else torch.float32
+      self.energy = torch.zeros(len(groups), dtype=dtype)
       self.t = 0
 
     @torch.no_grad()
@@ -146,7 +147,7 @@ if torch is not None:
         scales = (target / self.energy.sqrt()).clamp(self.s_min, self.s_max)
       raw = torch.stack([
           sum((p.grad.square().sum() for p in g['params']),
-              torch.zeros(()))
+              torch.zeros((), dtype=self.energy.dtype))
           for g in self.param_groups])
       self.energy.mul_(self.rho).add_((1 - self.rho) * raw)
       for scale, group in zip(scales.tolist(), self.param_groups):
@@ -246,10 +247,52 @@ def _check_transport_exact() -> float:
   return float((after - before).abs().max())
 
 
+def _check_against_cbp_optax(steps: int = 4) -> float:
+  """Max |update difference| of :class:`CBP` and ``cbp.cbp`` in float64.
+
+  Same gradients, two layers of very different gradient scale (so the M1
+  clip is active), ``steps`` steps.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import cbp_optax as cbp
+  torch.manual_seed(0)
+  rng = np.random.default_rng(0)
+  layers = [nn.Linear(5, 4).double(), nn.Linear(4, 3).double()]
+  opt = CBP([list(layer.parameters()) for layer in layers], lr=1e-2)
+  worst = 0.0
+  with jax.enable_x64(True):
+    params = {f'l{i}': {'kernel': jnp.asarray(l.weight.detach().numpy().T),
+                        'bias': jnp.asarray(l.bias.detach().numpy())}
+              for i, l in enumerate(layers)}
+    tx = cbp.cbp(1e-2)
+    state = tx.init(params)
+    for _ in range(steps):
+      grads = {}
+      for i, layer in enumerate(layers):
+        gw = rng.standard_normal(tuple(layer.weight.shape)) * 10.0 ** i
+        gb = rng.standard_normal(tuple(layer.bias.shape))
+        layer.weight.grad, layer.bias.grad = torch.tensor(gw), torch.tensor(gb)
+        grads[f'l{i}'] = {'kernel': jnp.asarray(gw.T), 'bias': jnp.asarray(gb)}
+      opt.step()
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      for i, layer in enumerate(layers):
+        diff = np.abs(np.asarray(params[f'l{i}']['kernel'])
+                      - layer.weight.detach().numpy().T).max()
+        worst = max(worst, float(diff))
+  return worst
+
+
 if __name__ == '__main__':
   if torch is None:
     raise SystemExit('torch is not installed.')
   print('transport output change (float64):', _check_transport_exact())
+  print('max |torch CBP - cbp.cbp| (float64, 4 steps):',
+        _check_against_cbp_optax())
   print('parameters: ResNet-8', sum(p.numel() for p in
                                      ResNet8(False).parameters()),
         'MLP-1024', sum(p.numel() for p in MLP(1024, False).parameters()))
