@@ -50,7 +50,6 @@ BATCH = 16
 DECAY = 0.9
 HPARAMS = dict(b1=0.9, b2=0.99, damping=1e-3, decay=0.95)
 LR = 1e-3
-TOLERANCE = {jnp.float32: 1e-6, jnp.float64: 1e-12}
 
 
 def test_sharded_suite_on_eight_simulated_devices():
@@ -350,6 +349,11 @@ def check_shardings_kept(run: Run, layout: str) -> None:
     sharded = [x for x in jax.tree.leaves((run.params, run.opt_state))
                if x.ndim >= 2 and not x.sharding.is_fully_replicated]
     assert len(sharded) == 3 * 3, len(sharded)
+  if layout == 'data4_model2':
+    # Tensor parallel: two kernels, a bias and a layer's means over 'model'.
+    over_model = [x for x in jax.tree.leaves((run.params, run.means))
+                  if 'model' in tuple(x.sharding.spec)]
+    assert len(over_model) >= 5, len(over_model)
 
 
 # Equality with one device -----------------------------------------------------
