@@ -12,6 +12,7 @@ Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
 
 from cbp_optax import linen
 from cbp_optax import nnx
+from cbp_optax import sharding
 from cbp_optax.alias import cbp
 from cbp_optax.equalize import block_names
 from cbp_optax.equalize import BlockStats
@@ -33,5 +34,6 @@ __all__ = (
     'equalize_stats',
     'linen',
     'nnx',
+    'sharding',
     'precondition',
 )

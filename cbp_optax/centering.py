@@ -30,17 +30,25 @@ def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...
 
 
 def batch_mean(
-    inputs: jax.Array, feature_axes: Sequence[int], dtype: Any
+    inputs: jax.Array,
+    feature_axes: Sequence[int],
+    dtype: Any,
+    axis_name: Optional[Any] = None,
 ) -> jax.Array:
   """Mean of ``inputs`` over every axis but ``feature_axes``, in their order.
 
   For a dense layer the feature axes are the contracted ones, so the mean is
   per input feature; for a convolution it is the channel axis, and the mean is
-  per input channel over batch and spatial positions.
+  per input channel over batch and spatial positions. Under ``jit`` with a
+  sharded batch this is already the global mean; inside ``shard_map``,
+  ``pmap`` or ``vmap``, name the mapped batch axis in ``axis_name`` to average
+  across it too (equal per-device batches assumed, as for BatchNorm).
   """
   feature_axes = normalize_axes(feature_axes, inputs.ndim)
   reduce_axes = tuple(a for a in range(inputs.ndim) if a not in feature_axes)
   mean = jnp.mean(inputs.astype(dtype), axis=reduce_axes)
+  if axis_name is not None:
+    mean = lax.pmean(mean, axis_name)
   # jnp.mean leaves the kept axes in ascending order; restore feature order.
   ascending = sorted(feature_axes)
   return jnp.transpose(mean, [ascending.index(a) for a in feature_axes])

@@ -80,11 +80,15 @@ class Centered(nn.Module):
     use_running_average: True for evaluation: use ``mu``, record nothing. May
       also be passed to ``__call__``.
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
+    axis_name: the mapped batch axis to average the recorded mean over inside
+      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``, where a
+      sharded batch's mean is already global).
   """
 
   layer: nn.Module
   use_running_average: Optional[bool] = None
   mean_dtype: Optional[Any] = None
+  axis_name: Optional[Any] = None
 
   def __post_init__(self):
     _check_supported(self.layer)
@@ -112,7 +116,9 @@ class Centered(nn.Module):
         and not self.is_initializing()
         and self.is_mutable_collection(COLLECTION)
     ):
-      recorded.value = centering_lib.batch_mean(inputs, axes, dtype)
+      recorded.value = centering_lib.batch_mean(
+          inputs, axes, dtype, self.axis_name
+      )
 
     if isinstance(layer, nn.Conv):
       kernel_size = layer.kernel_size

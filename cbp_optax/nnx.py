@@ -72,6 +72,9 @@ class Centered(nnx.Module):
       ``nnx.Conv`` (without input dilation), built with a bias.
     use_running_average: True stops recording batch means (evaluation).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
+    axis_name: the mapped batch axis to average the recorded mean over inside
+      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``, where a
+      sharded batch's mean is already global).
 
   Raises:
     TypeError: for any other layer type (e.g. ``nnx.ConvTranspose``, whose
@@ -85,6 +88,7 @@ class Centered(nnx.Module):
       *,
       use_running_average: bool = False,
       mean_dtype: Optional[Any] = None,
+      axis_name: Optional[Any] = None,
   ):
     if not isinstance(layer, _SUPPORTED):
       raise TypeError(
@@ -115,6 +119,7 @@ class Centered(nnx.Module):
       shape = (layer.in_features,)
     self.layer = layer
     self.use_running_average = use_running_average
+    self.axis_name = axis_name
     self.mean = CenteringMean(jnp.zeros(shape, dtype))
     self.batch_mean = RecordedMean(jnp.zeros(shape, dtype))
 
@@ -132,7 +137,7 @@ class Centered(nnx.Module):
     axes = self._feature_axes(inputs)
     if not self.use_running_average:
       self.batch_mean[...] = centering_lib.batch_mean(
-          inputs, axes, self.batch_mean.dtype
+          inputs, axes, self.batch_mean.dtype, self.axis_name
       )
     if isinstance(self.layer, nnx.Conv):
       rank = len(self.layer.kernel_size)

@@ -285,3 +285,30 @@ def test_nnx_refuses_inexact_layers(make, match):
 def test_linen_refuses_at_construction(layer, error, match):
   with pytest.raises(error, match=match):
     cbp_linen.Centered(layer)
+
+
+def test_axis_name_averages_recorded_means_across_mapped_batches():
+  """Inside vmap / shard_map / pmap each replica sees part of the batch:
+  with axis_name the recorded mean is the global one."""
+  x = inputs((4, 6, 5), 0, jnp.float32)  # 4 replicas x 6 examples
+  model = cbp_linen.Centered(nn.Dense(3), axis_name='replica')
+  variables = model.init(jax.random.key(0), x[0])
+
+  def record(x):
+    _, mutated = model.apply(variables, x, mutable=['centering'])
+    return mutated['centering']['batch_mean']
+
+  recorded = jax.vmap(record, axis_name='replica')(x)
+  for replica in recorded:
+    np.testing.assert_allclose(replica, x.reshape(-1, 5).mean(0), rtol=1e-6)
+
+  layer = cbp_nnx.Centered(nnx.Linear(5, 3, rngs=nnx.Rngs(0)),
+                           axis_name='replica')
+
+  @nnx.vmap(in_axes=(None, 0), out_axes=None, axis_name='replica')
+  def record_nnx(layer, x):
+    layer(x)
+
+  record_nnx(layer, x)
+  np.testing.assert_allclose(layer.batch_mean[...], x.reshape(-1, 5).mean(0),
+                             rtol=1e-6)
