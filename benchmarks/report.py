@@ -207,6 +207,9 @@ def render(results: dict[str, Any]) -> str:
       f"- jax {env['jax']}, jaxlib {env['jaxlib']}, flax {env['flax']}, "
       f"optax {env['optax']}, backend {env['backend']}",
       f"- XLA_FLAGS: `{env['xla_flags'] or '(none)'}`",
+      f"- commit {env.get('revision', {}).get('commit', '?')}; library files "
+      'differing from it: '
+      f"{', '.join(env.get('revision', {}).get('library_uncommitted', [])) or 'none'}",
       f"- mode: {env['mode']}; per-round order rotates; times are median "
       '(IQR) of per-iteration wall time of the whole jitted step; ratios are '
       'the median [q1-q3] of per-round ratios to Adam.',

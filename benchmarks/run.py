@@ -95,6 +95,19 @@ def cpu_model() -> str:
   return platform.processor() or 'unknown'
 
 
+def library_revision() -> dict[str, Any]:
+  """The commit measured, and library files that differ from it."""
+  def git(*cmd: str) -> str:
+    try:
+      return subprocess.run(['git', *cmd], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+      return ''
+  dirty = git('status', '--short', '--', 'cbp_optax')
+  return {'commit': git('rev-parse', '--short', 'HEAD') or 'unknown',
+          'library_uncommitted': dirty.splitlines()}
+
+
 def environment(args: argparse.Namespace, flags: str) -> dict[str, Any]:
   import flax
   import jax
@@ -112,6 +125,7 @@ def environment(args: argparse.Namespace, flags: str) -> dict[str, Any]:
       'xla_flags': flags,
       'mode': 'quick' if args.quick else 'full',
       'load_average_at_start': os.getloadavg(),
+      'revision': library_revision(),
   }
 
 
