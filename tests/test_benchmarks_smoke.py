@@ -103,6 +103,7 @@ def test_linen_cbp_copies_are_the_second_moment_leaves():
              for p in copied)
 
 
+@pytest.mark.parametrize('api', ['linen', 'nnx'])
 def test_region_analysis_removes_the_lag_copy_without_changing_results(api):
   default = _runner(api, steps.CBP_FULL)
   region = _runner(api, steps.CBP_FULL_RA)
