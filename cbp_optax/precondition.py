@@ -41,6 +41,16 @@ def _moment_dtype(leaf: Any, stats_dtype: Optional[Any]) -> jnp.dtype:
   return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
 
 
+def _update_dtype(grad_dtype: Any) -> jnp.dtype:
+  # The direction can reach max_scale / damping (4000 by default) times the
+  # gradient, beyond float16's range (65504): narrow-range dtypes get float32
+  # updates, which optax.apply_updates casts back to the parameter dtype after
+  # the learning rate. bfloat16 has float32's range and keeps its dtype.
+  if jnp.finfo(grad_dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+    return jnp.promote_types(grad_dtype, jnp.float32)
+  return jnp.dtype(grad_dtype)
+
+
 def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
   return jax.tree.map(
       lambda leaf: jnp.zeros(jnp.shape(leaf), _moment_dtype(leaf, stats_dtype)),
@@ -134,7 +144,8 @@ def precondition(
       denom = jnp.sqrt(v / nu_correction.astype(v.dtype)) + damping
       step = jnp.where(first_step, m_hat, m_hat / denom)
       v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
-      return step.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+      return (step.astype(_update_dtype(g.dtype)), m_new.astype(m.dtype),
+              v_new.astype(v.dtype))
 
     g_leaves, treedef = jax.tree.flatten(updates)
     results = [

@@ -197,4 +197,7 @@ def test_finite_inputs_give_finite_outputs_and_a_fixed_state(problem, name):
     assert jax.tree.structure(state) == structure
     assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == shapes
     for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
-      assert u.dtype == p.dtype and u.shape == p.shape
+      # float16 cannot hold P_t's up-to-4000x direction: float32 updates.
+      expected = jnp.float32 if (p.dtype == jnp.float16 and
+                                 name != 'equalize') else p.dtype
+      assert u.dtype == expected and u.shape == p.shape
