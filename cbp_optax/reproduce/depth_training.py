@@ -50,7 +50,7 @@ def methods() -> list[training.Method]:
 def run(ctx: StudyContext) -> StudyResult:
   start = time.perf_counter()
   seeds = list(range(ctx.seed_count(paper=5, quick=2)))
-  depths = (4, 8) if ctx.quick else DEPTHS
+  depths = (4,) if ctx.quick else DEPTHS
   grid = (0.03, 0.3) if ctx.quick else training.SHIFTED_GRID
   config = training.TrainConfig(steps=200 if ctx.quick else STEPS,
                                 batch_size=BATCH,

@@ -87,7 +87,7 @@ def disparities(depth: int, seeds: int, data: training.Dataset):
 def run(ctx: StudyContext) -> StudyResult:
   start = time.perf_counter()
   seeds = ctx.seed_count(paper=15, quick=3)
-  depths = (4, 8, 12) if ctx.quick else DEPTHS
+  depths = (4, 8) if ctx.quick else DEPTHS
   data = training.spiral()
   raw, eq = {}, {}
   for depth in depths:
@@ -99,12 +99,12 @@ def run(ctx: StudyContext) -> StudyResult:
   crossover = math.log(CLIP_RANGE) / slope if slope > 0 else math.inf
   above = [d for d, m in zip(depths, med_raw) if m >= CLIP_RANGE]
   rows = [
-      ['raw disparity (paper)'] + [PAPER[d][0] for d in depths],
+      ['raw disparity (paper)'] + [PAPER.get(d, ('',))[0] for d in depths],
       ['raw disparity (ours)'] + [f'{m:.1f}' for m in med_raw],
-      ['with M1 (paper)'] + [PAPER[d][1] for d in depths],
+      ['with M1 (paper)'] + [PAPER.get(d, ('', ''))[1] for d in depths],
       ['with M1 (ours)'] + [f'{m:.1f}' for m in med_eq],
       ['reduction (paper)'] + [f'{PAPER[d][0] / PAPER[d][1]:.1f}'
-                               for d in depths],
+                               if d in PAPER else '' for d in depths],
       ['reduction (ours)'] + [f'{r / e:.1f}' for r, e in zip(med_raw, med_eq)],
   ]
   table = plotting.markdown_table(['depth'] + list(depths), rows)

@@ -79,7 +79,7 @@ def disparity(norms: np.ndarray) -> np.ndarray:
 
 def run(ctx: StudyContext) -> StudyResult:
   start = time.perf_counter()
-  seeds = ctx.seed_count(paper=10, quick=10)
+  seeds = ctx.seed_count(paper=10, quick=5)
   depth = 12 if ctx.quick else DEPTH
   data = training.spiral()
   model = saturating_tanh_mlp(depth)

@@ -158,10 +158,12 @@ def paired_test(a: ArrayLike, b: ArrayLike) -> PairedTest:
 
 
 def format_mean_std(values: ArrayLike, digits: int = 3) -> str:
-  """``'0.201 ± 0.025'``; ``'n/a'`` for no values."""
+  """``'0.201 ± 0.025'``; scientific below the last digit; ``'n/a'`` if empty."""
   x = _finite(values)
   if x.size == 0:
     return 'n/a'
+  if 0 < abs(x.mean()) < 10.0**-digits:  # e.g. a memorized training set
+    return f'{x.mean():.2e} ± {sample_std(x):.1e}'
   return f'{x.mean():.{digits}f} ± {sample_std(x):.{digits}f}'
 
 
