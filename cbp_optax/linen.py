@@ -332,4 +332,8 @@ def train_step(
         loss=loss, aux=aux, skipped=jnp.logical_not(ok)
     )
 
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  return jax.jit(
+      step,
+      donate_argnums=(0,) if donate else (),
+      compiler_options=_step.compiler_options(),
+  )
