@@ -271,4 +271,25 @@ def train_step(
     nnx.cond(ok, apply_step, skip_step, model, optimizer, grads, recorded)
     return StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 
-  return nnx.jit(step, donate_argnums=(0, 1) if donate else ())
+  jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
+  options = _step.compiler_options()
+  if options is None:
+    return jitted
+  # nnx.jit takes no compiler options, but its AOT path does: compile once
+  # per model structure and batch signature, as jit's own cache would.
+  executables = {}
+
+  def step_with_options(model, optimizer, *batch):
+    signature = (
+        nnx.graphdef((model, optimizer)),
+        jax.tree.structure(batch),
+        tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(batch)),
+    )
+    if signature not in executables:
+      executables[signature] = jitted.lower(model, optimizer, *batch).compile(
+          options
+      )
+    return executables[signature](model, optimizer, *batch)
+
+  step_with_options.lower = jitted.lower
+  return step_with_options

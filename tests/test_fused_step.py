@@ -327,3 +327,26 @@ def test_linen_step_has_no_parameter_copies_and_region_analysis_is_exact():
     a, _ = fused(a, x, labels)
     b, _ = plain(b, x, labels)
   chex.assert_trees_all_equal(a, b)
+
+
+def test_nnx_step_has_no_parameter_copies_and_region_analysis_is_exact():
+  from cbp_optax import _step  # pylint: disable=g-import-not-at-top
+  x, labels = data()
+  step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
+  pairs = []
+  for _ in range(2):
+    model = NnxMLP(nnx.Rngs(0))
+    pairs.append((model, cbp_nnx.Optimizer(model, cbp.cbp(LR))))
+  # An NNX executable is bound to its model's graph: compile per pair.
+  fused = step.lower(*pairs[0], x, labels).compile(_step.compiler_options())
+  plain = step.lower(*pairs[1], x, labels).compile(
+      {'xla_cpu_copy_insertion_use_region_analysis': False})
+  params = nnx.state(pairs[0][0], nnx.Param)
+  if jax.default_backend() == 'cpu':
+    assert _parameter_sized_copies(fused.as_text(), params) == []
+    assert _parameter_sized_copies(plain.as_text(), params)
+  for _ in range(5):
+    fused(*pairs[0], x, labels)
+    plain(*pairs[1], x, labels)
+  for a, b in zip(_flat(nnx.state(pairs[0])), _flat(nnx.state(pairs[1]))):
+    np.testing.assert_array_equal(a, b)
