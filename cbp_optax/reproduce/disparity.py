@@ -109,7 +109,8 @@ def run(ctx: StudyContext) -> StudyResult:
   ]
   table = plotting.markdown_table(['depth'] + list(depths), rows)
   setup = (f'Setup: tanh MLP width {WIDTH}, weights N(0, g_l²/fan_in) with '
-           f'g_l = {MEAN_GAIN} exp({GAIN_SPREAD} ξ_l) per layer and seed, '
+           f'g_l = {MEAN_GAIN} exp({GAIN_SPREAD} ξ_l), ξ_l ~ N(0, 1) per layer '
+           'and seed, '
            f'biases N(0, {BIAS_STD}²) (our "hetero" choice); full training '
            f'batch of the {data.description}; medians over {seeds} seeds; M1 '
            'applied once (cbp.equalize, clip [0.1, 4]). Log-linear fit of the '
