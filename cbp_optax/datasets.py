@@ -1,4 +1,4 @@
-"""MNIST from the standard IDX files, for the examples and the comparison job.
+"""MNIST (IDX) and CIFAR-10 (binary) readers for the examples and experiments.
 
 Not part of the optimizer: nothing in the transforms or the Flax modules
 imports it. Files are read from a directory the user names (gzipped or not);
@@ -224,3 +224,73 @@ def find_mnist(data_dir: Optional[PathLike] = None, *,
     if _find(directory, _FILES['test_images']):
       return load_mnist(directory)
   return load_mnist(candidates[-1], download=download)
+
+
+# --- CIFAR-10, binary distribution -------------------------------------------
+# ``cifar-10-batches-bin`` holds data_batch_1.bin .. data_batch_5.bin and
+# test_batch.bin; each record is one label byte (0..9) and 3072 pixel bytes,
+# the 32x32 red, green and blue planes in row-major order. Only these raw bytes
+# are parsed (never the Python-pickle distribution).
+
+CIFAR10_RECORD_BYTES = 1 + 3 * 32 * 32
+CIFAR10_RECORDS_PER_FILE = 10_000
+CIFAR10_TRAIN_FILES = tuple(f'data_batch_{i}.bin' for i in range(1, 6))
+CIFAR10_TEST_FILE = 'test_batch.bin'
+
+
+class Cifar10(NamedTuple):
+  """Images float32 in [0, 1], shape (N, 32, 32, 3); labels int32."""
+  train_images: np.ndarray
+  train_labels: np.ndarray
+  test_images: np.ndarray
+  test_labels: np.ndarray
+  source: str
+
+
+def parse_cifar10_batch(
+    data: bytes, name: str = 'CIFAR-10 batch'
+) -> tuple[np.ndarray, np.ndarray]:
+  """Records -> (images (N, 32, 32, 3) float32 in [0, 1], labels int32)."""
+  if len(data) == 0 or len(data) % CIFAR10_RECORD_BYTES:
+    raise DataError(
+        f'{name}: {len(data)} bytes is not a whole number of '
+        f'{CIFAR10_RECORD_BYTES}-byte records')
+  records = np.frombuffer(data, np.uint8).reshape(-1, CIFAR10_RECORD_BYTES)
+  labels = records[:, 0].astype(np.int32)
+  if labels.max() > 9:
+    raise DataError(f'{name}: label {int(labels.max())} outside 0..9')
+  planes = records[:, 1:].reshape(-1, 3, 32, 32)
+  images = planes.transpose(0, 2, 3, 1).astype(np.float32) / 255.0
+  return images, labels
+
+
+def find_cifar10(data_dir: PathLike) -> Optional[pathlib.Path]:
+  """``data_dir`` or its ``cifar-10-batches-bin`` child, if it holds the files."""
+  root = pathlib.Path(data_dir).expanduser()
+  for candidate in (root, root / 'cifar-10-batches-bin',
+                    root / 'cifar10' / 'cifar-10-batches-bin'):
+    files = CIFAR10_TRAIN_FILES + (CIFAR10_TEST_FILE,)
+    if all((candidate / f).is_file() for f in files):
+      return candidate
+  return None
+
+
+def load_cifar10(data_dir: PathLike) -> Cifar10:
+  """Loads the 50,000 / 10,000 split; raises :class:`DataError` otherwise."""
+  directory = find_cifar10(data_dir)
+  if directory is None:
+    raise DataError(f'no CIFAR-10 binary files under {data_dir}')
+
+  def read(name: str):
+    data = _read_bytes(directory / name)
+    if len(data) != CIFAR10_RECORDS_PER_FILE * CIFAR10_RECORD_BYTES:
+      raise DataError(
+          f'{name}: expected {CIFAR10_RECORDS_PER_FILE} records, got '
+          f'{len(data) / CIFAR10_RECORD_BYTES:g}')
+    return parse_cifar10_batch(data, name)
+
+  train = [read(name) for name in CIFAR10_TRAIN_FILES]
+  test_images, test_labels = read(CIFAR10_TEST_FILE)
+  return Cifar10(np.concatenate([t[0] for t in train]),
+                 np.concatenate([t[1] for t in train]), test_images,
+                 test_labels, source=f'CIFAR-10, 50,000/10,000 ({directory})')

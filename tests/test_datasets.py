@@ -128,3 +128,46 @@ def test_truncated_gzip_is_refused(tmp_path):
   path.write_bytes(path.read_bytes()[:40])
   with pytest.raises(datasets.DataError, match='cannot read'):
     datasets.load_mnist(tmp_path)
+
+
+def cifar_record(label, red=0):
+  record = np.zeros(datasets.CIFAR10_RECORD_BYTES, np.uint8)
+  record[0] = label
+  record[1:1025] = red  # the red plane comes first
+  return record.tobytes()
+
+
+def test_cifar10_records_parse_channels_last():
+  images, labels = datasets.parse_cifar10_batch(
+      cifar_record(7, red=255) + cifar_record(3))
+  assert labels.tolist() == [7, 3]
+  assert images.shape == (2, 32, 32, 3)
+  assert images[0, :, :, 0].min() == 1.0 and images[0, :, :, 1:].max() == 0.0
+
+
+def test_cifar10_directory_roundtrip_and_validation(tmp_path):
+  one_file = cifar_record(1) * datasets.CIFAR10_RECORDS_PER_FILE
+  for name in datasets.CIFAR10_TRAIN_FILES + (datasets.CIFAR10_TEST_FILE,):
+    (tmp_path / name).write_bytes(one_file)
+  data = datasets.load_cifar10(tmp_path)
+  assert data.train_images.shape == (50_000, 32, 32, 3)
+  assert set(np.unique(data.test_labels)) == {1}
+  (tmp_path / 'test_batch.bin').write_bytes(one_file[:-1])
+  with pytest.raises(datasets.DataError, match='whole number|expected'):
+    datasets.load_cifar10(tmp_path)
+  (tmp_path / 'test_batch.bin').unlink()
+  with pytest.raises(datasets.DataError, match='no CIFAR-10'):
+    datasets.load_cifar10(tmp_path)
+
+
+def test_random_bytes_never_crash_the_cifar10_reader():
+  rng = np.random.default_rng(1)
+  for _ in range(200):
+    size = int(rng.choice([0, 1, 3072, 3073, 3074, 6146]))
+    blob = rng.integers(0, 256, size).astype(np.uint8).tobytes()
+    try:
+      images, labels = datasets.parse_cifar10_batch(blob)
+    except datasets.DataError:
+      continue
+    assert len(blob) % datasets.CIFAR10_RECORD_BYTES == 0
+    assert labels.max() <= 9 and images.max() <= 1.0

@@ -223,23 +223,6 @@ def test_cli_runs_a_study_and_writes_the_summary(tmp_path):
   assert summary['quadratic']['seconds'] > 0
 
 
-def test_cifar10_reader_parses_and_validates_binary_records(tmp_path):
-  from cbp_optax.reproduce import cifar10  # pylint: disable=g-import-not-at-top
-  record = np.zeros(cifar10.RECORD_BYTES, np.uint8)
-  record[0] = 7
-  record[1:1025] = 255  # red plane
-  images, labels = cifar10.parse_batch(record.tobytes() * 2)
-  assert labels.tolist() == [7, 7]
-  assert images.shape == (2, 32, 32, 3)
-  assert images[0, :, :, 0].min() == 1.0 and images[0, :, :, 1].max() == 0.0
-  with pytest.raises(cifar10.Cifar10Error):
-    cifar10.parse_batch(record.tobytes()[:-1])
-  record[0] = 10
-  with pytest.raises(cifar10.Cifar10Error):
-    cifar10.parse_batch(record.tobytes())
-  assert cifar10.find_directory(tmp_path) is None
-
-
 @pytest.mark.parametrize('study', ['mnist', 'resnet', 'overhead'])
 @slow[0]
 @slow[1]

@@ -6,7 +6,7 @@ RGB input) against SGD + momentum, Adam, AdamW and AdamW on the
 batch-normalized twin. For CBP every ``nn.Conv`` and the classifier are wrapped
 in ``cbp_optax.linen.Centered`` (per-channel input means, bias transport).
 
-Data: CIFAR-10 from ``--data-dir`` in its binary format (``cifar10`` module).
+Data: CIFAR-10 from ``--data-dir`` in its binary format (``cbp_optax.datasets``).
 Offline, the same architecture runs on the real MNIST images zero-padded to
 32x32 (one input channel), and every output says so.
 """
@@ -27,7 +27,6 @@ import tqdm
 
 import cbp_optax as cbp
 from cbp_optax import datasets
-from cbp_optax.reproduce import cifar10
 from cbp_optax.reproduce import plotting
 from cbp_optax.reproduce import stats
 from cbp_optax.reproduce import training
@@ -109,8 +108,8 @@ def load_data(data_dir: Optional[os.PathLike], quick: bool
   Returns the dataset (channel-standardized with training statistics, 10%
   of the training split held out for validation) and whether it is CIFAR-10.
   """
-  if data_dir is not None and cifar10.find_directory(data_dir):
-    raw = cifar10.load_cifar10(data_dir)
+  if data_dir is not None and datasets.find_cifar10(data_dir):
+    raw = datasets.load_cifar10(data_dir)
     images, labels = raw.train_images, raw.train_labels
     test_images, test_labels, source, real = (raw.test_images,
                                               raw.test_labels, raw.source, True)
