@@ -138,6 +138,7 @@ def time_group(api: str, arch, batch: int, variants, rounds: int,
   import gc
 
   from benchmarks import hlo_copies, models, steps as steps_lib, timing
+  load_at_start = os.getloadavg()
   runners = {v.name: steps_lib.make_runner(api, arch, v, batch)
              for v in variants}
   warm = timing.warm_up({n: r.step for n, r in runners.items()}, warmup)
@@ -152,7 +153,8 @@ def time_group(api: str, arch, batch: int, variants, rounds: int,
   n_layers = models.layer_count(params)
   out = {'arch': arch.name, 'api': api, 'batch': batch, 'params': n_params,
          'layers': n_layers, 'rounds': n_rounds, 'reduced_rounds': reduced,
-         'warmup_medians_s': warm, 'variants': {}}
+         'warmup_medians_s': warm, 'variants': {},
+         'load_average': {'start': load_at_start, 'end': os.getloadavg()}}
   for name, runner in runners.items():
     found = hlo_copies.copies(runner.hlo)
     per_step = sum(hlo_copies.count_by_shape(found, kernels).values())
