@@ -36,16 +36,23 @@ def _mb(nbytes: Optional[float]) -> str:
 
 
 def step_table(groups: list[dict], variants: list[str]) -> str:
-  """Table-4-style: median ms (IQR) per variant, CBP / Adam pairwise."""
-  head = ['Arch', 'API', 'batch', 'params', 'rounds'] + [
+  """Table-4-style: median ms (IQR) per variant, CBP / Adam pairwise.
+
+  ``load`` is the 1-minute load average before and after the group: the
+  suite alone drives it toward 2 on 2 cores; clearly above, another process
+  shared the machine.
+  """
+  head = ['Arch', 'API', 'batch', 'params', 'rounds', 'load'] + [
       f'{v} ms' for v in variants] + [f'{v} / Adam' for v in variants
                                       if v not in ('Adam',)]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for g in groups:
     rounds = str(g['rounds']) + (' (step > 0.5 s)' if g['reduced_rounds']
                                  else '')
+    load = g.get('load_average')
+    load = (f"{load['start'][0]:.1f}-{load['end'][0]:.1f}" if load else '-')
     cells = [g['arch'], g['api'], str(g['batch']),
-             f"{g['params'] / 1e6:.2f}M", rounds]
+             f"{g['params'] / 1e6:.2f}M", rounds, load]
     for v in variants:
       cells.append(_time(g['variants'].get(v, {}).get('time')))
     for v in variants:
