@@ -352,6 +352,9 @@ def equalize(
     _check_matches_state(layout, state)
     leaves, treedef = jax.tree.flatten(updates)
     scales = block_scales(state.energy, state.count, min_scale, max_scale)
+    # Materialize the L scales once: otherwise XLA fuses their clip/divide
+    # chain into every parameter-sized consumer and recomputes it per element.
+    scales = jax.lax.optimization_barrier(scales)
     energies = block_energies(layout, leaves, state.energy.dtype)
     energy = decay * state.energy + (1 - decay) * energies
     scaled = _scale_leaves(layout, leaves, scales)
