@@ -24,3 +24,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python benchmarks/run.py --device gpu --sections steps,optimizer \
   --api both --out "$out" "$@"
+# The sharded fused step on however many GPUs are present (issue 6).
+python benchmarks/sharded.py --device gpu
