@@ -268,7 +268,8 @@ def train_step(
   with the state donated. A non-finite loss, gradient or recorded batch mean
   skips the step: the returned state equals the input state (parameters,
   optimizer state, centering, step) but for ``skipped_steps``, which grows by
-  one, and ``StepOutput.skipped`` is True.
+  one, and ``StepOutput.skipped`` is True. On CPU the step compiles with
+  ``_step.compiler_options()`` (no parameter-sized buffer copies).
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,

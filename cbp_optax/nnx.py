@@ -223,7 +223,9 @@ def train_step(
   skipped: parameters, optimizer state and centering statistics stay exactly
   as they were, ``StepOutput.skipped`` is True, and a :class:`Optimizer`
   counts it in ``skipped_steps``. With no centered layer it is an ordinary
-  train step.
+  train step. On CPU the step compiles with ``_step.compiler_options()``
+  (no parameter-sized buffer copies); ``step.lower(model, optimizer,
+  *batch)`` gives the lowered program for inspection or AOT compilation.
 
   Args:
     loss_fn: ``loss_fn(model, *batch)`` returning a scalar loss or
