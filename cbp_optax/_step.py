@@ -14,9 +14,9 @@ class StepOutput(NamedTuple):
   Attributes:
     loss: the loss of the batch, computed before the update.
     aux: whatever else the loss function returned (metrics), or None.
-    skipped: True when the loss or a gradient was not finite; the step then
-      left parameters, optimizer state and centering means exactly as they
-      were.
+    skipped: True when the loss, a gradient or a recorded batch mean was not
+      finite; the step then left parameters, optimizer state and centering
+      means exactly as they were (but for the skip count).
   """
 
   loss: jax.Array

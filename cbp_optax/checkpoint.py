@@ -34,6 +34,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from cbp_optax.equalize import path_name
+
 PathLike = Union[str, os.PathLike]
 
 
@@ -59,22 +61,10 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     # Arrays and orbax's ArrayMetadata both carry shape and dtype.
     shape = tuple(leaf.shape)
     dtype = leaf.dtype
-    flat[_path_name(path)] = (shape, str(np.dtype(dtype)))
+    # orbax stores integer keys (NNX layer lists, optax chain indices) as
+    # strings; naming both sides by key names alone makes them compare.
+    flat[path_name(path)] = (shape, str(np.dtype(dtype)))
   return flat
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-  # orbax stores integer keys (NNX layer lists, optax chain indices) as
-  # strings: name both sides the same way.
-  parts = []
-  for key in path:
-    for attribute in ('key', 'name', 'idx'):
-      if hasattr(key, attribute):
-        parts.append(str(getattr(key, attribute)))
-        break
-    else:
-      parts.append(str(key))
-  return '/'.join(parts)
 
 
 def differences(saved: Any, expected: Any, *, limit: int = 20) -> list[str]:

@@ -86,6 +86,11 @@ def _key_name(key: jax.tree_util.KeyEntry) -> str:
   return str(key)
 
 
+def path_name(path: KeyPath) -> str:
+  """A key path as ``'Dense_0/kernel'``: key names joined by slashes."""
+  return '/'.join(_key_name(k) for k in path)
+
+
 def _block_name(block_key: Hashable) -> str:
   if isinstance(block_key, tuple) and all(
       isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
@@ -93,7 +98,7 @@ def _block_name(block_key: Hashable) -> str:
                      jax.tree_util.FlattenedIndexKey))
       for k in block_key
   ):
-    return '/'.join(_key_name(k) for k in block_key)
+    return path_name(block_key)
   return str(block_key)
 
 
