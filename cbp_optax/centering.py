@@ -6,10 +6,21 @@ EMA of the layer's input mean; when it moves, the bias is transported,
 unchanged. The Flax wrappers in ``cbp_optax.nnx`` and ``cbp_optax.linen`` call
 these functions; they hold no state of their own.
 
-Convolutions with zero padding are centered *after* padding: the input is
-padded explicitly, ``mu`` is subtracted everywhere (the border included), and
-the convolution runs unpadded. Every output position then sees a full window
-of ``-mu`` shifts, so the transport is exact at the border too.
+Convolutions with zero padding are centered *after* padding: ``mu`` is
+subtracted everywhere in the padded input, the border included, so that every
+output position sees a full window of ``-mu`` shifts and the transport is exact
+at the border too. That centered convolution is never formed explicitly: since
+``pad(a) - mu`` is ``pad(a)`` minus a constant image, and a convolution of a
+constant image is the same at every output position,
+
+  ``conv_valid(pad(a) - mu) = conv(a) - (sum over the window of W) . mu``
+
+(:func:`conv_mean_correction`). The wrappers run the layer as it is, on the
+raw input with its own padding (so XLA sees the plain layer's convolution and
+its gradients), and subtract a per-output-channel constant. The same holds for
+wrap and reflect padding, which commute with the shift. Gradients are those of
+the centered layer: ``dW = (pad(a) - mu)^T delta`` (eq. 9) arrives as
+``pad(a)^T delta`` minus ``mu`` times the summed ``delta`` at every window tap.
 """
 
 from __future__ import annotations
@@ -19,9 +30,6 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-Padding = Union[str, int, Sequence[Union[int, tuple[int, int]]]]
-
 
 def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
   if isinstance(axes, int):
@@ -111,71 +119,24 @@ def conv_bias_shift(
   return jnp.reshape(shift, (out_features,))
 
 
+def conv_mean_correction(
+    kernel: jax.Array, mean: jax.Array, feature_group_count: int
+) -> jax.Array:
+  """What centering subtracts from a convolution's output: ``(sum_window W) . mu``.
+
+  ``conv(pad(a) - mu) = conv(pad(a)) - conv_mean_correction(W, mu, G)`` at
+  every output position, for any padding, stride and kernel dilation (every
+  output sees a full window of the padded input); a per-output-channel
+  vector. It is :func:`conv_bias_shift` of ``mu`` itself: the transport moves
+  the bias by exactly the change of this correction, so the function stays
+  the same.
+  """
+  return conv_bias_shift(kernel, mean, feature_group_count)
+
+
 def transported_bias(bias: jax.Array, shift: jax.Array) -> jax.Array:
   """``b~ + W (mu_new - mu_old)`` (eq. 10), in the bias dtype."""
   return (bias + shift.astype(bias.dtype)).astype(bias.dtype)
-
-
-def _as_tuple(value: Optional[Union[int, Sequence[int]]], rank: int):
-  if value is None:
-    return (1,) * rank
-  if isinstance(value, int):
-    return (value,) * rank
-  return tuple(value)
-
-
-def conv_input_pads(
-    padding: Padding,
-    spatial_shape: Sequence[int],
-    kernel_size: Sequence[int],
-    strides: Optional[Union[int, Sequence[int]]],
-    kernel_dilation: Optional[Union[int, Sequence[int]]],
-) -> tuple[list[tuple[int, int]], str]:
-  """Explicit spatial padding and ``jnp.pad`` mode equivalent to Flax's conv.
-
-  Returns the ``(low, high)`` pads of each spatial axis and the mode
-  (``'constant'`` for zero padding, ``'wrap'`` or ``'reflect'``), following
-  ``flax.linen.Conv`` / ``flax.nnx.Conv`` exactly.
-  """
-  rank = len(kernel_size)
-  strides = _as_tuple(strides, rank)
-  dilation = _as_tuple(kernel_dilation, rank)
-  dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
-  if isinstance(padding, str):
-    name = padding.upper()
-    if name in ('SAME', 'SAME_LOWER', 'VALID'):
-      pads = lax.padtype_to_pads(spatial_shape, dilated, strides, name)
-      return [tuple(p) for p in pads], 'constant'
-    if name in ('CIRCULAR', 'REFLECT'):
-      pads = [((k - 1) // 2, k // 2) for k in dilated]
-      return pads, {'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[name]
-    if name == 'CAUSAL':
-      if rank != 1:
-        raise ValueError('Causal padding is only defined for 1D convolutions.')
-      return [(dilation[0] * (kernel_size[0] - 1), 0)], 'constant'
-    raise ValueError(f'Unknown padding {padding!r}.')
-  if isinstance(padding, int):
-    return [(padding, padding)] * rank, 'constant'
-  pads = []
-  for p in padding:
-    pads.append((p, p) if isinstance(p, int) else tuple(p))
-  if len(pads) != rank:
-    raise ValueError(
-        f'Padding {padding!r} has {len(pads)} entries for {rank} spatial axes.'
-    )
-  return pads, 'constant'
-
-
-def pad_spatial(
-    inputs: jax.Array, pads: Sequence[tuple[int, int]], mode: str
-) -> jax.Array:
-  """Pads the spatial axes of channels-last ``inputs`` (any batch axes)."""
-  rank = len(pads)
-  leading = inputs.ndim - rank - 1
-  full = [(0, 0)] * leading + list(pads) + [(0, 0)]
-  if all(p == (0, 0) for p in full):
-    return inputs
-  return jnp.pad(inputs, full, mode=mode)
 
 
 def check_conv_supported(
@@ -188,7 +149,8 @@ def check_conv_supported(
         'use_bias=True.'
     )
   if input_dilation is not None and any(
-      d != 1 for d in _as_tuple(input_dilation, 1)
+      d != 1 for d in ((input_dilation,) if isinstance(input_dilation, int)
+                       else input_dilation)
   ):
     raise ValueError(
         'Centering cannot be exact with input dilation: the inserted zeros are '

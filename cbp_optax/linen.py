@@ -71,8 +71,10 @@ class Centered(nn.Module):
   collection mutable, the forward pass records the batch mean of its input
   (``'centering'/'batch_mean'``: per input feature, or per input channel over
   batch and spatial positions for a convolution) and never changes ``mu``;
-  :func:`transport` does, after the update. Convolutions are padded before
-  centering and run unpadded, which keeps the transport exact at the border.
+  :func:`transport` does, after the update. A convolution is centered after
+  its padding (``mu`` is subtracted at the border too), which keeps the
+  transport exact there; it runs as the plain layer, on the raw input, minus
+  ``(sum over the window of W) . mu`` (``centering.conv_mean_correction``).
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
@@ -121,21 +123,18 @@ class Centered(nn.Module):
       )
 
     if isinstance(layer, nn.Conv):
-      kernel_size = layer.kernel_size
-      if isinstance(kernel_size, int):
-        kernel_size = (kernel_size,)
-      rank = len(kernel_size)
-      pads, mode = centering_lib.conv_input_pads(
-          layer.padding,
-          inputs.shape[inputs.ndim - rank - 1:-1],
-          kernel_size,
-          layer.strides,
-          layer.kernel_dilation,
+      # conv(pad(a) - mu) as conv(a) minus a per-channel constant: the plain
+      # layer's convolution and gradients, no pass over the activation.
+      inner = layer.clone(parent=self, name=_CONV)
+      outputs = inner(inputs)
+      kernel = inner.variables['params']['kernel']
+      if layer.mask is not None:
+        kernel = kernel * layer.mask
+      correction = centering_lib.conv_mean_correction(
+          kernel, mean.value, layer.feature_group_count
       )
-      inputs = centering_lib.pad_spatial(inputs, pads, mode)
-      inner = layer.clone(parent=self, name=_CONV, padding='VALID')
-    else:
-      inner = layer.clone(parent=self, name=_DENSE)
+      return outputs - correction.astype(outputs.dtype)
+    inner = layer.clone(parent=self, name=_DENSE)
     return inner(centering_lib.subtract_mean(inputs, mean.value, axes))
 
 

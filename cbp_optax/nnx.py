@@ -62,10 +62,11 @@ class Centered(nnx.Module):
   ``nnx.view(model, use_running_average=True)``) stops the recording;
   ``model.train()`` resumes it.
 
-  The wrapper owns the layer: for a convolution it pads the input itself (zero
-  padding must come before centering for the transport to be exact at the
-  border) and runs the layer unpadded, so the wrapped layer's ``padding`` is
-  set to ``'VALID'`` and the original kept in :attr:`padding`.
+  A convolution is centered after its padding (``mu`` is subtracted at the
+  border too, which keeps the transport exact there). It runs as the plain
+  layer, on the raw input with its own padding, minus
+  ``(sum over the window of W) . mu`` (``centering.conv_mean_correction``):
+  the same values and gradients (eq. 9), without a pass over the activation.
 
   Args:
     layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
@@ -106,8 +107,6 @@ class Centered(nnx.Module):
     if isinstance(layer, nnx.Conv):
       centering_lib.check_conv_supported(layer.input_dilation, layer.use_bias)
       shape = (layer.in_features,)
-      self.padding = layer.padding
-      layer.padding = 'VALID'
     elif isinstance(layer, nnx.LinearGeneral):
       if layer.batch_axis:
         raise ValueError(
@@ -140,30 +139,32 @@ class Centered(nnx.Module):
           inputs, axes, self.batch_mean.dtype, self.axis_name
       )
     if isinstance(self.layer, nnx.Conv):
-      rank = len(self.layer.kernel_size)
-      pads, mode = centering_lib.conv_input_pads(
-          self.padding,
-          inputs.shape[inputs.ndim - rank - 1:-1],
-          self.layer.kernel_size,
-          self.layer.strides,
-          self.layer.kernel_dilation,
+      # conv(pad(a) - mu) as conv(a) minus a per-channel constant: the plain
+      # layer's convolution and gradients, no pass over the activation.
+      outputs = self.layer(inputs)
+      correction = centering_lib.conv_mean_correction(
+          self._kernel(), self.mean[...], self.layer.feature_group_count
       )
-      inputs = centering_lib.pad_spatial(inputs, pads, mode)
+      return outputs - correction.astype(outputs.dtype)
     return self.layer(centering_lib.subtract_mean(inputs, self.mean[...], axes))
+
+  def _kernel(self) -> jax.Array:
+    """The kernel the layer convolves with (``mask`` applied)."""
+    kernel = self.layer.kernel[...]
+    if getattr(self.layer, 'mask', None) is not None:
+      kernel = kernel * self.layer.mask
+    return kernel
 
   def transport(self, decay: Any = 0.99) -> None:
     """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
     old = self.mean[...]
     new = centering_lib.ema(old, self.batch_mean[...], decay)
-    kernel = self.layer.kernel[...]
     if isinstance(self.layer, nnx.Conv):
-      if self.layer.mask is not None:
-        kernel = kernel * self.layer.mask
       shift = centering_lib.conv_bias_shift(
-          kernel, new - old, self.layer.feature_group_count
+          self._kernel(), new - old, self.layer.feature_group_count
       )
     else:
-      shift = centering_lib.dense_bias_shift(kernel, new - old)
+      shift = centering_lib.dense_bias_shift(self.layer.kernel[...], new - old)
     self.layer.bias[...] = centering_lib.transported_bias(
         self.layer.bias[...], shift
     )

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax import lax
 
 from cbp_optax import linen as cbp_linen
 from cbp_optax import nnx as cbp_nnx
@@ -121,6 +122,107 @@ def test_linen_transport_is_exact(name, shape, make_nnx, make_linen, dtype):
       after = evaluate(params, centering)
       assert max_relative(after, before) <= TOLERANCE[dtype]
     assert float(jnp.min(jnp.abs(centering['mean']))) > 1.0
+
+
+def explicit_pads(layer, spatial_shape):
+  """Flax's padding of ``layer`` as explicit ``(low, high)`` pads and a mode."""
+  rank = len(layer.kernel_size)
+  as_tuple = lambda v: (1,) * rank if v is None else (
+      (v,) * rank if isinstance(v, int) else tuple(v))
+  dilation = as_tuple(layer.kernel_dilation)
+  dilated = [(k - 1) * d + 1 for k, d in zip(layer.kernel_size, dilation)]
+  padding = layer.padding
+  if isinstance(padding, str):
+    name = padding.upper()
+    if name in ('SAME', 'VALID'):
+      pads = lax.padtype_to_pads(spatial_shape, dilated,
+                                 as_tuple(layer.strides), name)
+      return [tuple(p) for p in pads], 'constant'
+    if name in ('CIRCULAR', 'REFLECT'):
+      return ([((k - 1) // 2, k // 2) for k in dilated],
+              {'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[name])
+    assert name == 'CAUSAL'
+    return [(dilation[0] * (layer.kernel_size[0] - 1), 0)], 'constant'
+  if isinstance(padding, int):
+    return [(padding, padding)] * rank, 'constant'
+  return [(p, p) if isinstance(p, int) else tuple(p) for p in padding], \
+      'constant'
+
+
+def explicit_centered_conv(layer, kernel, bias, mu, x):
+  """The definition: pad, subtract ``mu`` everywhere, convolve unpadded."""
+  rank = len(layer.kernel_size)
+  pads, mode = explicit_pads(layer, x.shape[1:1 + rank])
+  padded = jnp.pad(x, [(0, 0)] + list(pads) + [(0, 0)], mode=mode)
+  spatial = ''.join('HWD'[:rank])
+  numbers = ('N' + spatial + 'C', spatial + 'IO', 'N' + spatial + 'C')
+  strides = layer.strides
+  strides = (strides,) * rank if isinstance(strides, int) else strides
+  dilation = layer.kernel_dilation or 1
+  dilation = (dilation,) * rank if isinstance(dilation, int) else dilation
+  out = lax.conv_general_dilated(
+      padded - mu, kernel, tuple(strides), 'VALID',
+      rhs_dilation=tuple(dilation), dimension_numbers=numbers,
+      feature_group_count=layer.feature_group_count,
+      precision=lax.Precision.HIGHEST)
+  return out + bias
+
+
+CONVS = [layer for layer in LAYERS if layer[0].startswith('conv')]
+
+
+@pytest.mark.parametrize('name, shape, make_nnx, make_linen', CONVS,
+                         ids=[c[0] for c in CONVS])
+def test_centered_conv_matches_the_explicit_definition(
+    name, shape, make_nnx, make_linen):
+  """Values and gradients (eq. 9: dW = (pad(a) - mu)^T delta, border
+  included) equal those of pad -> subtract mu -> unpadded convolution, for
+  every padding mode, stride, dilation and grouping (float64)."""
+  del name
+  with jax.enable_x64(True):
+    dtype = jnp.float64
+    x = inputs(shape, 0, dtype)
+    mu = inputs(shape[-1:], 3, dtype, offset=1.5)
+    layer = make_nnx(dtype, nnx.Rngs(0))
+    centered = cbp_nnx.Centered(layer)
+    centered.mean[...] = mu
+    centered.eval()
+    out = centered(x)
+    delta = inputs(out.shape, 4, dtype, offset=0.0)
+
+    def reference(kernel, bias, x):
+      return jnp.sum(explicit_centered_conv(layer, kernel, bias, mu, x)
+                     * delta)
+
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    expected = explicit_centered_conv(layer, kernel, bias, mu, x)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    want = jax.grad(reference, argnums=(0, 1, 2))(kernel, bias, x)
+    grads, grad_x = nnx.grad(lambda m, x: jnp.sum(m(x) * delta),
+                             argnums=(0, 1))(centered, x)
+    got = (grads['layer']['kernel'][...], grads['layer']['bias'][...], grad_x)
+    for g, w in zip(got, want):
+      assert max_relative(g, w) <= 1e-12
+
+    module = cbp_linen.Centered(make_linen(dtype))
+    variables = module.init(jax.random.key(0), x)
+    params = variables['params']['conv']
+    centering = {'mean': mu, 'batch_mean': jnp.zeros_like(mu)}
+
+    def linen_loss(params, x):
+      out = module.apply({'params': {'conv': params}, 'centering': centering},
+                         x, use_running_average=True)
+      return jnp.sum(out * delta), out
+
+    (_, out), got = jax.value_and_grad(linen_loss, argnums=(0, 1),
+                                       has_aux=True)(params, x)
+    expected = explicit_centered_conv(layer, params['kernel'],
+                                      params['bias'], mu, x)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+    want = jax.grad(reference, argnums=(0, 1, 2))(
+        params['kernel'], params['bias'], x)
+    for g, w in zip((got[0]['kernel'], got[0]['bias'], got[1]), want):
+      assert max_relative(g, w) <= 1e-12
 
 
 def test_gradient_is_centered_outer_product():
