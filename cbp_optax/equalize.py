@@ -216,6 +216,27 @@ def block_energies(
   return jnp.concatenate(per_group)
 
 
+def _equalizing_scales(
+    energy: chex.Array, min_scale: chex.Numeric, max_scale: chex.Numeric
+) -> chex.Array:
+  """``clip(c / sqrt(q_l), min_scale, max_scale)`` of eq. (6), for every block."""
+  if energy.shape[0] == 0:
+    return energy
+  target = jnp.sqrt(jnp.mean(energy))
+  positive = energy > 0
+  safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
+  ratio = jnp.where(
+      positive,
+      target / jnp.sqrt(safe_energy),
+      jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
+  )
+  return jnp.clip(
+      ratio,
+      jnp.asarray(min_scale, energy.dtype),
+      jnp.asarray(max_scale, energy.dtype),
+  )
+
+
 def block_scales(
     energy: chex.Array,
     count: chex.Array,
@@ -229,42 +250,59 @@ def block_scales(
   there is no target scale and the ratio is taken as one. Either way the scale
   stays finite, so a zero gradient gives a zero update.
   """
-  if energy.shape[0] == 0:
-    return energy
-  target = jnp.sqrt(jnp.mean(energy))
-  positive = energy > 0
-  safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
-  ratio = jnp.where(
-      positive,
-      target / jnp.sqrt(safe_energy),
-      jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
-  )
-  scales = jnp.clip(
-      ratio,
-      jnp.asarray(min_scale, energy.dtype),
-      jnp.asarray(max_scale, energy.dtype),
-  )
+  scales = _equalizing_scales(energy, min_scale, max_scale)
   return jnp.where(count > 0, scales, jnp.ones_like(scales))
+
+
+def _group_scales(
+    layout: BlockLayout,
+    energy: chex.Array,
+    count: chex.Array,
+    min_scale: chex.Numeric,
+    max_scale: chex.Numeric,
+) -> tuple[chex.Array, ...]:
+  """:func:`block_scales`, split into one array per group of leaves.
+
+  Step 1 (``s_l = 1``) is a branch rather than a select, and the split happens
+  inside it. That matters for compile time: a slice of the scale vector fused
+  into a per-leaf kernel makes the kernel unique (it embeds the slice offset),
+  and XLA compiles every unique kernel separately, which took minutes for
+  thousands of leaves. Out of the branch each group's scale is its own small
+  buffer, so the parameter-sized kernels that read it are identical for
+  same-shaped leaves and XLA compiles each shape once.
+  """
+  if not layout.groups:
+    return ()
+
+  def split(scales):
+    return tuple(
+        scales[start] if stack is None else scales[start:start + stack]
+        for start, stack in zip(layout.group_starts, layout.group_stacks)
+    )
+
+  return jax.lax.cond(
+      count > 0,
+      lambda q: split(_equalizing_scales(q, min_scale, max_scale)),
+      lambda q: split(jnp.ones_like(q)),
+      energy,
+  )
 
 
 def _scale_leaves(
     layout: BlockLayout,
     leaves: Sequence[chex.Array],
-    scales: chex.Array,
+    group_scales: Sequence[chex.Array],
 ) -> list[chex.Array]:
   scaled = list(leaves)
-  for leaf_ids, start, stack in zip(
-      layout.groups, layout.group_starts, layout.group_stacks
+  for leaf_ids, stack, scale in zip(
+      layout.groups, layout.group_stacks, group_scales
   ):
     for i in leaf_ids:
       leaf = leaves[i]
-      if stack is None:
-        scale = scales[start]
-      else:
-        scale = jnp.reshape(
-            scales[start:start + stack], (stack,) + (1,) * (leaf.ndim - 1)
-        )
-      scaled[i] = (leaf.astype(scales.dtype) * scale).astype(leaf.dtype)
+      leaf_scale = scale
+      if stack is not None:
+        leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
+      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(leaf.dtype)
   return scaled
 
 
@@ -356,10 +394,9 @@ def equalize(
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     _check_matches_state(layout, state)
     leaves, treedef = jax.tree.flatten(updates)
-    scales = block_scales(state.energy, state.count, min_scale, max_scale)
-    # Materialize the L scales once: otherwise XLA fuses their clip/divide
-    # chain into every parameter-sized consumer and recomputes it per element.
-    scales = jax.lax.optimization_barrier(scales)
+    scales = _group_scales(
+        layout, state.energy, state.count, min_scale, max_scale
+    )
     energies = block_energies(layout, leaves, state.energy.dtype)
     energy = decay * state.energy + (1 - decay) * energies
     scaled = _scale_leaves(layout, leaves, scales)

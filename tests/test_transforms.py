@@ -1,5 +1,7 @@
 """Behaviour of equalize, precondition and cbp: semantics, interop, bad input."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -462,6 +464,50 @@ def check_many_leaves(n):
 
 def test_hundreds_of_leaves():
   check_many_leaves(200)
+
+
+def distinct_step_kernels(compiled_text):
+  """Fused kernels the entry computation calls: (total, structurally distinct).
+
+  XLA compiles each structurally distinct kernel separately; identical ones
+  (same ops on same shapes, names aside) are compiled once.
+  """
+  computations = {}
+  for block in re.split(r'\n\n+', compiled_text):
+    match = re.match(r'\s*(?:ENTRY\s+)?%([\w.\-]+)', block)
+    if match:
+      computations[match.group(1)] = block
+  entry = next(
+      b for b in computations.values() if b.lstrip().startswith('ENTRY'))
+  called = re.findall(r'fusion\(.*calls=%([\w.\-]+)', entry)
+
+  def canonical(body):
+    body = body.split('\n', 1)[1]
+    body = re.sub(r', metadata=\{[^}]*\}', '', body)
+    return re.sub(r'%[\w.\-]+', '%', body)
+
+  return len(called), len({canonical(computations[c]) for c in called})
+
+
+def test_compiled_kernels_do_not_grow_with_identical_layers():
+  # Compile time grows with the number of *distinct* kernels. Reading a
+  # layer's scale as a slice of the energy vector inside its parameter-sized
+  # kernels made every layer's kernels distinct (minutes of compile time for
+  # thousands of leaves); they must be shared between same-shaped layers.
+  counts = {}
+  for num_layers in (8, 16):
+    params = {f'layer{i:03d}': {'w': jnp.ones((4, 3)), 'b': jnp.ones(3)}
+              for i in range(num_layers)}
+    tx = cbp.cbp(0.1)
+    state = tx.init(params)
+    text = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+    counts[num_layers] = distinct_step_kernels(text)
+  (total_8, distinct_8), (total_16, distinct_16) = counts[8], counts[16]
+  # Doubling the layers adds kernels, but (fusion decisions aside, which can
+  # move a kernel or two) no distinct ones: each added layer used to add ~4.
+  added, added_distinct = total_16 - total_8, distinct_16 - distinct_8
+  assert added >= 8 * 2, counts
+  assert added_distinct <= 2, counts
 
 
 @pytest.mark.slow
