@@ -7,6 +7,7 @@ overhead) take minutes even in --quick mode; they are marked slow and run with
 ``CBP_OPTAX_SLOW=1 pytest -m slow tests/test_reproduce.py``.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -18,13 +19,17 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+import cbp_optax as cbp
+
 from cbp_optax.reproduce import conditioning
 from cbp_optax.reproduce import depth_training
 from cbp_optax.reproduce import disparity
 from cbp_optax.reproduce import factorial
 from cbp_optax.reproduce import gradient_norms
 from cbp_optax.reproduce import head_to_head
+from cbp_optax.reproduce import protocol
 from cbp_optax.reproduce import quadratic
+from cbp_optax.reproduce import resnet
 from cbp_optax.reproduce import stats
 from cbp_optax.reproduce import training
 from cbp_optax.reproduce.context import StudyContext
@@ -195,6 +200,28 @@ def test_factorial_quick_preconditioning_buys_speed(tmp_path):
   loss = result.summary['mean_train_loss']
   assert loss['M3'] < loss['base']
   assert len(result.summary['sensitivity']) == 1
+  default = result.summary['sensitivity']['damping ζ=1e-3 *']
+  assert np.isfinite(default['mean_train_loss'])
+
+
+def test_sensitivity_settings_share_one_program_and_match_separate_runs():
+  # Table 8's vmapped settings give what one setting run alone gives.
+  data = training.spiral(points_per_arm=40)
+  model_for = lambda centered: training.MLP(hidden=(8, 8), classes=6,
+                                            centered=centered)
+  config = training.TrainConfig(steps=20, batch_size=16, eval_every=20)
+  settings = factorial.SETTINGS[3:5]  # damping 0.1, rho 0.9
+  ctx = StudyContext(out=pathlib.Path('.'), progress=False)
+  rows = factorial.run_sensitivity(ctx, model_for, data, config, 0.01, [0])
+  for setting, (_, loss, _) in zip(settings, rows[3:5]):
+    alone = training.Method(
+        'alone', lambda lr, s=setting: cbp.cbp(
+            lr, damping=s.damping, decay=s.rho, min_scale=s.clip[0],
+            max_scale=s.clip[1], b1=s.b1, b2=s.b2), centered=True)
+    single = training.run_grid(
+        model_for(True), alone, data,
+        dataclasses.replace(config, centering_decay=setting.rho), [0], [0.01])
+    np.testing.assert_allclose(loss, single.train_loss[:, 0, -1], rtol=1e-4)
 
 
 def test_factorial_has_all_eight_cells_in_the_papers_order():
@@ -223,7 +250,30 @@ def test_cli_runs_a_study_and_writes_the_summary(tmp_path):
   assert summary['quadratic']['seconds'] > 0
 
 
-@pytest.mark.parametrize('study', ['mnist', 'resnet', 'overhead'])
+def test_resnet8_has_the_papers_parameter_count():
+  rgb, gray = np.zeros((1, 32, 32, 3)), np.zeros((1, 32, 32, 1))
+  assert resnet.parameter_count(resnet.ResNet8(), rgb) == 77_706
+  assert resnet.parameter_count(resnet.ResNet8(centered=True), rgb) == 77_706
+  assert resnet.parameter_count(resnet.ResNet8(), gray) == 77_418
+
+
+@slow[0]
+@slow[1]
+def test_resnet_quick_runs_every_arm_and_labels_the_substitute(tmp_path):
+  # ~45 s on a loaded 2-core machine (five compilations), hence slow.
+  result = resnet.run(quick(tmp_path, 'resnet'))
+  payload = outputs(tmp_path / 'resnet')
+  assert set(result.summary['final_loss']) == set(resnet.PAPER)
+  assert all(np.isfinite(v) for v in result.summary['final_loss'].values())
+  if not result.summary['cifar10']:
+    assert 'not CIFAR-10' in payload['setup']
+    assert 'Offline substitute' in (tmp_path / 'resnet' /
+                                    'results.md').read_text()
+  assert result.summary['params']['CBP (full)'] == result.summary['params'][
+      'Adam']
+
+
+@pytest.mark.parametrize('study', ['mnist', 'overhead'])
 @slow[0]
 @slow[1]
 def test_real_data_and_timing_studies_quick(tmp_path, study):
@@ -231,3 +281,26 @@ def test_real_data_and_timing_studies_quick(tmp_path, study):
   module = importlib.import_module(f'cbp_optax.reproduce.{study}')
   module.run(quick(tmp_path, study))
   outputs(tmp_path / study)
+
+
+def test_runs_with_the_same_recipe_are_computed_once(monkeypatch):
+  # Table 7's M1 + M2 + M3 cell is Table 6's CBP (full): one training run.
+  data = training.spiral(points_per_arm=40)
+  model_for = lambda centered: training.MLP(hidden=(8,), classes=6,
+                                            centered=centered)
+  config = training.TrainConfig(steps=10, batch_size=16, eval_every=10)
+  calls = []
+  run_grid = training.run_grid
+  monkeypatch.setattr(training, 'run_grid',
+                      lambda *a, **k: calls.append(1) or run_grid(*a, **k))
+  arms = {m.name: m for m in head_to_head.methods()}
+  cells = {m.name: m for m in factorial.factorial_methods()}
+  first = protocol.run_method(arms['CBP (full)'], model_for, data, config,
+                              [0], [0.01], 0.3)
+  second = protocol.run_method(cells['M1 + M2 + M3'], model_for, data,
+                               config, [0], [0.01], 0.3)
+  assert len(calls) == 1 and second.name == 'M1 + M2 + M3'
+  np.testing.assert_array_equal(first.train_loss, second.train_loss)
+  protocol.run_method(cells['M1 + M3'], model_for, data, config, [0], [0.01],
+                      0.3)  # uncentered: a different run
+  assert len(calls) == 2

@@ -61,11 +61,16 @@ def methods() -> list[training.Method]:
       training.Method('LARS', optax.lars),
       training.Method('LAMB', optax.lamb),
       training.Method('Adam + Center', optax.adam, centered=True),
-      training.Method('CBP-M1', m1_momentum),
-      training.Method('CBP-M2', momentum, centered=True),
-      training.Method('CBP-M3', m3),
-      training.Method('CBP-M1M2', m1_momentum, centered=True),
-      training.Method('CBP (full)', cbp.cbp, centered=True),
+      training.Method('CBP-M1', m1_momentum,
+                      recipe=training.factorial_recipe(True, False)),
+      training.Method('CBP-M2', momentum, centered=True,
+                      recipe=training.factorial_recipe(False, False)),
+      training.Method('CBP-M3', m3,
+                      recipe=training.factorial_recipe(False, True)),
+      training.Method('CBP-M1M2', m1_momentum, centered=True,
+                      recipe=training.factorial_recipe(True, False)),
+      training.Method('CBP (full)', cbp.cbp, centered=True,
+                      recipe=training.factorial_recipe(True, True)),
   ]
 
 

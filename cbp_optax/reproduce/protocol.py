@@ -42,6 +42,10 @@ def censored_iterations(iterations: np.ndarray, budget: int) -> np.ndarray:
   return np.where(np.isfinite(iterations), iterations, budget)
 
 
+# recipe key -> RunResult of the whole grid (see run_method).
+_RESULTS: dict = {}
+
+
 def run_method(
     method: training.Method,
     model_for: Callable[[bool], object],
@@ -51,9 +55,23 @@ def run_method(
     grid: Sequence[float],
     threshold: float,
 ) -> Outcome:
-  """Grid, discard rule, selection and per-seed metrics of one method."""
-  result = training.run_grid(model_for(method.centered), method, data, config,
-                             seeds, grid)
+  """Grid, discard rule, selection and per-seed metrics of one method.
+
+  Runs of a method with a ``recipe`` are computed once per process for the
+  same network, data, budget, seeds and grid: Table 7's M1, M2, M3, M1 + M2
+  and M1 + M2 + M3 cells are Table 6's CBP-M1, CBP-M2, CBP-M3, CBP-M1M2 and
+  CBP (full) arms, so ``reproduce all`` trains them once.
+  """
+  model = model_for(method.centered)
+  key = None
+  if method.recipe is not None:
+    key = (method.recipe, method.centered, repr(model), config, tuple(seeds),
+           tuple(grid), data.description)
+  result = _RESULTS.get(key) if key is not None else None
+  if result is None:
+    result = training.run_grid(model, method, data, config, seeds, grid)
+    if key is not None:
+      _RESULTS[key] = result
   keep = training.all_finite(result, axis=0)
   profile = {
       lr: (float(result.val_loss[:, i, -1].mean()) if keep[i] else None)

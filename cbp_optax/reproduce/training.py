@@ -164,11 +164,21 @@ class Method:
   """An optimizer arm: the optax transform for a learning rate, and M2 on/off.
 
   ``make_tx(learning_rate)`` is called inside the traced program, so the
-  learning rate may be a tracer (a grid is one vmapped program).
+  learning rate may be a tracer (a grid is one vmapped program). It may also
+  be a dict of hyperparameters (``run_grid`` vmaps over any pytree), e.g. the
+  Table 8 settings; ``centering_decay(hyper)`` then reads the centering EMA
+  decay from it (None: ``TrainConfig.centering_decay``).
+
+  ``recipe`` names the exact optimizer (same transform, same arguments) for
+  methods that several studies run under different names; runs with the same
+  recipe, network, data, budget, seeds and grid are computed once per process
+  (``protocol.run_method``). None: never shared.
   """
   name: str
   make_tx: Callable[[Any], optax.GradientTransformation]
   centered: bool = False
+  recipe: Optional[str] = None
+  centering_decay: Optional[Callable[[Any], Any]] = None
 
 
 def momentum_base(b1: float = 0.9) -> optax.GradientTransformation:
@@ -194,10 +204,18 @@ def factorial_tx(
   return optax.chain(*parts)
 
 
+def factorial_recipe(m1: bool, m3: bool) -> str:
+  """``Method.recipe`` of ``factorial_tx`` (b1 = 0.9); M1 + M3 is ``cbp.cbp``
+  with its defaults (the same chain: equalize -> precondition -> lr)."""
+  return {(False, False): 'momentum', (True, False): 'equalize+momentum',
+          (False, True): 'precondition', (True, True): 'cbp'}[(m1, m3)]
+
+
 def factorial_method(m1: bool, m2: bool, m3: bool) -> Method:
   names = [n for n, on in (('M1', m1), ('M2', m2), ('M3', m3)) if on]
   return Method(' + '.join(names) or 'base',
-                functools.partial(factorial_tx, m1=m1, m3=m3), centered=m2)
+                functools.partial(factorial_tx, m1=m1, m3=m3), centered=m2,
+                recipe=factorial_recipe(m1, m3))
 
 
 # ---------------------------------------------------------------------------
@@ -268,6 +286,8 @@ def make_trainer(
       params, collections = init(init_key, train_x)
     tx = method.make_tx(learning_rate)
     opt_state = tx.init(params)
+    decay = (config.centering_decay if method.centering_decay is None else
+             method.centering_decay(learning_rate))
 
     def step(carry, index):
       params, collections, opt_state = carry
@@ -287,7 +307,7 @@ def make_trainer(
       params = optax.apply_updates(params, updates)
       if method.centered:
         params, centering = cbp.linen.transport(
-            params, recorded['centering'], config.centering_decay)
+            params, recorded['centering'], decay)
         recorded = {**recorded, 'centering': centering}
       return (params, recorded, opt_state), loss
 
@@ -318,15 +338,22 @@ def run_grid(
     data: Dataset,
     config: TrainConfig,
     seeds: Sequence[int],
-    learning_rates: Sequence[float],
+    learning_rates: Any,
     init: Optional[Callable[[jax.Array, jax.Array], tuple[Any, Any]]] = None,
 ) -> RunResult:
-  """All (seed, learning rate) runs of a method as one jit: axes (seed, lr)."""
+  """All (seed, learning rate) runs of a method as one jit: axes (seed, lr).
+
+  ``learning_rates`` is a sequence of rates, or a dict of equal-length
+  sequences (one hyperparameter setting per index) for ``make_tx``.
+  """
   train = make_trainer(model, method, data, config, init)
   grid = jax.jit(jax.vmap(jax.vmap(train, (None, 0)), (0, None)))
   keys = jnp.stack([jax.random.key_data(jax.random.key(s)) for s in seeds])
   keys = jax.vmap(jax.random.wrap_key_data)(keys)
-  result = grid(keys, jnp.asarray(learning_rates, jnp.float32))
+  as_array = lambda v: jnp.asarray(v, jnp.float32)
+  rates = ({k: as_array(v) for k, v in learning_rates.items()}
+           if isinstance(learning_rates, dict) else as_array(learning_rates))
+  result = grid(keys, rates)
   return jax.tree.map(np.asarray, result)
 
 
