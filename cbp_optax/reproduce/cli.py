@@ -88,9 +88,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     result = module.run(ctx)
     seconds = time.perf_counter() - start
-    print(f'   done in {seconds:.1f} s -> {ctx.out}', flush=True)
-    rows.append([name, module.TITLE, f'{seconds:.1f}'])
-    summary[name] = {'seconds': seconds, 'summary': result.summary}
+    # The machine may be shared: the load average (1, 5, 15 min) at the end
+    # of each study says how contended its wall time was.
+    load = os.getloadavg()
+    print(f'   done in {seconds:.1f} s -> {ctx.out} (load average '
+          f'{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f})', flush=True)
+    rows.append([name, module.TITLE, f'{seconds:.1f}',
+                 ' / '.join(f'{v:.1f}' for v in load)])
+    summary[name] = {'seconds': seconds, 'load_average': load,
+                     'summary': result.summary}
     # Rewritten after every study, so an interrupted run keeps its times.
     _write_summary(plotting, args, rows, summary, jax)
   return 0
@@ -103,8 +109,9 @@ def _write_summary(plotting, args, rows, summary, jax) -> None:
             f'{jax.__version__} on {jax.devices()[0].platform}, '
             f'{os.cpu_count()} CPU(s) visible.')
   plotting.write_markdown(args.out / 'summary.md', 'Reproduction run', [
-      header, plotting.markdown_table(['study', 'paper item', 'wall time (s)'],
-                                      rows)])
+      header, plotting.markdown_table(
+          ['study', 'paper item', 'wall time (s)',
+           'load average at the end (1 / 5 / 15 min)'], rows)])
   plotting.write_json(args.out / 'summary.json', summary)
 
 
