@@ -215,6 +215,75 @@ def torch_table(torch: Optional[dict]) -> str:
   return '\n'.join(lines)
 
 
+def peer_table(peer: Optional[dict]) -> str:
+  """Ours and PyTorch interleaved in one process: ratios to PyTorch's Adam."""
+  if not peer:
+    return 'Not run (`--sections peer`).'
+  if 'skipped' in peer:
+    return peer['skipped']
+  names = ['ours Adam', 'ours CBP', 'torch Adam', 'torch CBP']
+  head = (['Arch', 'batch', 'rounds', 'load'] + [f'{n} ms' for n in names]
+          + [f'{n} / torch Adam' for n in names if n != 'torch Adam'])
+  lines = [f"PyTorch {peer['torch_version']}, {peer['threads']} threads; "
+           'every round runs the four steps once (rotating order).', '',
+           '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for g in peer['groups']:
+    load = g['load_average']
+    cells = [g['arch'], str(g['batch']),
+             str(g['rounds']) + (' (step > 0.5 s)' if g['reduced_rounds']
+                                 else ''),
+             f"{load['start'][0]:.1f}-{load['end'][0]:.1f}"]
+    cells += [_time(g['variants'][n]['time']) for n in names]
+    cells += [_ratio(g['variants'][n]['ratio_to_torch_adam']) for n in names
+              if n != 'torch Adam']
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def mnist_table(mnist: Optional[dict]) -> str:
+  """Wall clock to the smoothed-loss threshold, each method at its rate."""
+  if not mnist:
+    return 'Not run (`--sections mnist`).'
+  if 'skipped' in mnist:
+    return mnist['skipped']
+  lines = [
+      f"Data: {mnist['source']}. MLP 784 -> {mnist['width']} x 4 -> 10, "
+      f"batch {mnist['batch']}, time until the smoothed training loss "
+      f"(debiased EMA 0.9 of the minibatch loss) < {mnist['threshold']}; "
+      f"rate per method from {mnist['grid']} (fewest median iterations "
+      'among the rates where every seed gets there), seconds = median over '
+      f"seeds of {mnist.get('timing_repeats', 1)} interleaved timed runs, "
+      f"seeds {mnist['seeds']}, at most {mnist['max_steps']} steps; "
+      f"load {mnist['load_average']['start'][0]:.1f}-"
+      f"{mnist['load_average']['end'][0]:.1f}.", '',
+      '| method | lr | iterations (median) | seconds (median) | ms / step |',
+      '|---|---|---|---|---|']
+  for method, row in mnist['summary'].items():
+    its = '-' if row['iterations'] is None else f"{row['iterations']:.0f}"
+    secs = '-' if row['seconds'] is None else f"{row['seconds']:.2f}"
+    per = ('-' if row['seconds_per_step'] is None
+           else f"{1e3 * row['seconds_per_step']:.2f}")
+    lines.append(f"| {method} | {row['lr']} | {its} | {secs} | {per} |")
+  ratio = mnist.get('time_ratio_cbp_to_adam')
+  per_seed = mnist.get('median_per_seed_time_ratio')
+  lines += ['', 'CBP / Adam time to the threshold: '
+            + ('-' if ratio is None else f'{ratio:.2f}')
+            + ' (ratio of medians); median of per-seed ratios: '
+            + ('-' if per_seed is None else f'{per_seed:.2f}')
+            + '. Target (issue 5): <= 0.80; the paper: about 1.5.', '',
+            'Selection runs (iterations to the threshold, or censored: '
+            'diverged or out of steps):', '',
+            '| method | lr | seed | iterations | seconds |',
+            '|---|---|---|---|---|']
+  for method, runs in mnist['runs'].items():
+    for r in runs:
+      lines.append(
+          f"| {method} | {r['lr']} | {r['seed']} | "
+          f"{r['iterations'] or 'censored'} | "
+          f"{'-' if r['seconds'] is None else format(r['seconds'], '.2f')} |")
+  return '\n'.join(lines)
+
+
 def render(results: dict[str, Any]) -> str:
   """The whole markdown report."""
   env = results['environment']
@@ -261,4 +330,10 @@ def render(results: dict[str, Any]) -> str:
   if results.get('rss'):
     parts += ['## Peak resident memory', '', rss_table(results['rss']), '']
   parts += ['## PyTorch peer', '', torch_table(results.get('torch')), '']
+  if results.get('peer'):
+    parts += ['## Ours and PyTorch, interleaved in one process', '',
+              peer_table(results['peer']), '']
+  if results.get('mnist'):
+    parts += ['## MNIST: wall clock to the threshold', '',
+              mnist_table(results['mnist']), '']
   return '\n'.join(parts)

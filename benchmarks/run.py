@@ -7,6 +7,8 @@ Usage::
   python benchmarks/run.py --quick         # smoke run (< 1 min)
   python benchmarks/run.py --device gpu    # the same on a GPU (see gpu.sh)
   python benchmarks/run.py --sections steps,optimizer --archs MLP-1024
+  python benchmarks/run.py --sections peer --archs ResNet-8  # ours vs torch, paired
+  python benchmarks/run.py --sections mnist --data-dir ../shared/data/mnist
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default
 ``results/benchmarks``) and prints the markdown. XLA flags the suite sets are
@@ -34,7 +36,7 @@ if REPO not in sys.path:
 # default (~2.4x slower ResNet-8 steps); this flag keeps them on the
 # individual-convolution path. Same results to ~1e-7 (STYLE.md).
 YNN_CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
-SECTIONS = ('steps', 'optimizer', 'rss', 'torch')
+SECTIONS = ('steps', 'optimizer', 'rss', 'torch', 'peer', 'mnist')
 FULL_ROUNDS, SLOW_ROUNDS, FULL_WARMUP = 60, 20, 5
 QUICK_ROUNDS, QUICK_WARMUP = 5, 1
 
@@ -58,6 +60,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument('--batches', default=None, help='e.g. 128,256')
   parser.add_argument('--rounds', type=int, default=None,
                       help='timed rounds (default 60, 20 for steps > 0.5 s)')
+  parser.add_argument('--data-dir', default=None,
+                      help='MNIST IDX files for the mnist section (default: '
+                      'the shared copy, ../shared/data/mnist from the repo); '
+                      'the section is skipped, saying so, without them')
   parser.add_argument('--no-ynn-flag', action='store_true',
                       help='leave the XLA CPU convolution fusion default')
   parser.add_argument('--rss-child', nargs=4, default=None,
@@ -286,6 +292,53 @@ def run_torch(archs, batch: int, rounds: int, warmup: int) -> dict:
   return torch_peer.run(archs, batch, rounds, warmup)
 
 
+def run_peer(archs, batch: int, rounds: int, warmup: int) -> dict:
+  """Ours and the PyTorch peer interleaved round by round, in one process.
+
+  The torch section times the peer after ours, minutes apart; on a shared
+  machine that compares two different loads. Here every round runs our Adam
+  and full CBP steps and PyTorch's Adam and CBP steps once each (rotating
+  order), so "ours / PyTorch Adam" is a per-round ratio like the others.
+  """
+  try:
+    from benchmarks import torch_peer
+  except ImportError as error:
+    return {'skipped': f'Paired peer skipped: {error}.'}
+  if torch_peer.torch is None:
+    return {'skipped': 'Paired peer skipped: torch is not installed '
+                       '(pip install torch==2.13.0 for the CPU wheel).'}
+  import gc
+
+  from benchmarks import steps as steps_lib, timing
+  torch_peer.torch.set_num_threads(torch_peer.THREADS)
+  groups = []
+  for arch in archs:
+    log(f'paired with PyTorch: {arch.name} batch {batch}')
+    load_at_start = os.getloadavg()
+    steps = {}
+    for variant in (steps_lib.ADAM, steps_lib.CBP_FULL):
+      steps[f'ours {variant.name}'] = steps_lib.make_runner(
+          'linen', arch, variant, batch).step
+    for variant in ('Adam', 'CBP'):
+      steps[f'torch {variant}'] = torch_peer._make_step(arch, variant, batch)
+    warm = timing.warm_up(steps, warmup)
+    n_rounds, reduced = timing.rounds_for(warm, rounds,
+                                          min(rounds, SLOW_ROUNDS))
+    times = timing.interleaved(steps, n_rounds)
+    ratios = timing.pairwise_ratios(times, 'torch Adam')
+    groups.append({
+        'arch': arch.name, 'batch': batch, 'rounds': n_rounds,
+        'reduced_rounds': reduced,
+        'load_average': {'start': load_at_start, 'end': os.getloadavg()},
+        'variants': {name: {'time': timing.quartiles(times[name]),
+                            'ratio_to_torch_adam': ratios[name]}
+                     for name in steps}})
+    del steps
+    gc.collect()
+  return {'torch_version': torch_peer.torch.__version__,
+          'threads': torch_peer.THREADS, 'groups': groups}
+
+
 # ------------------------------------------------------------------- main
 
 
@@ -353,6 +406,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
       results['torch'] = {'skipped': 'PyTorch peer skipped: it is the '
                                      "paper's CPU protocol (2 threads)."}
+    save(results)
+  if 'peer' in sections:
+    log('ours and PyTorch, interleaved')
+    if args.device == 'cpu':
+      results['peer'] = run_peer(archs, batches[0], rounds, warmup)
+    else:
+      results['peer'] = {'skipped': 'Paired peer skipped: CPU protocol.'}
+    save(results)
+  if 'mnist' in sections:
+    log('MNIST wall-clock to the threshold')
+    from benchmarks import mnist
+    results['mnist'] = mnist.run(args.data_dir, quick=args.quick,
+                                 log=lambda message: log(message))
+    if 'skipped' in results['mnist']:
+      log(results['mnist']['skipped'])
     save(results)
   if 'steps' in sections:
     # NNX (with --api both) only at the paper's batch size.

@@ -114,3 +114,25 @@ def test_region_analysis_removes_the_lag_copy_without_changing_results(api):
   for a, b in zip(jax.tree.leaves(shipped.read_state()),
                   jax.tree.leaves(default_xla.read_state())):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mnist_section_skips_without_data(tmp_path):
+  from benchmarks import mnist
+  result = mnist.run(str(tmp_path / 'absent'), quick=True)
+  assert 'skipped' in result
+  assert 'no MNIST data' in result['skipped']
+
+
+def test_mnist_section_quick_run_reports_both_methods():
+  from benchmarks import mnist
+  if not os.path.isdir(mnist.DEFAULT_DATA_DIR):
+    pytest.skip(f'no MNIST copy at {mnist.DEFAULT_DATA_DIR}')
+  result = mnist.run(None, quick=True, log=lambda message: None)
+  if 'skipped' in result:
+    pytest.skip(result['skipped'])
+  assert set(result['summary']) == {'Adam', 'CBP'}
+  for runs in result['runs'].values():
+    assert len(runs) == len(result['grid']) * len(result['seeds'])
+    for run in runs:
+      assert run['steps_run'] >= 1
+      assert run['iterations'] is None or run['seconds'] > 0
