@@ -128,8 +128,6 @@ class Centered(nn.Module):
       inner = layer.clone(parent=self, name=_CONV)
       outputs = inner(inputs)
       kernel = inner.variables['params']['kernel']
-      if layer.mask is not None:
-        kernel = kernel * layer.mask
       correction = centering_lib.conv_mean_correction(
           kernel, mean.value, layer.feature_group_count
       )
@@ -153,6 +151,14 @@ def _check_supported(layer: Any) -> None:
     )
   if isinstance(layer, nn.Conv):
     centering_lib.check_conv_supported(layer.input_dilation, layer.use_bias)
+    if layer.mask is not None:
+      # transport(params, centering) sees the parameters, not the module, so
+      # it would shift the bias with the unmasked kernel: not exact.
+      raise ValueError(
+          'Centered (Linen) does not support a conv mask: the pure transport '
+          'cannot see it and would move the bias by the unmasked kernel. Use '
+          'cbp_optax.nnx.Centered, whose transport applies the mask.'
+      )
   if isinstance(layer, nn.DenseGeneral) and layer.batch_dims:
     raise ValueError(
         'Centered does not support DenseGeneral with batch_dims: the kernel '

@@ -382,8 +382,9 @@ def test_nnx_refuses_inexact_layers(make, match):
     (nn.Dense(4, use_bias=False), ValueError, 'bias'),
     (nn.Conv(4, (3, 3), input_dilation=2), ValueError, 'dilation'),
     (nn.DenseGeneral(4, batch_dims=(0,)), ValueError, 'batch_dims'),
+    (nn.Conv(4, (3, 3), mask=jnp.ones((3, 3, 2, 4))), ValueError, 'mask'),
 ], ids=['conv_transpose', 'conv_local', 'no_bias', 'input_dilation',
-        'batch_dims'])
+        'batch_dims', 'conv_mask'])
 def test_linen_refuses_at_construction(layer, error, match):
   with pytest.raises(error, match=match):
     cbp_linen.Centered(layer)
