@@ -512,6 +512,6 @@ def test_compiled_kernels_do_not_grow_with_identical_layers():
 
 @pytest.mark.slow
 def test_ten_thousand_leaves():
-  # XLA's CPU compile time grows with the number of per-leaf ops; see the
-  # compile-time table in the notes (tens of minutes on 2 cores).
+  # XLA's CPU compile time grows superlinearly with the number of buffers:
+  # 20 min and 17.7 GB here on 2 shared cores (Adam: 7.6 min, 12.4 GB).
   check_many_leaves(10_000)
