@@ -2,7 +2,8 @@
 --quick mode with the qualitative facts that must hold.
 
 The synthetic studies take about a minute together on an idle 2-core machine
-(measured: 19 tests in 58 s; 14 of them took 77 s at load average 5). The
+(measured: the 21 default tests of this file in 58 s at load average ~2; 14
+of them took 77 s at load average 5). The
 real-data and timing studies (mnist, resnet, overhead) take longer in --quick
 mode (resnet: 45-55 s, five compilations, at load 5); they are marked slow and
 run with ``CBP_OPTAX_SLOW=1 pytest -m slow tests/test_reproduce.py``.
