@@ -281,14 +281,22 @@ def run_rss(args, archs, batch: int) -> dict:
 # ------------------------------------------------------------------ torch
 
 
-def run_torch(archs, batch: int, rounds: int, warmup: int) -> dict:
+def _import_torch_peer(section: str):
+  """``(torch_peer, None)``, or ``(None, {'skipped': why})`` without torch."""
   try:
     from benchmarks import torch_peer
   except ImportError as error:
-    return {'skipped': f'PyTorch peer skipped: {error}.'}
+    return None, {'skipped': f'{section} skipped: {error}.'}
   if torch_peer.torch is None:
-    return {'skipped': 'PyTorch peer skipped: torch is not installed '
-                       '(pip install torch==2.13.0 for the CPU wheel).'}
+    return None, {'skipped': f'{section} skipped: torch is not installed '
+                             '(pip install torch==2.13.0 for the CPU wheel).'}
+  return torch_peer, None
+
+
+def run_torch(archs, batch: int, rounds: int, warmup: int) -> dict:
+  torch_peer, skipped = _import_torch_peer('PyTorch peer')
+  if skipped:
+    return skipped
   return torch_peer.run(archs, batch, rounds, warmup)
 
 
@@ -300,13 +308,9 @@ def run_peer(archs, batch: int, rounds: int, warmup: int) -> dict:
   and full CBP steps and PyTorch's Adam and CBP steps once each (rotating
   order), so "ours / PyTorch Adam" is a per-round ratio like the others.
   """
-  try:
-    from benchmarks import torch_peer
-  except ImportError as error:
-    return {'skipped': f'Paired peer skipped: {error}.'}
-  if torch_peer.torch is None:
-    return {'skipped': 'Paired peer skipped: torch is not installed '
-                       '(pip install torch==2.13.0 for the CPU wheel).'}
+  torch_peer, skipped = _import_torch_peer('Paired peer')
+  if skipped:
+    return skipped
   import gc
 
   from benchmarks import steps as steps_lib, timing
