@@ -4,10 +4,46 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
+import jax
+import jax.numpy as jnp
 import optax
 
+from cbp_optax import _checks
 from cbp_optax import equalize as equalize_lib
 from cbp_optax import precondition as precondition_lib
+
+
+def _narrow_in_float32(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Runs ``inner`` on float32 copies of float16 gradients.
+
+  The update comes back in each gradient's dtype (optax's dtype contract, so
+  ``lax.cond``, ``apply_if_finite`` and ``MultiSteps`` work), cast only after
+  the learning rate, where it is small; a value still beyond float16's range
+  saturates (:func:`cbp_optax.precondition.saturating_cast`). Trees without
+  float16 leaves go through ``inner`` untouched: the same computation, bit
+  for bit, as the bare chain. The state is ``inner``'s.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    dtypes = [jnp.result_type(g) for g in jax.tree.leaves(updates)]
+    if not any(precondition_lib.is_narrow(d) for d in dtypes):
+      return inner.update(updates, state, params, **extra_args)
+    wide = jax.tree.map(
+        lambda g: jnp.asarray(g, jnp.float32)
+        if precondition_lib.is_narrow(jnp.result_type(g)) else g,
+        updates,
+    )
+    new_updates, new_state = inner.update(wide, state, params, **extra_args)
+    leaves, treedef = jax.tree.flatten(new_updates)
+    return treedef.unflatten([
+        precondition_lib.saturating_cast(u, d) if precondition_lib.is_narrow(d)
+        else u for u, d in zip(leaves, dtypes)
+    ]), new_state
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def cbp(
@@ -19,12 +55,12 @@ def cbp(
     decay: float = 0.99,
     min_scale: float = 0.1,
     max_scale: float = 4.0,
-    weight_decay: float = 0.0,
+    weight_decay: Optional[optax.ScalarOrSchedule] = None,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
     stats_dtype: Optional[Any] = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
 
   The chain :func:`equalize` -> :func:`precondition` -> optional decoupled
@@ -34,26 +70,61 @@ def cbp(
   optimizer step: wrap the layers with ``cbp_optax.nnx.Centered`` or
   ``cbp_optax.linen.Centered`` and train with the fused step of those modules.
 
+  Choosing the learning rate: the preconditioner of step :math:`t` uses the
+  second moment stored before step :math:`t` (the lag of Algorithm 1), so a
+  coordinate whose gradient was exactly zero until now is scaled by up to
+  :math:`1/\zeta` = 1000 (default damping) the first time it is non-zero:
+  Adam's learning rate can be far too large (on Rosenbrock from the origin,
+  :math:`\eta = 0.1` sends the second coordinate to about 421). Start around
+  :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`, or use a larger ``damping`` or
+  a learning-rate warm-up where gradients can be exactly zero at the start;
+  see :func:`precondition`.
+
+  Hyperparameters: every argument but ``learning_rate`` and ``weight_decay``
+  must be a number; to schedule ``b1``, ``b2``, ``damping``, ``decay``,
+  ``min_scale`` or ``max_scale`` use
+  ``optax.inject_hyperparams(cbp.cbp)(learning_rate=..., b1=schedule)``.
+  Concrete values are validated here; values traced by
+  ``inject_hyperparams`` only by shape.
+
+  Dtypes: updates have the gradients' dtype. float16 gradients run through
+  the chain as float32 (float16 cannot hold the preconditioned direction,
+  up to ``max_scale / damping`` times the gradient) and only the final,
+  learning-rate-scaled update is cast back to float16, saturating at its
+  largest finite value.
+
   Args:
-    learning_rate: :math:`\eta`, a float or an optax schedule.
-    b1: momentum decay :math:`\beta_1` (0 gives the analysed momentum-free
-      method).
-    b2: second-moment decay :math:`\beta_2`.
-    damping: preconditioner damping :math:`\zeta`.
-    decay: block-energy EMA decay :math:`\rho` of M1 (eq. 5).
-    min_scale: :math:`s_{\min}` of eq. (6).
-    max_scale: :math:`s_{\max}` of eq. (6).
-    weight_decay: decoupled (AdamW-style) weight decay, added to the update
-      before the learning rate is applied; 0 leaves it out of the chain.
+    learning_rate: :math:`\eta \ge 0`, a float or an optax schedule.
+    b1: momentum decay :math:`\beta_1` in [0, 1) (0 gives the analysed
+      momentum-free method).
+    b2: second-moment decay :math:`\beta_2` in [0, 1).
+    damping: preconditioner damping :math:`\zeta > 0`.
+    decay: block-energy EMA decay :math:`\rho` of M1 (eq. 5), in [0, 1).
+    min_scale: :math:`s_{\min} > 0` of eq. (6).
+    max_scale: :math:`s_{\max} \ge s_{\min}` of eq. (6).
+    weight_decay: decoupled (AdamW-style) weight decay :math:`\ge 0` (a
+      number or a schedule), added to the update before the learning rate is
+      applied. ``None`` (the default) leaves it out of the chain; any number,
+      0 included, puts ``optax.add_decayed_weights`` in the chain, so the
+      state has one structure whatever the value (as
+      ``optax.inject_hyperparams`` requires).
     mask: which parameters the weight decay applies to, as in
       ``optax.add_decayed_weights``.
     block_fn: grouping of leaves into M1 blocks, see :func:`equalize`.
     stacked: layer-stacked leaves, see :func:`equalize`.
-    stats_dtype: dtype of all optimizer statistics (default float32, float64
-      for float64 parameters).
+    stats_dtype: a real floating dtype for all optimizer statistics (default
+      float32, float64 for float64 parameters).
 
   Returns:
-    An ``optax.GradientTransformation``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
+    ``(EqualizeState, PreconditionState, [weight decay state,] learning-rate
+    state)``.
+
+  Raises:
+    TypeError: a hyperparameter of the wrong type (bool, string, schedule
+      where none is supported) or a non-float ``stats_dtype``.
+    ValueError: a non-scalar hyperparameter, or a concrete value that is
+      not finite or out of range.
 
   Examples:
     >>> import cbp_optax as cbp
@@ -66,6 +137,9 @@ def cbp(
   References:
     Conditioned Backpropagation, §4.4 and Algorithm 1.
   """
+  _checks.check_nonnegative('learning_rate', learning_rate, schedule_ok=True)
+  if weight_decay is not None:
+    _checks.check_nonnegative('weight_decay', weight_decay, schedule_ok=True)
   transforms = [
       equalize_lib.equalize(
           decay,
@@ -79,7 +153,7 @@ def cbp(
           b1, b2, damping, stats_dtype=stats_dtype
       ),
   ]
-  if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+  if weight_decay is not None:
     transforms.append(optax.add_decayed_weights(weight_decay, mask))
   transforms.append(optax.scale_by_learning_rate(learning_rate))
-  return optax.chain(*transforms)
+  return _narrow_in_float32(optax.chain(*transforms))

@@ -292,6 +292,7 @@ def _scale_leaves(
     layout: BlockLayout,
     leaves: Sequence[chex.Array],
     group_scales: Sequence[chex.Array],
+    out_dtypes: Sequence[Any],
 ) -> list[chex.Array]:
   scaled = list(leaves)
   for leaf_ids, stack, scale in zip(
@@ -302,7 +303,8 @@ def _scale_leaves(
       leaf_scale = scale
       if stack is not None:
         leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
-      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(leaf.dtype)
+      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(
+          out_dtypes[i])
   return scaled
 
 
@@ -315,6 +317,47 @@ def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
         'structure of the parameters given to init (same leaves, same block '
         'grouping).'
     )
+
+
+Signature = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _signature(tree: Any) -> Signature:
+  """Every leaf's name (NNX ``.value`` suffixes dropped) and shape."""
+  return tuple(
+      (path_name(_strip_variable_suffix(path)), tuple(jnp.shape(leaf)))
+      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  )
+
+
+def _describe_difference(got: Signature, expected: Signature) -> str:
+  got_map, expected_map = dict(got), dict(expected)
+  lines = []
+  for name in expected_map:
+    if name not in got_map:
+      lines.append(f'missing: {name!r}')
+    elif got_map[name] != expected_map[name]:
+      lines.append(f'{name!r} has shape {got_map[name]}, expected '
+                   f'{expected_map[name]}')
+  lines += [f'not expected: {name!r}' for name in got_map
+            if name not in expected_map]
+  if len(lines) > 10:
+    lines = lines[:10] + [f'... and {len(lines) - 10} more']
+  return '; '.join(lines) or 'the leaves are in another order'
+
+
+def _check_matches_init(
+    signature: Signature, seen: set[Signature], what: str
+) -> None:
+  if not seen or signature in seen:
+    return
+  expected = min(seen, key=lambda s: len(set(s) ^ set(signature)))
+  raise ValueError(
+      f'equalize: the {what} do not match the parameters the state was '
+      f'initialized with ({_describe_difference(signature, expected)}). The '
+      'updates must have the leaves and shapes of the parameters given to '
+      'init.'
+  )
 
 
 def equalize(
@@ -379,10 +422,18 @@ def equalize(
     )
   _checks.check_callable('block_fn', block_fn)
   _checks.check_callable('stacked', stacked)
+  stats_dtype = _checks.check_stats_dtype(stats_dtype)
+  # The leaves (names and shapes) of every tree this transform was
+  # initialized on. The state is a flat vector whose length alone cannot tell
+  # one tree from another with as many blocks; this static record can, for
+  # updates of this instance (optax.inject_hyperparams builds a new instance
+  # per call and relies on the block-count check alone).
+  initialized_on: set[Signature] = set()
 
   def init_fn(params):
     _checks.check_float_leaves('equalize', params)
     layout = block_layout(params, block_fn=block_fn, stacked=stacked)
+    initialized_on.add(_signature(params))
     dtype = stats_dtype_for(params, stats_dtype)
     return EqualizeState(
         count=jnp.zeros([], jnp.int32),
@@ -390,16 +441,31 @@ def equalize(
     )
 
   def update_fn(updates, state, params=None):
-    del params
+    _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     _check_matches_state(layout, state)
+    signature = _signature(updates)
+    _check_matches_init(signature, initialized_on, 'gradients')
     leaves, treedef = jax.tree.flatten(updates)
+    param_leaves = [None] * len(leaves)
+    if params is not None:
+      param_signature = _signature(params)
+      if param_signature != signature:
+        raise ValueError(
+            'equalize: the gradients do not match the parameters passed to '
+            f'update ({_describe_difference(signature, param_signature)}).'
+        )
+      param_leaves = jax.tree.leaves(params)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    out_dtypes = [
+        _checks.output_dtype(g, p) for g, p in zip(leaves, param_leaves)
+    ]
     scales = _group_scales(
         layout, state.energy, state.count, min_scale, max_scale
     )
     energies = block_energies(layout, leaves, state.energy.dtype)
     energy = decay * state.energy + (1 - decay) * energies
-    scaled = _scale_leaves(layout, leaves, scales)
+    scaled = _scale_leaves(layout, leaves, scales, out_dtypes)
     new_state = EqualizeState(
         count=numerics.safe_increment(state.count),
         energy=energy.astype(state.energy.dtype),

@@ -41,19 +41,38 @@ def _moment_dtype(leaf: Any, stats_dtype: Optional[Any]) -> jnp.dtype:
   return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
 
 
-def _update_dtype(grad_dtype: Any) -> jnp.dtype:
-  # The direction can reach max_scale / damping (4000 by default) times the
-  # gradient, beyond float16's range (65504): narrow-range dtypes get float32
-  # updates, which optax.apply_updates casts back to the parameter dtype after
-  # the learning rate. bfloat16 has float32's range and keeps its dtype.
-  if jnp.finfo(grad_dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
-    return jnp.promote_types(grad_dtype, jnp.float32)
-  return jnp.dtype(grad_dtype)
+def is_narrow(dtype: Any) -> bool:
+  """Whether ``dtype`` is a float of smaller range than float32 (float16)."""
+  dtype = jnp.dtype(dtype)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and (
+      jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+  )
+
+
+def saturating_cast(x: chex.Array, dtype: Any) -> chex.Array:
+  """``x.astype(dtype)``, but finite values beyond ``dtype``'s range saturate.
+
+  The direction ``P_t m_hat`` can reach ``max_scale / damping`` (4000 by
+  default) times the gradient, beyond float16's range (65504). Cast to float16
+  it would become an infinity, i.e. a NaN parameter after the update; here it
+  becomes float16's largest finite value instead. NaN and infinities stay as
+  they are (``optax.apply_if_finite`` and the fused steps see them).
+  """
+  dtype = jnp.dtype(dtype)
+  if not is_narrow(dtype) or jnp.finfo(x.dtype).max <= jnp.finfo(dtype).max:
+    return x.astype(dtype)
+  limit = jnp.asarray(jnp.finfo(dtype).max, x.dtype)
+  return jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x).astype(
+      dtype
+  )
 
 
 def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
+  # zeros_like, unlike zeros(shape), keeps the parameters' sharding (an
+  # Explicit-axes mesh types it), so the state has one type at init and after
+  # every update: jit does not recompile and lax.scan carries it.
   return jax.tree.map(
-      lambda leaf: jnp.zeros(jnp.shape(leaf), _moment_dtype(leaf, stats_dtype)),
+      lambda leaf: jnp.zeros_like(leaf, dtype=_moment_dtype(leaf, stats_dtype)),
       tree,
   )
 
@@ -100,17 +119,50 @@ def precondition(
   outside the square root playing the role that bounds the operator (Lemma 1):
   :math:`1/(G + \zeta) \le P_t \le 1/\zeta`.
 
+  Choosing the learning rate: because of the lag, a coordinate whose stored
+  second moment is still zero (its gradient was exactly zero at every earlier
+  step, e.g. a coordinate that only starts moving at step 2) is multiplied by
+  the upper bound :math:`1/\zeta` (1000 at the default damping) the first
+  time its gradient is non-zero. Adam, which divides by the current
+  gradient's magnitude, takes a step of about the learning rate there; CBP
+  takes :math:`\eta (1 - \beta_1) g / ((1 - \beta_1^t) \zeta)`. On
+  Rosenbrock from the origin at :math:`\eta = 0.1` (optax's rate for Adam)
+  the second coordinate jumps to about 421 and the run diverges; the paper's
+  Table 8 divergence at :math:`\zeta = 10^{-4}` is the same mechanism. This
+  is Algorithm 1 as written. Where gradients can be exactly zero at the start
+  (sparse features, gated or dead units, hand-written objectives), use a
+  learning rate well below Adam's, a larger ``damping`` (the bound is
+  :math:`1/\zeta`), or a warm-up schedule on the learning rate.
+
+  Dtypes: the moments are float32 for low-precision parameters
+  (``stats_dtype`` overrides), and the update has the gradient's dtype, as
+  optax's transforms do, so the transform works under ``lax.cond``,
+  ``optax.apply_if_finite`` and ``optax.MultiSteps`` for every float dtype.
+  float16 cannot hold every direction (up to ``max_scale / damping`` times the
+  gradient exceeds 65504): it is computed in float32 and saturates at
+  float16's largest finite value rather than overflowing. :func:`cbp_optax.cbp`
+  avoids that by running the whole chain in float32 and casting only the final,
+  learning-rate-scaled update back to float16.
+
   Args:
     b1: momentum decay :math:`\beta_1` in [0, 1); 0 gives the momentum-free
       method analysed in §5.4.
     b2: second-moment decay :math:`\beta_2` in [0, 1).
     damping: :math:`\zeta > 0`.
-    stats_dtype: dtype of both moments; defaults to float32 for low-precision
-      parameters and to the parameter dtype otherwise.
+    stats_dtype: a real floating dtype for both moments; defaults to float32
+      for low-precision parameters and to the parameter dtype otherwise.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
     :class:`PreconditionState`.
+
+  Raises:
+    TypeError: a hyperparameter that is not a real number (a bool, a string,
+      a schedule; schedule ``b1``, ``b2`` or ``damping`` with
+      ``optax.inject_hyperparams``), or a ``stats_dtype`` that is not a real
+      floating dtype.
+    ValueError: a hyperparameter array that is not a scalar, or a concrete
+      value out of range.
 
   References:
     Conditioned Backpropagation, §4.3-4.4 and Algorithm 1.
@@ -118,6 +170,7 @@ def precondition(
   _checks.check_decay('b1', b1)
   _checks.check_decay('b2', b2)
   _checks.check_positive('damping', damping)
+  stats_dtype = _checks.check_stats_dtype(stats_dtype)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
@@ -128,7 +181,7 @@ def precondition(
     )
 
   def update_fn(updates, state, params=None):
-    del params
+    _checks.check_real_gradients('precondition', updates)
     _check_matches_state(updates, state)
     count = state.count
     count_inc = numerics.safe_increment(count)
@@ -137,21 +190,28 @@ def precondition(
     nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)
     mu_correction = 1.0 - b1 ** count_inc
 
-    def leaf_update(g, m, v):
-      g_stats = g.astype(m.dtype)
+    def leaf_update(g, m, v, p):
+      out_dtype = _checks.output_dtype(g, p)
+      g_stats = jnp.asarray(g).astype(m.dtype)
       m_new = b1 * m + (1.0 - b1) * g_stats
       m_hat = m_new / mu_correction.astype(m.dtype)
       denom = jnp.sqrt(v / nu_correction.astype(v.dtype)) + damping
       step = jnp.where(first_step, m_hat, m_hat / denom)
       v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
-      return (step.astype(_update_dtype(g.dtype)), m_new.astype(m.dtype),
+      return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
               v_new.astype(v.dtype))
 
     g_leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = [None] * len(g_leaves)
+    if params is not None:
+      flat_params = jax.tree.leaves(params)
+      if len(flat_params) == len(g_leaves):
+        p_leaves = flat_params
     results = [
-        leaf_update(g, m, v)
-        for g, m, v in zip(
-            g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+        leaf_update(g, m, v, p)
+        for g, m, v, p in zip(
+            g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
+            p_leaves,
         )
     ]
     steps, mu, nu = (

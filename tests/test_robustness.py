@@ -197,7 +197,6 @@ def test_finite_inputs_give_finite_outputs_and_a_fixed_state(problem, name):
     assert jax.tree.structure(state) == structure
     assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == shapes
     for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
-      # float16 cannot hold P_t's up-to-4000x direction: float32 updates.
-      expected = jnp.float32 if (p.dtype == jnp.float16 and
-                                 name != 'equalize') else p.dtype
-      assert u.dtype == expected and u.shape == p.shape
+      # Updates keep the parameter dtype (optax's contract); a float16
+      # direction beyond float16's range saturates instead of overflowing.
+      assert u.dtype == p.dtype and u.shape == p.shape
