@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from cbp_optax import diagnostics
 from cbp_optax.reproduce import plotting
 from cbp_optax.reproduce import training
 from cbp_optax.reproduce.context import StudyContext, StudyResult
@@ -41,18 +42,15 @@ PAPER_MEDIAN_RATIO = 3.4
 def factor_spectra(hidden: np.ndarray, zeta: float = ZETA) -> dict[str, float]:
   """Spectral diagnostics of ``E[aa^T]`` vs ``Cov(a)`` for activations (n, d).
 
-  Runs in float64 NumPy: the factors are rank-deficient, and the eigenvalues
-  near zero set the damped condition numbers.
+  ``cbp_optax.diagnostics.mean_alignment`` in float64: the factors are
+  rank-deficient, and the eigenvalues near zero set the damped condition
+  numbers.
   """
-  hidden = np.asarray(hidden, np.float64)
-  n = hidden.shape[0]
-  mu = hidden.mean(0)
-  second_moment = hidden.T @ hidden / n
-  covariance = second_moment - np.outer(mu, mu)
-  raw_values, raw_vectors = np.linalg.eigh(second_moment)
-  cen_values = np.linalg.eigvalsh(covariance)
-  mu_norm = float(np.linalg.norm(mu))
-  cosine = abs(float(raw_vectors[:, -1] @ mu)) / max(mu_norm, 1e-300)
+  with jax.enable_x64(True):
+    out = diagnostics.mean_alignment(jnp.asarray(hidden, jnp.float64))
+    raw_values = np.asarray(out.eigenvalues, np.float64)
+    cen_values = np.asarray(out.centered_eigenvalues, np.float64)
+    mu_norm, cosine = float(out.mean_norm), float(out.cosine)
   # Round-off can leave the zero eigenvalues slightly negative.
   raw_min, cen_min = max(raw_values[0], 0.0), max(cen_values[0], 0.0)
   return {

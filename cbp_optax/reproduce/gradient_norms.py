@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cbp_optax as cbp
+from cbp_optax import diagnostics
 from cbp_optax.reproduce import plotting
 from cbp_optax.reproduce import stats
 from cbp_optax.reproduce import training
@@ -44,12 +45,15 @@ def saturating_tanh_mlp(depth: int = DEPTH, width: int = WIDTH) -> training.MLP:
 
 
 def layer_norms(tree) -> jax.Array:
-  """Frobenius norm of each layer block, in layer order (layer_0, layer_1...)."""
-  names = sorted(tree, key=lambda name: int(name.split('_')[-1]))
-  return jnp.stack([
-      jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(tree[name])))
-      for name in names
-  ])
+  """Frobenius norm of each layer block, in layer order (layer_0, layer_1...).
+
+  The M1 blocks of ``cbp_optax.diagnostics.gradient_profile``, which come in
+  tree order (layer_0, layer_1, layer_10, ...), put back in depth order.
+  """
+  profile = diagnostics.gradient_profile(tree)
+  order = sorted(range(len(profile.names)),
+                 key=lambda i: int(profile.names[i].split('_')[-1]))
+  return profile.norms[jnp.asarray(order)]
 
 
 def raw_and_equalized_norms(model: nn.Module, key: jax.Array, x, y):
