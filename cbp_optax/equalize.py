@@ -319,44 +319,56 @@ def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
     )
 
 
-Signature = tuple[tuple[str, tuple[int, ...]], ...]
+class Signature(NamedTuple):
+  """What must agree between the trees given to init and to update.
+
+  Key names are not compared: wrappers (the fused NNX step, ``nnx.Optimizer``)
+  legitimately hand ``update`` a tree whose paths differ from ``init``'s.
+  """
+
+  shapes: tuple[tuple[int, ...], ...]  # every leaf's, in leaf order
+  groups: tuple[tuple[int, ...], ...]  # BlockLayout.groups
+  stacks: tuple[Optional[int], ...]  # BlockLayout.group_stacks
 
 
-def _signature(tree: Any) -> Signature:
-  """Every leaf's name (NNX ``.value`` suffixes dropped) and shape."""
-  return tuple(
-      (path_name(_strip_variable_suffix(path)), tuple(jnp.shape(leaf)))
-      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+def _signature(tree: Any, layout: BlockLayout) -> Signature:
+  return Signature(
+      shapes=tuple(tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(tree)),
+      groups=layout.groups,
+      stacks=layout.group_stacks,
   )
 
 
-def _describe_difference(got: Signature, expected: Signature) -> str:
-  got_map, expected_map = dict(got), dict(expected)
-  lines = []
-  for name in expected_map:
-    if name not in got_map:
-      lines.append(f'missing: {name!r}')
-    elif got_map[name] != expected_map[name]:
-      lines.append(f'{name!r} has shape {got_map[name]}, expected '
-                   f'{expected_map[name]}')
-  lines += [f'not expected: {name!r}' for name in got_map
-            if name not in expected_map]
-  if len(lines) > 10:
-    lines = lines[:10] + [f'... and {len(lines) - 10} more']
-  return '; '.join(lines) or 'the leaves are in another order'
+def _describe_difference(
+    tree: Any, got: Signature, expected: Signature
+) -> str:
+  if len(got.shapes) != len(expected.shapes):
+    return f'{len(got.shapes)} leaves, expected {len(expected.shapes)}'
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  lines = [
+      f'{path_name(_strip_variable_suffix(path))!r} has shape {g}, expected {e}'
+      for path, g, e in zip(paths, got.shapes, expected.shapes) if g != e
+  ]
+  if len(lines) > 5:
+    lines = lines[:5] + [f'... and {len(lines) - 5} more']
+  return '; '.join(lines) or 'the leaves are grouped into other blocks'
 
 
 def _check_matches_init(
-    signature: Signature, seen: set[Signature], what: str
+    tree: Any, signature: Signature, seen: set[Signature]
 ) -> None:
   if not seen or signature in seen:
     return
-  expected = min(seen, key=lambda s: len(set(s) ^ set(signature)))
+  expected = min(
+      seen,
+      key=lambda s: (len(s.shapes) != len(signature.shapes),
+                     sum(a != b for a, b in zip(s.shapes, signature.shapes))),
+  )
   raise ValueError(
-      f'equalize: the {what} do not match the parameters the state was '
-      f'initialized with ({_describe_difference(signature, expected)}). The '
-      'updates must have the leaves and shapes of the parameters given to '
-      'init.'
+      'equalize: the gradients do not match the parameters the state was '
+      f'initialized with ({_describe_difference(tree, signature, expected)}). '
+      'The updates must have the leaves and shapes of the parameters given '
+      'to init.'
   )
 
 
@@ -433,7 +445,7 @@ def equalize(
   def init_fn(params):
     _checks.check_float_leaves('equalize', params)
     layout = block_layout(params, block_fn=block_fn, stacked=stacked)
-    initialized_on.add(_signature(params))
+    initialized_on.add(_signature(params, layout))
     dtype = stats_dtype_for(params, stats_dtype)
     return EqualizeState(
         count=jnp.zeros([], jnp.int32),
@@ -444,16 +456,19 @@ def equalize(
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     _check_matches_state(layout, state)
-    signature = _signature(updates)
-    _check_matches_init(signature, initialized_on, 'gradients')
+    signature = _signature(updates, layout)
+    _check_matches_init(updates, signature, initialized_on)
     leaves, treedef = jax.tree.flatten(updates)
     param_leaves = [None] * len(leaves)
     if params is not None:
-      param_signature = _signature(params)
-      if param_signature != signature:
+      param_shapes = tuple(tuple(jnp.shape(p)) for p in jax.tree.leaves(params))
+      if param_shapes != signature.shapes:
         raise ValueError(
             'equalize: the gradients do not match the parameters passed to '
-            f'update ({_describe_difference(signature, param_signature)}).'
+            'update ('
+            + _describe_difference(
+                updates, signature, signature._replace(shapes=param_shapes))
+            + ').'
         )
       param_leaves = jax.tree.leaves(params)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
