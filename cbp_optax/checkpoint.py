@@ -8,6 +8,15 @@ the same structure to restore into (``like``, e.g. a freshly initialized
 one); a checkpoint written for another model or optimizer configuration is
 refused with a list of what differs, before any array is read.
 
+Typed PRNG keys (``jax.random.key``, the ``RngKey`` variables of NNX models
+with ``Dropout(rngs=...)``) are stored as their key data and rebuilt with the
+implementation of the key in ``like``. Every array is stored with its SHA-256
+digest and verified on restore, so a damaged data file is refused rather
+than restored as different numbers. Every problem with a checkpoint (missing,
+empty, damaged, another structure) raises :class:`CheckpointError` (whose
+subclass :class:`CheckpointMismatchError` is the structural mismatch) with a
+message that names the directory.
+
 Example (Linen)::
 
   cbp_optax.checkpoint.save(path, {'train': state, 'rng': key_data})
@@ -23,6 +32,7 @@ Example (NNX)::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 from typing import Any, Union
@@ -38,26 +48,62 @@ from cbp_optax.equalize import path_name
 
 PathLike = Union[str, os.PathLike]
 
+# The saved tree: the state, and one SHA-256 digest per state array (in
+# ``jax.tree.leaves`` order of the state dict). A checkpoint without these two
+# keys (written before digests) is restored without verification.
+_STATE, _DIGESTS = 'cbp_optax_state', 'cbp_optax_sha256'
+_DIGEST_BYTES = 32
 
-class CheckpointMismatchError(ValueError):
+
+class CheckpointError(ValueError):
+  """The checkpoint is missing, damaged, or does not fit the state."""
+
+
+class CheckpointMismatchError(CheckpointError):
   """The checkpoint does not hold a state of the expected structure."""
 
 
-def _as_state_dict(tree: Any) -> Any:
+def _is_key(leaf: Any) -> bool:
+  return hasattr(leaf, 'dtype') and jnp.issubdtype(
+      leaf.dtype, jax.dtypes.prng_key
+  )
+
+
+def _storable(leaf: Any) -> Any:
+  # Typed keys have no NumPy dtype; their uint32 key data does.
+  return jax.random.key_data(leaf) if _is_key(leaf) else jnp.asarray(leaf)
+
+
+def _raw_state_dict(tree: Any) -> Any:
   # Dataclasses (TrainState), NamedTuples (optax states) and NNX States
-  # become nested dicts of arrays keyed by field names, which orbax stores
-  # and which name every difference readably.
+  # become nested dicts keyed by field names, which orbax stores and which
+  # name every difference readably.
   state = flax.serialization.to_state_dict(tree)
   if hasattr(state, 'to_pure_dict'):
     state = state.to_pure_dict()
+  return state
+
+
+def _as_state_dict(tree: Any) -> Any:
   # Python scalars (TrainState.create's step = 0) become the arrays a trained
   # state holds, so a fresh state and a trained one compare equal.
-  return jax.tree.map(jnp.asarray, state)
+  return jax.tree.map(_storable, _raw_state_dict(tree))
+
+
+def _is_empty_node(x: Any) -> bool:
+  return isinstance(x, (dict, list, tuple)) and not x
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   flat = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_is_empty_node
+  )[0]:
+    if _is_empty_node(leaf):
+      # An empty optimizer state (EmptyState, a stateless transform) has no
+      # array but is part of the structure orbax checks.
+      flat[path_name(path)] = ((), 'empty')
+      continue
     # Arrays and orbax's ArrayMetadata both carry shape and dtype.
     shape = tuple(leaf.shape)
     dtype = leaf.dtype
@@ -85,18 +131,101 @@ def differences(saved: Any, expected: Any, *, limit: int = 20) -> list[str]:
   return lines
 
 
+def _digest(leaf: Any) -> np.ndarray:
+  """SHA-256 of an array's dtype, shape and bytes; zeros where this process
+  cannot see the whole array (multi-process sharding), which skips it."""
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    return np.zeros(_DIGEST_BYTES, np.uint8)
+  array = np.ascontiguousarray(np.asarray(leaf))
+  h = hashlib.sha256(f'{array.dtype.str}{array.shape}'.encode())
+  h.update(array.tobytes())
+  return np.frombuffer(h.digest(), np.uint8)
+
+
+def _digests(state_dict: Any) -> np.ndarray:
+  leaves = jax.tree.leaves(state_dict)
+  if not leaves:
+    return np.zeros((0, _DIGEST_BYTES), np.uint8)
+  return np.stack([_digest(leaf) for leaf in leaves])
+
+
 def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Path:
   """Writes ``state`` to ``directory`` (a new folder; ``force`` replaces it).
 
   Blocks until the checkpoint is complete on disk; orbax writes to a
   temporary folder and renames it, so an interrupted save never leaves a
-  half-written checkpoint under ``directory``.
+  half-written checkpoint under ``directory``. Each array is stored with its
+  SHA-256 digest, which :func:`restore` verifies.
   """
   directory = pathlib.Path(directory).absolute()
+  state_dict = _as_state_dict(state)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(directory, _as_state_dict(state), force=force)
+  checkpointer.save(
+      directory,
+      {_STATE: state_dict, _DIGESTS: _digests(state_dict)},
+      force=force,
+  )
   checkpointer.wait_until_finished()
   return directory
+
+
+def _saved_tree(checkpointer: Any, directory: pathlib.Path) -> Any:
+  if not directory.exists():
+    raise CheckpointError(f'No checkpoint at {directory}: it does not exist.')
+  if not directory.is_dir():
+    raise CheckpointError(
+        f'No checkpoint at {directory}: it is a file, not a checkpoint '
+        'directory.'
+    )
+  try:
+    metadata = checkpointer.metadata(directory)
+    tree = None if metadata is None else metadata.item_metadata
+    tree = None if tree is None else tree.tree
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f'Checkpoint {directory} is damaged: its metadata cannot be read '
+        f'({type(e).__name__}: {str(e)[:300]}).'
+    ) from e
+  if not tree:
+    contents = sorted(p.name for p in directory.iterdir())
+    raise CheckpointError(
+        f'Checkpoint {directory} has no readable metadata (found '
+        f'{contents[:10] or "an empty directory"}); it was not written by '
+        'cbp_optax.checkpoint.save, or is damaged or incomplete.'
+    )
+  return tree
+
+
+def _verify(directory: pathlib.Path, restored: Any, digests: Any) -> None:
+  leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
+  digests = np.asarray(digests)
+  if digests.shape != (len(leaves), _DIGEST_BYTES):
+    raise CheckpointError(
+        f'Checkpoint {directory} is damaged: {digests.shape[0]} digests for '
+        f'{len(leaves)} arrays.'
+    )
+  damaged = []
+  for (path, leaf), expected in zip(leaves, digests):
+    if not expected.any():
+      continue  # not digested at save time (multi-process sharded array)
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      continue
+    if not np.array_equal(_digest(leaf), expected):
+      damaged.append(path_name(path))
+  if damaged:
+    raise CheckpointError(
+        f'Checkpoint {directory} is damaged: the data of '
+        f'{", ".join(damaged[:10])}{" ..." if len(damaged) > 10 else ""} '
+        'does not match the SHA-256 digest written at save time.'
+    )
+
+
+def _from_storable(like_leaf: Any, restored: Any) -> Any:
+  if _is_key(like_leaf):
+    return jax.random.wrap_key_data(
+        restored, impl=jax.random.key_impl(like_leaf)
+    )
+  return restored
 
 
 def restore(directory: PathLike, like: Any) -> Any:
@@ -105,7 +234,8 @@ def restore(directory: PathLike, like: Any) -> Any:
   Args:
     directory: a folder written by :func:`save`.
     like: a state of the expected structure (values are ignored; shapes,
-      dtypes and tree structure must match the checkpoint).
+      dtypes and tree structure must match the checkpoint). Typed PRNG keys
+      in ``like`` are restored with ``like``'s key implementation.
 
   Returns:
     A state of the same type as ``like`` with the saved values.
@@ -113,12 +243,18 @@ def restore(directory: PathLike, like: Any) -> Any:
   Raises:
     CheckpointMismatchError: the checkpoint holds another structure; the
       message lists the missing, unexpected and reshaped entries.
+    CheckpointError: no checkpoint at ``directory``, or one that is empty,
+      incomplete or damaged (unreadable metadata or data, or data that does
+      not match its digest). Every message names ``directory``.
   """
   directory = pathlib.Path(directory).absolute()
-  target = _as_state_dict(like)
+  raw_like = _raw_state_dict(like)
+  target = jax.tree.map(_storable, raw_like)
   checkpointer = ocp.StandardCheckpointer()
-  saved = checkpointer.metadata(directory).item_metadata.tree
-  mismatch = differences(saved, target)
+  saved = _saved_tree(checkpointer, directory)
+  with_digests = isinstance(saved, dict) and set(saved) == {_STATE, _DIGESTS}
+  saved_state = saved[_STATE] if with_digests else saved
+  mismatch = differences(saved_state, target)
   if mismatch:
     raise CheckpointMismatchError(
         f'Checkpoint {directory} does not match the state to restore into '
@@ -126,7 +262,23 @@ def restore(directory: PathLike, like: Any) -> Any:
         + '\n  '.join(mismatch)
     )
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-  restored = checkpointer.restore(directory, abstract)
+  if with_digests:
+    digest_meta = saved[_DIGESTS]
+    abstract = {
+        _STATE: abstract,
+        _DIGESTS: jax.ShapeDtypeStruct(tuple(digest_meta.shape), np.uint8),
+    }
+  try:
+    restored = checkpointer.restore(directory, abstract)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f'Checkpoint {directory} is damaged: its data cannot be read '
+        f'({type(e).__name__}: {str(e)[:300]}).'
+    ) from e
+  if with_digests:
+    _verify(directory, restored[_STATE], restored[_DIGESTS])
+    restored = restored[_STATE]
+  restored = jax.tree.map(_from_storable, raw_like, restored)
   if isinstance(like, nnx.State):
     like = jax.tree.map(lambda x: x, like)  # a new State; `like` is untouched
     nnx.replace_by_pure_dict(like, restored)
