@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 import os
 import pathlib
 import struct
 import tempfile
 import urllib.request
+import zlib
 from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -46,6 +48,15 @@ _MIRRORS = (
     'https://ossci-datasets.s3.amazonaws.com/mnist/',
 )
 TEST_ONLY_TRAIN_SIZE = 8000
+_HOW_TO_PASS_DATA = (
+    'Put the four files (train-images-idx3-ubyte.gz, '
+    'train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, '
+    't10k-labels-idx1-ubyte.gz), or only the two t10k files, in a directory '
+    'and pass it with --data-dir DIR (data_dir= in Python) or set '
+    '$CBP_OPTAX_MNIST=DIR; or, with network access, allow the download '
+    '(download=True; the command-line tools and examples download by '
+    'default).'
+)
 
 
 class Mnist(NamedTuple):
@@ -72,8 +83,13 @@ def _read_bytes(path: pathlib.Path) -> bytes:
     raise DataError(f'{path}: cannot read ({e}).') from e
 
 
-def parse_idx(data: bytes, *, expect_magic: int, name: str = 'IDX data'):
-  """Parses an IDX unsigned-byte file, validating its header and size."""
+# Far above the largest MNIST file (47 MB of training images): a header that
+# promises more is refused before anything is inflated.
+MAX_IDX_BYTES = 1 << 30
+
+
+def _idx_header(data: bytes, expect_magic: int, name: str):
+  """(header length, shape, promised data bytes) of an IDX header prefix."""
   if len(data) < 8:
     raise DataError(f'{name}: {len(data)} bytes is too short for an IDX header.')
   magic = struct.unpack('>I', data[:4])[0]
@@ -87,13 +103,49 @@ def parse_idx(data: bytes, *, expect_magic: int, name: str = 'IDX data'):
   if len(data) < header:
     raise DataError(f'{name}: truncated header.')
   shape = struct.unpack(f'>{ndim}I', data[4:header])
-  expected = int(np.prod(shape, dtype=np.int64))
+  expected = math.prod(shape)  # Python ints: no overflow
+  if expected > MAX_IDX_BYTES:
+    raise DataError(
+        f'{name}: header promises {expected:,} bytes for shape {shape}, more '
+        f'than the {MAX_IDX_BYTES:,}-byte limit for an IDX file; refused '
+        'unread.'
+    )
+  return header, shape, expected
+
+
+def parse_idx(data: bytes, *, expect_magic: int, name: str = 'IDX data'):
+  """Parses an IDX unsigned-byte file, validating its header and size."""
+  header, shape, expected = _idx_header(data, expect_magic, name)
   if len(data) - header != expected:
     raise DataError(
         f'{name}: header promises {expected} bytes of data for shape {shape}, '
         f'file has {len(data) - header}.'
     )
   return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _read_idx(path: pathlib.Path, expect_magic: int) -> np.ndarray:
+  """Reads and parses an IDX file, inflating a gzip only as far as its header
+  promises (plus one byte to detect trailing data): a small archive that
+  inflates to gigabytes is refused after reading what the header allows."""
+  name = str(path)
+  try:
+    opener = gzip.open if path.suffix == '.gz' else open
+    with opener(path, 'rb') as f:
+      prefix = f.read(8)
+      if len(prefix) >= 4:
+        ndim = struct.unpack('>I', prefix[:4])[0] & 0xFF
+        prefix += f.read(max(0, 4 + 4 * ndim - len(prefix)))
+      header, _, expected = _idx_header(prefix, expect_magic, name)
+      data = prefix + f.read(expected - (len(prefix) - header) + 1)
+  except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+    raise DataError(f'{path}: cannot read ({e}).') from e
+  if len(data) - header > expected:
+    raise DataError(
+        f'{name}: header promises {expected} bytes of data, the file has '
+        'more.'
+    )
+  return parse_idx(data, expect_magic=expect_magic, name=name)
 
 
 def _find(directory: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
@@ -104,10 +156,8 @@ def _find(directory: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
 
 
 def _load_pair(images_path, labels_path):
-  images = parse_idx(_read_bytes(images_path), expect_magic=_IMAGES_MAGIC,
-                     name=str(images_path))
-  labels = parse_idx(_read_bytes(labels_path), expect_magic=_LABELS_MAGIC,
-                     name=str(labels_path))
+  images = _read_idx(images_path, _IMAGES_MAGIC)
+  labels = _read_idx(labels_path, _LABELS_MAGIC)
   if images.ndim != 3 or images.shape[1:] != (28, 28):
     raise DataError(f'{images_path}: images of shape {images.shape[1:]}, '
                     'expected 28x28.')
@@ -172,9 +222,12 @@ def load_mnist(
       for key, stem in _FILES.items():
         if paths[key] is None:
           paths[key] = _download(directory, stem)
-    except (DataError, OSError):
+    except (DataError, OSError) as e:
       if not (paths['test_images'] and paths['test_labels']):
-        raise
+        raise DataError(
+            f'No MNIST IDX files in {directory}, and downloading them failed '
+            f'({e}). {_HOW_TO_PASS_DATA}'
+        ) from e
       # Offline: fall back to the test files, and say so in `source`.
       note = '; the full set could not be downloaded'
   if paths['train_images'] and paths['train_labels'] and paths['test_images'] \
@@ -187,6 +240,13 @@ def load_mnist(
     images, labels = _load_pair(paths['test_images'], paths['test_labels'])
     order = np.random.default_rng(seed).permutation(len(labels))
     cut = TEST_ONLY_TRAIN_SIZE * len(labels) // 10000
+    if cut == 0 or cut == len(labels):
+      raise DataError(
+          f'{paths["test_images"]}: {len(labels)} image(s) cannot be split '
+          f'{TEST_ONLY_TRAIN_SIZE}:{10000 - TEST_ONLY_TRAIN_SIZE} into a '
+          'non-empty training and test set; the test-only split needs at '
+          'least 2 images (MNIST\'s test set has 10,000).'
+      )
     train, test = order[:cut], order[cut:]
     return Mnist(
         images[train], labels[train], images[test], labels[test],
@@ -197,7 +257,7 @@ def load_mnist(
   raise DataError(
       f'No MNIST IDX files in {directory} (looked for '
       f'{", ".join(_FILES.values())}, optionally .gz); pass a directory that '
-      'has them, or allow downloading.'
+      'has them, or allow downloading. ' + _HOW_TO_PASS_DATA
   )
 
 
@@ -223,7 +283,15 @@ def find_mnist(data_dir: Optional[PathLike] = None, *,
   for directory in candidates:
     if _find(directory, _FILES['test_images']):
       return load_mnist(directory)
-  return load_mnist(candidates[-1], download=download)
+  try:
+    return load_mnist(candidates[-1], download=download)
+  except DataError as e:
+    searched = ', '.join(dict.fromkeys(str(d.resolve()) for d in candidates))
+    raise DataError(
+        f'MNIST not found: none of the default directories holds the IDX '
+        f'files (searched {searched}'
+        f'{"" if download else "; downloading was not allowed"}). {e}'
+    ) from e
 
 
 # --- CIFAR-10, binary distribution -------------------------------------------
