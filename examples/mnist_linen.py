@@ -52,6 +52,9 @@ def main():
 
   data = datasets.find_mnist(args.data_dir)
   print(f'data: {data.source}')
+  if not 1 <= args.batch_size <= len(data.train_labels):
+    parser.error(f'--batch-size {args.batch_size} must be between 1 and the '
+                 f'{len(data.train_labels):,} training images')
   model = MLP()
   variables = model.init(jax.random.key(args.seed), data.train_images[:1])
   state = cbp.linen.TrainState.create(

@@ -61,6 +61,9 @@ def main():
 
   data = datasets.find_mnist(args.data_dir)
   print(f'data: {data.source}')
+  if not 1 <= args.batch_size <= len(data.train_labels):
+    parser.error(f'--batch-size {args.batch_size} must be between 1 and the '
+                 f'{len(data.train_labels):,} training images')
   model = MLP(nnx.Rngs(args.seed))
   optimizer = cbp.nnx.Optimizer(model, cbp.cbp(args.learning_rate))
   step = cbp.nnx.train_step(loss_fn)

@@ -75,7 +75,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse(argv)
   _prefer_fast_cpu_convolutions()
   # Imported after the flag is set: JAX reads XLA_FLAGS at backend creation.
-  from cbp_optax.reproduce import plotting  # pylint: disable=g-import-not-at-top
+  try:
+    from cbp_optax.reproduce import plotting  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise SystemExit(
+        f'cbp-optax reproduce needs matplotlib to write its figures ({e}). '
+        "Install the extra: pip install 'cbp-optax[experiments]'") from e
   from cbp_optax.reproduce.context import StudyContext  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
