@@ -403,11 +403,22 @@ def equalize(
     stacked: ``stacked(path, leaf) -> bool`` declares leaves that carry a
       leading layer axis (``nn.scan`` / ``nnx.vmap`` layer stacks); each slice
       along that axis becomes its own block, as one block per layer intends.
-    stats_dtype: dtype of the energies; defaults to float32, or float64 when a
-      parameter is float64.
+    stats_dtype: a real floating dtype for the energies; defaults to
+      float32, or float64 when a parameter is float64.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is :class:`EqualizeState`.
+    Updates keep the gradients' dtype (a non-float gradient gets its
+    parameter's dtype).
+
+  Raises:
+    TypeError: a hyperparameter that is not a real number (a bool, a string,
+      a schedule: schedule ``decay``, ``min_scale`` or ``max_scale`` with
+      ``optax.inject_hyperparams``), or a non-float ``stats_dtype``; at
+      update, complex gradients.
+    ValueError: a non-scalar hyperparameter or a concrete value out of range;
+      at update, gradients whose leaves or shapes differ from the parameters
+      given to ``init`` (or to ``update``).
 
   Examples:
     >>> import cbp_optax as cbp
