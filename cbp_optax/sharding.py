@@ -12,7 +12,8 @@ hand is here:
 * :func:`fsdp_sharding` - a simple fully-sharded rule: every array split along
   its largest dimension that the mesh axis divides.
 * :func:`shard_batch` - places a batch along the data axis, refusing a batch
-  the axis does not divide.
+  the axis does not divide. With several processes each passes only its own
+  rows (:func:`process_batch_slice` says which).
 
 Example (data parallel, Linen)::
 
@@ -40,6 +41,7 @@ __all__ = [
     'check_batch_divisible',
     'fsdp_sharding',
     'optimizer_sharding',
+    'process_batch_slice',
     'shard_batch',
 ]
 
@@ -79,7 +81,8 @@ def optimizer_sharding(
   (step counters, the per-block energies of M1, whose length is the number of
   blocks) is replicated over the parameters' mesh. Built on
   ``optax.tree_map_params``, so it sees through ``optax.chain``,
-  ``inject_hyperparams`` and the like.
+  ``inject_hyperparams``, ``optax.masked`` and ``optax.partition`` (whose
+  ``MaskedNode`` placeholders hold no arrays and stay as they are).
 
   Args:
     tx: the optimizer, e.g. ``cbp_optax.cbp(1e-3)``.
@@ -109,12 +112,20 @@ def optimizer_sharding(
     param_sharding = jax.tree.map(lambda p: p.sharding, params)
   replicated = NamedSharding(_mesh_of(param_sharding), PartitionSpec())
   abstract_state = jax.eval_shape(tx.init, params)
+
+  def is_masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+  # optax.masked / optax.partition keep a MaskedNode (an empty node, no
+  # state) where a parameter is masked out; it stays one in the result, so
+  # the result has the structure of ``tx.init(params)``.
   return optax.tree_map_params(
       tx,
-      lambda _, sharding: sharding,
+      lambda leaf, sharding: leaf if is_masked(leaf) else sharding,
       abstract_state,
       param_sharding,
       transform_non_params=lambda _: replicated,
+      is_leaf=is_masked,
   )
 
 
@@ -196,41 +207,141 @@ def check_batch_divisible(
       )
 
 
+def _local_blocks(mesh: Mesh, axis: AxisNames) -> tuple[int, int, int]:
+  """(blocks of ``axis`` this process addresses, first block, axis size).
+
+  The batch dimension split over ``axis`` falls into ``size`` equal blocks,
+  one per position along the axis; a process holds the blocks of its own
+  devices. Raises if those are not one contiguous run (a mesh whose devices
+  interleave processes along the data axis).
+  """
+  size = _axis_size(mesh, axis)
+  sharding = batch_sharding(mesh, axis)
+  rows = set()
+  for index in sharding.addressable_devices_indices_map((size,)).values():
+    rows.add(index[0].indices(size)[0])
+  if not rows:
+    raise ValueError('This process addresses no device of the mesh.')
+  first, count = min(rows), len(rows)
+  if rows != set(range(first, first + count)):
+    raise ValueError(
+        f'The devices of process {jax.process_index()} sit at positions '
+        f'{sorted(rows)} of mesh axis {axis!r}, not one contiguous run, so '
+        'its rows of the batch are not one slice. Build the mesh with '
+        'jax.make_mesh (which keeps each process\'s devices together) or '
+        'order the devices by process.'
+    )
+  return count, first, size
+
+
+def process_batch_slice(
+    global_batch_size: int, mesh: Mesh, axis: AxisNames = 'data'
+) -> slice:
+  """The rows of a global batch that this process loads and passes on.
+
+  With one process that is the whole batch. With several
+  (``jax.distributed.initialize``), each process feeds the devices it holds,
+  and under the batch sharding of :func:`batch_sharding` those are one
+  contiguous slice of the global batch: ``global_batch[slice]`` is what
+  this process gives :func:`shard_batch`. With ``jax.make_mesh`` over ``N``
+  processes sharing the data axis equally, process ``p`` gets the ``p``-th
+  of ``N`` equal parts; when the data axis does not span the processes (they
+  differ along another axis only), each loads the whole batch.
+
+  Args:
+    global_batch_size: the batch size summed over all processes; a multiple
+      of the devices along ``axis``.
+    mesh: the device mesh (over the devices of all processes).
+    axis: the data axis (or axes).
+
+  Returns:
+    A ``slice`` of ``range(global_batch_size)``.
+
+  Raises:
+    ValueError: ``global_batch_size`` is not divisible by the devices along
+      ``axis``, or this process's devices are not contiguous along it.
+  """
+  count, first, size = _local_blocks(mesh, axis)
+  if global_batch_size % size:
+    check_batch_divisible(
+        jax.ShapeDtypeStruct((global_batch_size,), np.float32), mesh, axis)
+  block = global_batch_size // size
+  return slice(first * block, (first + count) * block)
+
+
 def shard_batch(batch: Any, mesh: Mesh, axis: AxisNames = 'data') -> Any:
   """Places a batch split along its leading dimension over ``axis``.
 
-  On one host ``batch`` is the global batch. With several processes
-  (``jax.distributed.initialize``) each process passes its own slice of the
-  global batch; the global array is assembled with
-  ``jax.make_array_from_process_local_data``. The global batch size must be
-  a multiple of the devices along ``axis`` (:func:`check_batch_divisible`).
+  ``batch`` is what *this process* holds. On one host that is the global
+  batch. With several processes (``jax.distributed.initialize``) each passes
+  only its own rows, ``global_batch[process_batch_slice(...)]``, and the
+  global array is assembled with ``jax.make_array_from_process_local_data``:
+  its batch size is the local one times the share of the data axis this
+  process holds (times ``jax.process_count()`` for the usual mesh over all
+  processes). All processes must pass the same local batch size. The global
+  batch size must be a multiple of the devices along ``axis``
+  (:func:`check_batch_divisible`).
 
   Args:
-    batch: a tree of host arrays with a common leading batch dimension.
-    mesh: the device mesh.
+    batch: a tree of host arrays with a common leading batch dimension (this
+      process's rows).
+    mesh: the device mesh (over the devices of all processes).
     axis: the data axis (or axes).
 
   Returns:
     The batch as global ``jax.Array`` s sharded with :func:`batch_sharding`.
+
+  Raises:
+    ValueError: the global batch size is not divisible by the devices along
+      ``axis`` (with several processes: the local batch size is not
+      divisible by this process's devices along ``axis``).
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> from cbp_optax import sharding
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> global_x = np.arange(8.0 * jax.device_count()).reshape(-1, 2)
+    >>> rows = sharding.process_batch_slice(len(global_x), mesh)
+    >>> x = sharding.shard_batch(global_x[rows], mesh)
+    >>> x.shape == global_x.shape
+    True
   """
   sharding = batch_sharding(mesh, axis)
-  processes = jax.process_count()
+  count, _, size = _local_blocks(mesh, axis)
 
-  def place(leaf):
-    leaf = np.asarray(leaf)
-    global_shape = (leaf.shape[0] * processes,) + leaf.shape[1:]
-    return jax.make_array_from_process_local_data(
-        sharding, leaf, global_shape
-    )
+  def global_shape(leaf) -> tuple[int, ...]:
+    shape = np.shape(leaf)
+    if not shape or count == size:
+      return shape  # this process holds the whole batch dimension
+    return (shape[0] // count * size,) + shape[1:]
+
+  if count != size:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      shape = np.shape(leaf)
+      if shape and shape[0] % count:
+        name = jax.tree_util.keystr(path) or 'the batch'
+        raise ValueError(
+            f'Process-local batch size {shape[0]} (of {name}, shape {shape}) '
+            f'is not divisible by the {count} devices process '
+            f'{jax.process_index()} holds along mesh axis {axis!r} ({size} '
+            f'in all). Every device must hold the same number of examples: '
+            f'use a global batch size that is a multiple of {size} and give '
+            'each process its process_batch_slice of it.'
+        )
 
   check_batch_divisible(
       jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(
-              (np.shape(x)[0] * processes,) + np.shape(x)[1:]
-              if np.shape(x) else (), np.result_type(x)),
+          lambda x: jax.ShapeDtypeStruct(global_shape(x), np.result_type(x)),
           batch,
       ),
       mesh,
       axis,
   )
+
+  def place(leaf):
+    leaf = np.asarray(leaf)
+    return jax.make_array_from_process_local_data(
+        sharding, leaf, global_shape(leaf)
+    )
+
   return jax.tree.map(place, batch)

@@ -1,0 +1,437 @@
+"""Run a JAX program as several processes on this machine (``jax.distributed``).
+
+A multi-host JAX program runs one process per host; every process calls
+``jax.distributed.initialize`` and then sees the devices of all of them. This
+module runs such a program as N processes on *one* machine, all on the
+loopback address, which exercises every multi-host code path (global arrays
+assembled from per-process data, cross-process collectives, multi-process
+checkpoints) without a cluster. On CPU the collectives are gloo's.
+
+* :func:`launch` (or ``python -m cbp_optax.launch``) starts the workers with
+  a free port on 127.0.0.1, prefixes their output with ``[proc i]``, enforces
+  a timeout and stops every worker as soon as one fails.
+* :func:`initialize_from_env`, called first thing in each worker, reads what
+  the launcher passed and calls ``jax.distributed.initialize`` with it,
+  bound to 127.0.0.1 only. Outside the launcher it does nothing, so the same
+  script also runs as one ordinary process.
+
+Example::
+
+  # worker.py
+  from cbp_optax import launch
+  launch.initialize_from_env()   # before any other JAX call
+  import jax
+  print(jax.process_index(), jax.process_count(), jax.device_count())
+
+  # on the command line: 2 processes with 2 simulated CPU devices each
+  python -m cbp_optax.launch --processes 2 --cpu-devices 2 -- worker.py
+
+On a real cluster use the cluster's launcher (SLURM, Kubernetes, a TPU pod's
+own) and plain ``jax.distributed.initialize()``; see ``docs/multihost.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, Optional, Sequence
+
+__all__ = [
+    'ENV_COORDINATOR',
+    'ENV_NUM_PROCESSES',
+    'ENV_PROCESS_ID',
+    'LaunchError',
+    'LaunchResult',
+    'LaunchTimeout',
+    'WorkerFailed',
+    'free_port',
+    'gloo_available',
+    'initialize_from_env',
+    'launch',
+]
+
+ENV_COORDINATOR = 'CBP_OPTAX_COORDINATOR'
+ENV_NUM_PROCESSES = 'CBP_OPTAX_NUM_PROCESSES'
+ENV_PROCESS_ID = 'CBP_OPTAX_PROCESS_ID'
+ENV_INIT_TIMEOUT = 'CBP_OPTAX_INIT_TIMEOUT'
+
+LOOPBACK = '127.0.0.1'
+_TAIL_LINES = 40
+
+
+class LaunchError(RuntimeError):
+  """A launched run did not succeed; the message says which process and why."""
+
+  def __init__(self, message: str, result: 'LaunchResult'):
+    super().__init__(message)
+    self.result = result
+
+
+class WorkerFailed(LaunchError):
+  """A worker exited with a non-zero status (the others were stopped)."""
+
+
+class LaunchTimeout(LaunchError):
+  """The workers did not all finish within the timeout (all were stopped)."""
+
+
+@dataclasses.dataclass
+class LaunchResult:
+  """What the workers did.
+
+  Attributes:
+    returncodes: exit status of each worker (negative: killed by that
+      signal; ``None``: still running when it was stopped, never the case
+      after :func:`launch` returns).
+    outputs: each worker's output (stdout and stderr interleaved), as lines
+      without the ``[proc i]`` prefix.
+    seconds: wall time from the first start to the last exit.
+  """
+
+  returncodes: list[Optional[int]]
+  outputs: list[list[str]]
+  seconds: float = 0.0
+
+  def output(self, process: int) -> str:
+    """The output of one worker as one string."""
+    return ''.join(self.outputs[process])
+
+
+def free_port(host: str = LOOPBACK) -> int:
+  """A TCP port that is free on ``host`` now (the OS picks it)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def gloo_available() -> bool:
+  """Whether this jaxlib has gloo, the CPU collectives multi-process needs."""
+  try:
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - older jaxlib layout
+    try:
+      from jax._src.lib import xla_extension as _jax  # type: ignore
+    except ImportError:
+      return False
+  return hasattr(_jax, 'make_gloo_tcp_collectives')
+
+
+def _describe_exit(code: int) -> str:
+  if code < 0:
+    try:
+      return f'was killed by {signal.Signals(-code).name}'
+    except ValueError:
+      return f'was killed by signal {-code}'
+  return f'exited with status {code}'
+
+
+class _Worker:
+  """One child process, its output pump and the time it was seen to exit."""
+
+  def __init__(self, index: int, proc: subprocess.Popen, stream: Optional[IO],
+               lock: threading.Lock, keep_lines: int):
+    self.index = index
+    self.proc = proc
+    self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
+    self.exited_at: Optional[float] = None
+    self._stream = stream
+    self._lock = lock
+    self.pump = threading.Thread(target=self._pump, daemon=True)
+    self.pump.start()
+    self.waiter = threading.Thread(target=self._wait, daemon=True)
+    self.waiter.start()
+
+  def _pump(self) -> None:
+    assert self.proc.stdout is not None
+    for raw in iter(self.proc.stdout.readline, b''):
+      line = raw.decode('utf-8', errors='replace')
+      if not line.endswith('\n'):
+        line += '\n'
+      self.lines.append(line)
+      if self._stream is not None:
+        with self._lock:
+          try:
+            self._stream.write(f'[proc {self.index}] {line}')
+            self._stream.flush()
+          except (ValueError, OSError):  # stream closed under us
+            self._stream = None
+    self.proc.stdout.close()
+
+  def _wait(self) -> None:
+    self.proc.wait()
+    self.exited_at = time.monotonic()
+
+  def tail(self, lines: int = _TAIL_LINES) -> str:
+    kept = list(self.lines)[-lines:]
+    return ''.join(f'    {line}' for line in kept) or '    (no output)\n'
+
+
+def _stop(workers: Sequence[_Worker], grace: float) -> None:
+  """SIGTERM to each worker's process group, then SIGKILL after ``grace``."""
+  running = [w for w in workers if w.proc.poll() is None]
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    for w in running:
+      try:
+        # Each worker leads its own session (start_new_session=True), so its
+        # process group holds exactly what it started.
+        os.killpg(w.proc.pid, sig)
+      except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + grace
+    for w in running:
+      try:
+        w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        pass
+    running = [w for w in running if w.proc.poll() is None]
+    if not running:
+      break
+
+
+def launch(
+    args: Sequence[str],
+    num_processes: int,
+    *,
+    cpu_devices: Optional[int] = None,
+    timeout: float = 600.0,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+    stream: Optional[IO[str]] = None,
+    python: str = sys.executable,
+    init_timeout: int = 60,
+    keep_lines: int = 10_000,
+    grace: float = 2.0,
+) -> LaunchResult:
+  """Runs ``python *args`` as ``num_processes`` cooperating JAX processes.
+
+  Every worker gets the coordinator address (127.0.0.1 and a free port), the
+  number of processes and its own index in environment variables
+  (:data:`ENV_COORDINATOR`, :data:`ENV_NUM_PROCESSES`,
+  :data:`ENV_PROCESS_ID`), which :func:`initialize_from_env` reads. Output of
+  worker ``i`` (stdout and stderr) is forwarded to ``stream`` line by line as
+  ``[proc i] ...``.
+
+  When a worker exits with a non-zero status, the others are stopped at once
+  (the survivors of a multi-process run would otherwise wait in a collective
+  for a peer that is gone), and :class:`WorkerFailed` names the first worker
+  that failed, its exit status and the end of its output. When ``timeout``
+  passes first, every worker is stopped and :class:`LaunchTimeout` is raised.
+
+  Args:
+    args: arguments after the interpreter: ``['script.py', ...]`` or
+      ``['-m', 'package.module', ...]``.
+    num_processes: how many processes to start (>= 1).
+    cpu_devices: if given, each worker runs on the CPU platform with this many
+      simulated devices (``--xla_force_host_platform_device_count``).
+    timeout: seconds for the whole run.
+    env: environment of the workers (default: this process's), to which the
+      launcher's variables are added.
+    cwd: working directory of the workers.
+    stream: where to forward the prefixed output; ``None`` keeps it only in
+      the result. Pass ``sys.stdout`` to see it live.
+    python: the interpreter.
+    init_timeout: seconds :func:`initialize_from_env` lets
+      ``jax.distributed.initialize`` wait for all processes.
+    keep_lines: lines of output kept per worker in the result.
+    grace: seconds between SIGTERM and SIGKILL when stopping workers.
+
+  Returns:
+    A :class:`LaunchResult` (all exit statuses 0).
+
+  Raises:
+    WorkerFailed: a worker exited with a non-zero status.
+    LaunchTimeout: the run took longer than ``timeout``.
+  """
+  if num_processes < 1:
+    raise ValueError(f'num_processes must be >= 1, got {num_processes}.')
+  base_env = dict(os.environ if env is None else env)
+  base_env['PYTHONUNBUFFERED'] = '1'
+  if cpu_devices is not None:
+    flags = [f for f in base_env.get('XLA_FLAGS', '').split()
+             if not f.startswith('--xla_force_host_platform_device_count')]
+    flags.append(f'--xla_force_host_platform_device_count={cpu_devices}')
+    base_env['XLA_FLAGS'] = ' '.join(flags)
+    base_env['JAX_PLATFORMS'] = 'cpu'
+  base_env[ENV_COORDINATOR] = f'{LOOPBACK}:{free_port()}'
+  base_env[ENV_NUM_PROCESSES] = str(num_processes)
+  base_env[ENV_INIT_TIMEOUT] = str(int(init_timeout))
+
+  lock = threading.Lock()
+  workers: list[_Worker] = []
+  start = time.monotonic()
+  deadline = start + timeout
+
+  def result() -> LaunchResult:
+    return LaunchResult([w.proc.poll() for w in workers],
+                        [list(w.lines) for w in workers],
+                        time.monotonic() - start)
+
+  try:
+    for index in range(num_processes):
+      worker_env = dict(base_env)
+      worker_env[ENV_PROCESS_ID] = str(index)
+      proc = subprocess.Popen(
+          [python, *args], env=worker_env, cwd=cwd, stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          start_new_session=True)
+      workers.append(_Worker(index, proc, stream, lock, keep_lines))
+
+    while True:
+      exited = [w for w in workers if w.exited_at is not None]
+      failed = sorted((w for w in exited if w.proc.returncode != 0),
+                      key=lambda w: w.exited_at)
+      if failed:
+        first = failed[0]
+        _stop(workers, grace)
+        for w in workers:
+          w.pump.join(timeout=grace)
+        others = [w.index for w in workers if w is not first]
+        raise WorkerFailed(
+            f'process {first.index} of {num_processes} '
+            f'{_describe_exit(first.proc.returncode)} after '
+            f'{first.exited_at - start:.1f} s; stopped the others '
+            f'({", ".join(map(str, others)) or "none"}). Last output of '
+            f'process {first.index}:\n{first.tail()}', result())
+      if len(exited) == num_processes:
+        for w in workers:
+          w.pump.join(timeout=grace)
+        return result()
+      if time.monotonic() > deadline:
+        running = [w.index for w in workers if w.exited_at is None]
+        _stop(workers, grace)
+        for w in workers:
+          w.pump.join(timeout=grace)
+        tails = ''.join(f'  process {w.index}:\n{w.tail(10)}'
+                        for w in workers)
+        raise LaunchTimeout(
+            f'{num_processes} processes did not finish within {timeout:g} s '
+            f'(still running: {running}); stopped all. Last output:\n{tails}',
+            result())
+      time.sleep(0.05)
+  except BaseException:
+    # KeyboardInterrupt, or a failure to start a worker: leave nothing behind.
+    _stop(workers, grace)
+    raise
+
+
+def _bind_gloo_to_loopback() -> bool:
+  """Makes the CPU backend's gloo collectives listen on 127.0.0.1 only.
+
+  JAX creates gloo's TCP transport on the address the host name resolves
+  to. For a run that is all on this machine, the loopback address is enough
+  and exposes nothing. Uses JAX internals; where they differ (another JAX
+  version) nothing changes and False is returned.
+  """
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    return False
+  if (jax.config.jax_cpu_collectives_implementation != 'gloo'
+      or 'cpu' in getattr(xla_bridge, '_backends', {'cpu': None})
+      or not hasattr(_jax, 'make_gloo_tcp_collectives')):
+    return False
+
+  def make_cpu_client():
+    collectives = _jax.make_gloo_tcp_collectives(
+        distributed_client=distributed.global_state.client,
+        hostname=LOOPBACK)
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  try:
+    xla_bridge.register_backend_factory(
+        'cpu', make_cpu_client, priority=0, fail_quietly=False)
+  except (RuntimeError, TypeError):  # pragma: no cover
+    return False
+  return True
+
+
+def initialize_from_env(
+    *, collectives: str = 'gloo', heartbeat_timeout_seconds: int = 30,
+) -> bool:
+  """``jax.distributed.initialize`` with what :func:`launch` passed, if any.
+
+  Call it first thing in a worker, before any other JAX computation. Without
+  the launcher's environment variables it does nothing and returns False,
+  so the same script runs as an ordinary single process. The coordinator
+  listens on 127.0.0.1 only, and on CPU gloo's collectives too.
+
+  Args:
+    collectives: CPU collectives implementation (``'gloo'``; ``'mpi'`` needs
+      an MPI installation).
+    heartbeat_timeout_seconds: after how long without a heartbeat the
+      coordination service declares a process dead (JAX's default is 100).
+
+  Returns:
+    True if this process joined a multi-process run.
+
+  Raises:
+    RuntimeError: the environment names a coordinator that is not on the
+      loopback address (this helper is for runs on one machine).
+  """
+  address = os.environ.get(ENV_COORDINATOR)
+  if not address:
+    return False
+  host, _, port = address.rpartition(':')
+  if host != LOOPBACK:
+    raise RuntimeError(
+        f'{ENV_COORDINATOR}={address!r}: initialize_from_env is for runs on '
+        f'one machine and binds to {LOOPBACK} only; on a cluster call '
+        'jax.distributed.initialize() yourself.')
+  import jax  # pylint: disable=g-import-not-at-top
+
+  jax.config.update('jax_cpu_collectives_implementation', collectives)
+  jax.distributed.initialize(
+      coordinator_address=address,
+      num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+      process_id=int(os.environ[ENV_PROCESS_ID]),
+      coordinator_bind_address=f'{LOOPBACK}:{port}',
+      initialization_timeout=int(os.environ.get(ENV_INIT_TIMEOUT, '60')),
+      heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+      # cluster auto-detection would look for SLURM/MPI variables; the
+      # launcher has given everything.
+      cluster_detection_method='deactivate',
+  )
+  if collectives == 'gloo':
+    _bind_gloo_to_loopback()
+  return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m cbp_optax.launch --processes N [--cpu-devices D] -- prog``."""
+  parser = argparse.ArgumentParser(
+      prog='python -m cbp_optax.launch',
+      description='Run a JAX program as N processes on 127.0.0.1. The program '
+      'calls cbp_optax.launch.initialize_from_env() first.')
+  parser.add_argument('--processes', '-n', type=int, required=True)
+  parser.add_argument('--cpu-devices', type=int, default=None,
+                      help='simulated CPU devices per process')
+  parser.add_argument('--timeout', type=float, default=600.0,
+                      help='seconds for the whole run (default 600)')
+  parser.add_argument('program', nargs=argparse.REMAINDER,
+                      help='script.py [args] or -m module [args], after --')
+  ns = parser.parse_args(argv)
+  program = ns.program[1:] if ns.program[:1] == ['--'] else ns.program
+  if not program:
+    parser.error('give the program to run after --')
+  try:
+    launch(program, ns.processes, cpu_devices=ns.cpu_devices,
+           timeout=ns.timeout, stream=sys.stdout)
+  except LaunchError as e:
+    print(f'cbp_optax.launch: {e}', file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
