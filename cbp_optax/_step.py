@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
+
+import warnings
 
 import jax
 import jax.numpy as jnp
+
+from cbp_optax import _checks
 
 
 class StepOutput(NamedTuple):
@@ -22,6 +26,18 @@ class StepOutput(NamedTuple):
   loss: jax.Array
   aux: Any
   skipped: jax.Array
+
+
+def mean_decay_argument(mean_decay: Any, decay: Any, where: str) -> Any:
+  """Validates M2's mean EMA decay, accepting its deprecated name ``decay``."""
+  if decay is not None:
+    warnings.warn(
+        f'{where}(decay=...) is deprecated: the EMA decay of the centering '
+        "means is now called mean_decay (decay is M1's energy EMA in "
+        'cbp.cbp).', DeprecationWarning, stacklevel=3)
+    mean_decay = decay
+  _checks.check_decay('mean_decay', mean_decay)
+  return mean_decay
 
 
 def split_loss(output: Any) -> tuple[jax.Array, Any]:
@@ -51,6 +67,34 @@ def all_finite(*trees: Any) -> jax.Array:
       if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
   ]
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def conditioned_update(
+    loss_of: Callable[[Any], tuple[jax.Array, tuple[Any, Any]]],
+    params: Any,
+    apply_step: Callable[..., Any],
+    skip_step: Callable[..., Any],
+    cond: Callable[..., Any],
+    *operands: Any,
+) -> tuple[Any, StepOutput]:
+  """The skeleton both fused steps share (Algorithm 1, steps 1-11).
+
+  Differentiates ``loss_of(params) -> (loss, (aux, changed))``, where
+  ``changed`` is the non-parameter state the forward pass wrote (recorded
+  means, batch statistics), checks that the loss, the gradients and
+  ``changed`` are finite, and runs ``apply_step(*operands, grads, changed)``
+  (update, then transport) or ``skip_step(...)`` under ``cond``. A
+  conditional, not a select of old and new state: selecting would keep every
+  old buffer alive next to the new one and cost full copies.
+
+  Returns:
+    ``(cond's result, StepOutput)``.
+  """
+  (loss, (aux, changed)), grads = jax.value_and_grad(
+      loss_of, has_aux=True)(params)
+  ok = all_finite(loss, grads, changed)
+  result = cond(ok, apply_step, skip_step, *operands, grads, changed)
+  return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 
 
 def compiler_options() -> Optional[dict[str, Any]]:

@@ -1,79 +1,270 @@
-"""M2: the activation-centering reparameterization, framework-independent math.
+"""M2: the activation-centering reparameterization, one framework-free core.
 
 A centered linear layer computes ``z = W (a - mu) + b~`` (eq. 8). ``mu`` is an
 EMA of the layer's input mean; when it moves, the bias is transported,
 ``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so that the represented function is
-unchanged. The Flax wrappers in ``cbp_optax.nnx`` and ``cbp_optax.linen`` call
-these functions; they hold no state of their own.
+unchanged. Every layer kind the library can center exactly is described once
+here, as a :class:`LayerSpec`: which input axes ``mu`` lives on, the shapes of
+``mu``, the kernel and the bias, and how the kernel maps a shift of the input to
+a shift of the output. ``cbp_optax.nnx`` and ``cbp_optax.linen`` only read a
+layer's configuration into a spec and hold the state; the maths is here.
 
-Convolutions with zero padding are centered *after* padding: ``mu`` is
-subtracted everywhere in the padded input, the border included, so that every
-output position sees a full window of ``-mu`` shifts and the transport is exact
-at the border too. That centered convolution is never formed explicitly: since
-``pad(a) - mu`` is ``pad(a)`` minus a constant image, and a convolution of a
-constant image is the same at every output position,
+Two kinds exist:
 
-  ``conv_valid(pad(a) - mu) = conv(a) - (sum over the window of W) . mu``
+* ``'dense'``: a contraction of some input axes with the leading axes of the
+  kernel (``nnx.Linear``, ``nnx.LinearGeneral``, ``nn.Dense``,
+  ``nn.DenseGeneral``, the projections of multi-head attention). Both Flax APIs
+  lay the kernel's input axes out in *ascending* order of the contracted input
+  axes, whatever order ``axis`` was given in, so ``mu`` is laid out that way
+  too.
+* ``'conv'``: a convolution with any padding, stride, kernel dilation, feature
+  groups and mask. It is centered *after* its padding: ``mu`` is subtracted
+  everywhere in the padded input, the border included, so that every output
+  position sees a full window of ``-mu`` shifts and the transport is exact at
+  the border too. That centered convolution is never formed explicitly: since
+  ``pad(a) - mu`` is ``pad(a)`` minus a constant image, and a convolution of a
+  constant image is the same at every output position,
 
-(:func:`conv_mean_correction`). The wrappers run the layer as it is, on the
-raw input with its own padding (so XLA sees the plain layer's convolution and
-its gradients), and subtract a per-output-channel constant. The same holds for
-wrap and reflect padding, which commute with the shift. Gradients are those of
-the centered layer: ``dW = (pad(a) - mu)^T delta`` (eq. 9) arrives as
-``pad(a)^T delta`` minus ``mu`` times the summed ``delta`` at every window tap.
+    ``conv_valid(pad(a) - mu) = conv(a) - (sum over the window of W) . mu``
+
+  (:func:`mean_correction`). The wrappers run the layer as it is, on the raw
+  input with its own padding, and subtract a per-output-channel constant. The
+  same holds for wrap and reflect padding, which commute with the shift.
+  Gradients are those of the centered layer: ``dW = (pad(a) - mu)^T delta``
+  (eq. 9) arrives as ``pad(a)^T delta`` minus ``mu`` times the summed ``delta``
+  at every window tap.
+
+Layer stacks (``nnx.vmap`` / ``nnx.scan``, Linen ``nn.scan`` / ``nn.vmap``)
+give the kernel, the bias and ``mu`` extra *stack axes*. A spec describes one
+slice; :func:`transport` finds the stack axes from the shapes (or takes them
+from the caller) and maps the per-layer maths over them, so each slice's bias
+moves by its own kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import itertools
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+Shape = tuple[int, ...]
+DENSE, CONV = 'dense', 'conv'
+
+
+class LayerSpec(NamedTuple):
+  """What centering needs to know about one (unstacked) linear layer.
+
+  Hashable, so it can be static metadata of a module or a variable.
+
+  Attributes:
+    kind: ``'dense'`` or ``'conv'``.
+    axis: the input axes the layer contracts (dense, as configured, possibly
+      negative), or ``(-1,)`` (conv: the channel axis).
+    mean_shape: shape of ``mu``: the contracted input axes' sizes in
+      ascending axis order (dense), or ``(in_channels,)`` (conv).
+    kernel_shape: the kernel's shape.
+    bias_shape: the bias's shape.
+    feature_group_count: the convolution's feature groups (1 for dense).
+  """
+
+  kind: str
+  axis: tuple[int, ...]
+  mean_shape: Shape
+  kernel_shape: Shape
+  bias_shape: Shape
+  feature_group_count: int = 1
+
+
+class CannotCenterError(ValueError):
+  """A layer whose transport (eq. 10) could not keep the function exact."""
+
+
+def _layer_label(layer_type: type) -> str:
+  return f'{layer_type.__module__}.{layer_type.__qualname__}'
+
+
+def check_centerable(
+    layer_type: type,
+    *,
+    use_bias: bool,
+    input_dilation: Optional[Union[int, Sequence[int]]] = None,
+    batch_axes: Any = None,
+) -> None:
+  """Refuses a supported layer type configured so that centering is inexact.
+
+  Raises:
+    CannotCenterError: no bias to transport, input dilation (its inserted
+      zeros are not shifted by ``mu``), or kernel batch axes (the kernel, and
+      so ``mu``, would differ along them).
+  """
+  name = _layer_label(layer_type)
+  if not use_bias:
+    raise CannotCenterError(
+        f'{name} was built with use_bias=False: centering needs a bias to '
+        'transport (eq. 10).'
+    )
+  dilation = (
+      (input_dilation,) if isinstance(input_dilation, int) else input_dilation
+  )
+  if dilation is not None and any(d != 1 for d in dilation):
+    raise CannotCenterError(
+        f'{name} has input dilation {input_dilation}: the zeros it inserts '
+        'are not shifted by mu, so no bias transport keeps it exact.'
+    )
+  if batch_axes:
+    raise CannotCenterError(
+        f'{name} has kernel batch axes {batch_axes}: the kernel, and so mu, '
+        'would differ along them.'
+    )
+
+
+def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> TypeError:
+  """The error for a layer type the core does not know exactly."""
+  names = ', '.join(_layer_label(t) for t in supported)
+  return TypeError(
+      f'Cannot center {_layer_label(layer_type)}: centering is exact only for '
+      f'layers whose maths it knows, the exact types {names} (a subclass may '
+      'change the maths, so it is refused too). Transposed and locally '
+      'connected convolutions cannot be centered exactly; embeddings, norms '
+      'and other layers that are not linear in their input are left as they '
+      'are.'
+  )
+
+
 def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
+  """Axes as non-negative indices, in ascending order (the kernel's order)."""
   if isinstance(axes, int):
     axes = (axes,)
-  return tuple(a % ndim for a in axes)
+  return tuple(sorted(a % ndim for a in axes))
+
+
+def dense_spec(
+    axis: Union[int, Sequence[int]],
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+) -> LayerSpec:
+  """The spec of a dense layer contracting ``axis`` (``in_shape`` in kernel order)."""
+  axis = (axis,) if isinstance(axis, int) else tuple(axis)
+  in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+  return LayerSpec(DENSE, axis, in_shape, in_shape + out_shape, out_shape)
+
+
+def conv_spec(
+    kernel_size: Sequence[int],
+    in_features: int,
+    out_features: int,
+    feature_group_count: int,
+) -> LayerSpec:
+  """The spec of a convolution with a ``(*window, C_in/G, C_out)`` kernel."""
+  kernel_shape = tuple(kernel_size) + (
+      in_features // feature_group_count, out_features)
+  return LayerSpec(CONV, (-1,), (in_features,), kernel_shape, (out_features,),
+                   feature_group_count)
+
+
+def feature_axes(spec: LayerSpec, ndim: int) -> tuple[int, ...]:
+  """The input axes ``mu`` lives on, ascending, for an input of rank ``ndim``."""
+  return normalize_axes(spec.axis, ndim)
 
 
 def batch_mean(
     inputs: jax.Array,
-    feature_axes: Sequence[int],
+    spec: LayerSpec,
     dtype: Any,
     axis_name: Optional[Any] = None,
 ) -> jax.Array:
-  """Mean of ``inputs`` over every axis but ``feature_axes``, in their order.
+  """The input mean ``centering`` records: over every axis but the feature axes.
 
-  For a dense layer the feature axes are the contracted ones, so the mean is
-  per input feature; for a convolution it is the channel axis, and the mean is
-  per input channel over batch and spatial positions. Under ``jit`` with a
-  sharded batch this is already the global mean; inside ``shard_map``,
-  ``pmap`` or ``vmap``, name the mapped batch axis in ``axis_name`` to average
-  across it too (equal per-device batches assumed, as for BatchNorm).
+  For a dense layer the mean is per input feature; for a convolution per input
+  channel over batch and spatial positions. Under ``jit`` with a sharded batch
+  this is already the global mean; inside ``shard_map``, ``pmap`` or ``vmap``,
+  name the mapped batch axis in ``axis_name`` to average across it too (equal
+  per-device batches assumed, as for BatchNorm).
   """
-  feature_axes = normalize_axes(feature_axes, inputs.ndim)
-  reduce_axes = tuple(a for a in range(inputs.ndim) if a not in feature_axes)
+  axes = feature_axes(spec, inputs.ndim)
+  reduce_axes = tuple(a for a in range(inputs.ndim) if a not in axes)
   mean = jnp.mean(inputs.astype(dtype), axis=reduce_axes)
   if axis_name is not None:
     mean = lax.pmean(mean, axis_name)
-  # jnp.mean leaves the kept axes in ascending order; restore feature order.
-  ascending = sorted(feature_axes)
-  return jnp.transpose(mean, [ascending.index(a) for a in feature_axes])
+  return mean
 
 
-def subtract_mean(
-    inputs: jax.Array, mean: jax.Array, feature_axes: Sequence[int]
-) -> jax.Array:
-  """``inputs - mean`` with ``mean`` laid along ``feature_axes``."""
-  feature_axes = normalize_axes(feature_axes, inputs.ndim)
-  ascending = sorted(feature_axes)
-  mean = jnp.transpose(mean, [feature_axes.index(a) for a in ascending])
+def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Array:
+  """``inputs - mu`` with ``mu`` laid along the feature axes."""
+  axes = feature_axes(spec, inputs.ndim)
   shape = [1] * inputs.ndim
-  for axis in ascending:
+  for axis in axes:
     shape[axis] = inputs.shape[axis]
   dtype = jnp.result_type(inputs)
   return inputs - jnp.reshape(mean, shape).astype(dtype)
+
+
+def _dense_shift(kernel: jax.Array, delta: jax.Array) -> jax.Array:
+  n = delta.ndim
+  return jnp.tensordot(
+      delta.astype(kernel.dtype), kernel,
+      axes=(tuple(range(n)), tuple(range(n))),
+      precision=lax.Precision.HIGHEST,
+  )
+
+
+def _conv_shift(kernel: jax.Array, delta: jax.Array, groups: int) -> jax.Array:
+  # An unpadded convolution of a constant image `delta` gives, at every output
+  # position, the kernel summed over its window and contracted with `delta`
+  # within each feature group.
+  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
+  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
+  grouped_kernel = jnp.reshape(
+      window_sum, (in_per_group, groups, out_features // groups))
+  grouped_delta = jnp.reshape(delta.astype(kernel.dtype), (groups, in_per_group))
+  shift = jnp.einsum('gc,cgo->go', grouped_delta, grouped_kernel,
+                     precision=lax.Precision.HIGHEST)
+  return jnp.reshape(shift, (out_features,))
+
+
+def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Array:
+  """``W delta``: how the layer's output moves when its input moves by ``delta``.
+
+  For one (unstacked) layer. The transport adds it for ``delta = mu_new -
+  mu_old`` (eq. 10); :func:`mean_correction` is it for ``delta = mu``.
+  """
+  if spec.kind == CONV:
+    return _conv_shift(kernel, delta, spec.feature_group_count)
+  return _dense_shift(kernel, delta)
+
+
+def mean_correction(spec: LayerSpec, kernel: jax.Array, mean: jax.Array) -> jax.Array:
+  """What centering subtracts from the plain layer's output: ``W mu``.
+
+  For a convolution, ``conv(pad(a) - mu) = conv(pad(a)) - (sum_window W) . mu``
+  at every output position, for any padding, stride and kernel dilation; the
+  transport moves the bias by exactly the change of this correction.
+  """
+  return bias_shift(spec, kernel, mean)
+
+
+def centered_output(
+    spec: LayerSpec,
+    layer_fn: Callable[[jax.Array], jax.Array],
+    inputs: jax.Array,
+    kernel: Callable[[], jax.Array],
+    mean: jax.Array,
+) -> jax.Array:
+  """``W (a - mu) + b~`` (eq. 8), given the plain layer ``layer_fn``.
+
+  A dense layer runs on the centered input. A convolution runs on the raw
+  input (its own padding, the plain layer's convolution and gradients) minus
+  the per-channel :func:`mean_correction`; ``kernel`` is called only then,
+  after ``layer_fn``, so that a lazily created kernel exists.
+  """
+  if spec.kind == CONV:
+    outputs = layer_fn(inputs)
+    correction = mean_correction(spec, kernel(), mean)
+    return outputs - correction.astype(outputs.dtype)
+  return layer_fn(subtract_mean(inputs, mean, spec))
 
 
 def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
@@ -81,78 +272,163 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
   return (decay * mean + (1 - decay) * recorded).astype(mean.dtype)
 
 
-def dense_bias_shift(kernel: jax.Array, delta_mean: jax.Array) -> jax.Array:
-  """``W (mu_new - mu_old)`` for a kernel laid out ``in_shape + out_shape``."""
-  n = delta_mean.ndim
-  return jnp.tensordot(
-      delta_mean.astype(kernel.dtype),
-      kernel,
-      axes=(tuple(range(n)), tuple(range(n))),
-      precision=lax.Precision.HIGHEST,
-  )
+def locate_stack_axes(
+    shape: Shape,
+    unstacked_shape: Shape,
+    preferred: Optional[tuple[int, ...]] = None,
+) -> Optional[tuple[int, ...]]:
+  """Which axes of ``shape`` are stack axes around ``unstacked_shape``.
 
-
-def conv_bias_shift(
-    kernel: jax.Array, delta_mean: jax.Array, feature_group_count: int
-) -> jax.Array:
-  """``W (mu_new - mu_old)`` for a convolution kernel ``(*window, C_in/G, C_out)``.
-
-  An unpadded convolution of a constant image ``d`` gives, at every output
-  position, the kernel summed over its window and contracted with ``d``
-  within each of the ``G`` feature groups.
+  ``preferred`` is taken when it fits; otherwise the first placement in
+  lexicographic order (leading axes first, as ``nnx.vmap``, ``nn.scan`` and
+  ``nn.vmap`` place them by default). None when no placement fits.
   """
-  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
-  groups = feature_group_count
-  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
-  grouped_kernel = jnp.reshape(
-      window_sum, (in_per_group, groups, out_features // groups)
-  )
-  grouped_delta = jnp.reshape(
-      delta_mean.astype(kernel.dtype), (groups, in_per_group)
-  )
-  shift = jnp.einsum(
-      'gc,cgo->go',
-      grouped_delta,
-      grouped_kernel,
-      precision=lax.Precision.HIGHEST,
-  )
-  return jnp.reshape(shift, (out_features,))
+  shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
+  extra = len(shape) - len(unstacked_shape)
+  if extra < 0:
+    return None
+
+  def fits(axes):
+    kept = tuple(d for i, d in enumerate(shape) if i not in axes)
+    return kept == unstacked_shape
+
+  if preferred is not None and len(preferred) == extra and fits(preferred):
+    return tuple(preferred)
+  for axes in itertools.combinations(range(len(shape)), extra):
+    if fits(axes):
+      return axes
+  return None
 
 
-def conv_mean_correction(
-    kernel: jax.Array, mean: jax.Array, feature_group_count: int
-) -> jax.Array:
-  """What centering subtracts from a convolution's output: ``(sum_window W) . mu``.
+def _stack_axes(
+    name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
+) -> tuple[int, ...]:
+  axes = locate_stack_axes(array.shape, unstacked, preferred)
+  if axes is None:
+    raise ValueError(
+        f'transport: the {name} has shape {tuple(array.shape)}, which is not '
+        f'{unstacked} with stack axes added ({spec}); pass the parameters and '
+        'centering statistics of the same model.'
+    )
+  return axes
 
-  ``conv(pad(a) - mu) = conv(pad(a)) - conv_mean_correction(W, mu, G)`` at
-  every output position, for any padding, stride and kernel dilation (every
-  output sees a full window of the padded input); a per-output-channel
-  vector. It is :func:`conv_bias_shift` of ``mu`` itself: the transport moves
-  the bias by exactly the change of this correction, so the function stays
-  the same.
+
+def _to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  return jnp.moveaxis(x, axes, tuple(range(len(axes))))
+
+
+def _from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  return jnp.moveaxis(x, tuple(range(len(axes))), axes)
+
+
+def transport(
+    spec: LayerSpec,
+    kernel: jax.Array,
+    bias: jax.Array,
+    mean: jax.Array,
+    recorded: jax.Array,
+    decay: Any,
+    *,
+    mask: Optional[jax.Array] = None,
+    mean_stack_axes: Optional[tuple[int, ...]] = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Mean refresh and bias transport of one layer or one stack of layers.
+
+  ``mu_new = decay * mu + (1 - decay) * recorded`` (Algorithm 1, step 10) and
+  ``b~ += W (mu_new - mu_old)`` (eq. 10) with the given (updated) kernel. For
+  a layer stack, every slice is transported with its own kernel.
+
+  Args:
+    spec: the layer, unstacked.
+    kernel: its kernel, possibly with stack axes.
+    bias: its bias, with the same stack axes.
+    mean: ``mu``, with the same stack sizes.
+    recorded: the batch mean recorded by the last forward pass.
+    decay: the EMA decay of ``mu``.
+    mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
+    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows;
+      found from the shapes otherwise.
+
+  Returns:
+    ``(new_bias, new_mean)``.
   """
-  return conv_bias_shift(kernel, mean, feature_group_count)
-
-
-def transported_bias(bias: jax.Array, shift: jax.Array) -> jax.Array:
-  """``b~ + W (mu_new - mu_old)`` (eq. 10), in the bias dtype."""
-  return (bias + shift.astype(bias.dtype)).astype(bias.dtype)
-
-
-def check_conv_supported(
-    input_dilation: Optional[Union[int, Sequence[int]]], use_bias: bool
-) -> None:
-  """Refuses convolutions whose transport could not be exact."""
-  if not use_bias:
+  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
+  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
+  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
+  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
+           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
+  if len(set(sizes)) != 1:
     raise ValueError(
-        'Centering needs a bias to transport (eq. 10): build the layer with '
-        'use_bias=True.'
+        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
     )
-  if input_dilation is not None and any(
-      d != 1 for d in ((input_dilation,) if isinstance(input_dilation, int)
-                       else input_dilation)
-  ):
-    raise ValueError(
-        'Centering cannot be exact with input dilation: the inserted zeros are '
-        'not shifted by mu, so a mean update would change the function.'
-    )
+  if mask is not None:
+    if mask.ndim < kernel.ndim:
+      mask = jnp.expand_dims(mask, kernel_axes)
+    kernel = kernel * mask
+
+  def one_layer(kernel, bias, mean, recorded):
+    new = ema(mean, recorded, decay)
+    shift = bias_shift(spec, kernel, new - mean)
+    return (bias + shift.astype(bias.dtype)).astype(bias.dtype), new
+
+  fn = one_layer
+  for _ in mean_axes:
+    fn = jax.vmap(fn)
+  new_bias, new_mean = fn(
+      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
+      _to_front(mean, mean_axes), _to_front(recorded, mean_axes))
+  return _from_front(new_bias, bias_axes), _from_front(new_mean, mean_axes)
+
+
+def key_name(key: Any) -> str:
+  """The name of one key-path entry (dict key, attribute or index)."""
+  for attribute in ('key', 'name', 'idx'):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def stack_root(
+    param_shapes: dict[tuple[str, ...], Shape],
+    layer_path: tuple[str, ...],
+    stack_size: int,
+) -> tuple[str, ...]:
+  """The highest module above a stacked layer that is all one layer stack.
+
+  Walks up from ``layer_path`` while every parameter under the module has a
+  leading axis of ``stack_size``: a module built by ``nnx.vmap`` (or scanned
+  by ``nn.scan``) stacks all of its parameters, its parent does not.
+  """
+  root = layer_path
+  for depth in range(len(layer_path), -1, -1):
+    prefix = layer_path[:depth]
+    under = [s for p, s in param_shapes.items() if p[:depth] == prefix]
+    if not under or any(not s or s[0] != stack_size for s in under):
+      break
+    root = prefix
+  return root
+
+
+class stacked_predicate:  # pylint: disable=invalid-name
+  """``stacked(path, leaf)``: True for leaves under one of ``roots``.
+
+  Equal (and hashing equal) for equal roots, so transforms built with it
+  compare equal.
+  """
+
+  def __init__(self, roots):
+    self.roots = frozenset(tuple(r) for r in roots)
+
+  def __call__(self, path: Any, leaf: Any) -> bool:
+    del leaf
+    names = tuple(key_name(k) for k in path)
+    return any(names[:len(root)] == root for root in self.roots)
+
+  def __eq__(self, other):
+    return isinstance(other, stacked_predicate) and self.roots == other.roots
+
+  def __hash__(self):
+    return hash(self.roots)
+
+  def __repr__(self):
+    return f'stacked_predicate({sorted("/".join(r) for r in self.roots)})'

@@ -1,57 +1,155 @@
 """Conditioned Backpropagation for Flax Linen: centered layers and the fused step.
 
-* :class:`Centered` wraps an ``nn.Dense``, ``nn.DenseGeneral`` or ``nn.Conv``
-  so that it computes ``z = W (a - mu) + b~`` (eq. 8); ``mu`` and the recorded
-  batch mean live in the ``'centering'`` collection.
+* :func:`center` turns an unmodified Linen module into one whose ``init``
+  creates the ``'centering'`` collection and whose ``apply`` centers every
+  supported linear layer, ``z = W (a - mu) + b~`` (eq. 8), attention
+  projections and ``nn.scan``/``nn.vmap`` layer stacks included.
+* :class:`Centered` wraps one layer, for models written with it.
 * :func:`transport` is the pure mean refresh and bias transport
   (Algorithm 1, steps 10-11; eq. 10).
 * :class:`TrainState` and :func:`train_step` give one jit-compiled iteration.
+* :func:`stacked_blocks` tells M1 which parameters are layer stacks.
 
 Example::
 
-  class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.relu(cbp_optax.linen.Centered(nn.Dense(256))(x))
-      return cbp_optax.linen.Centered(nn.Dense(10))(x)
-
-  variables = MLP().init(key, x)
+  model = cbp_optax.linen.center(MyModel())     # source unchanged
+  variables = model.init(key, x)                # params + 'centering'
   state = cbp_optax.linen.TrainState.create(
-      apply_fn=MLP().apply, params=variables['params'],
+      apply_fn=model.apply, params=variables['params'],
       centering=variables['centering'], tx=cbp_optax.cbp(1e-3))
-  step = cbp_optax.linen.train_step(loss_fn)  # loss_fn(apply, *batch)
+  step = cbp_optax.linen.train_step(loss_fn)    # loss_fn(apply, *batch)
   state, out = step(state, images, labels)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import functools
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.core import meta
 from flax.training import train_state
 
 from cbp_optax import _step
-from cbp_optax import centering as centering_lib
+from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
 __all__ = [
     'COLLECTION',
+    'CenteredModel',
     'Centered',
+    'CenteringMean',
     'StepOutput',
     'TrainState',
+    'center',
+    'stacked_blocks',
     'train_step',
     'transport',
 ]
 
 COLLECTION = 'centering'
-_MEAN, _RECORDED = 'mean', 'batch_mean'
-# The wrapped layer's parameters live under this name inside the wrapper; the
-# transport reads the layer kind from it.
+_MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
+# Inside the Centered wrapper the layer's parameters live under these names.
 _DENSE, _CONV = 'dense', 'conv'
+
+
+class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
+  """``mu`` in the ``'centering'`` collection, with what the transport needs.
+
+  A Flax metadata box (like ``nn.Partitioned``): ``nn.scan`` and ``nn.vmap``
+  call :meth:`add_axis` when they stack it, so ``stack_axes`` always says
+  where the layer-stack axes are, and ``spec`` (static) describes one layer.
+  ``.value`` is the array; ``nn.meta.unbox`` unboxes a whole collection.
+  """
+
+  value: Any
+  spec: core.LayerSpec = flax.struct.field(pytree_node=False)
+  stack_axes: tuple[int, ...] = flax.struct.field(pytree_node=False,
+                                                  default=())
+
+  def unbox(self) -> Any:
+    return self.value
+
+  def replace_boxed(self, val: Any) -> 'CenteringMean':
+    return self.replace(value=val)
+
+  def add_axis(self, index: int, params: dict[Any, Any]) -> 'CenteringMean':
+    moved = tuple(a + 1 if a >= index else a for a in self.stack_axes)
+    return self.replace(stack_axes=tuple(sorted(moved + (index,))))
+
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> 'CenteringMean':
+    return self.replace(stack_axes=tuple(
+        a - 1 if a > index else a for a in self.stack_axes if a != index))
+
+
+_SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv)
+
+
+def check_layer(layer: Any) -> None:
+  """Refuses, at construction, a layer that cannot be centered exactly."""
+  if type(layer) not in _SUPPORTED:
+    raise core.unsupported_layer_error(type(layer), _SUPPORTED)
+  core.check_centerable(
+      type(layer),
+      use_bias=layer.use_bias,
+      input_dilation=getattr(layer, 'input_dilation', None),
+      batch_axes=getattr(layer, 'batch_dims', None),
+  )
+
+
+def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
+  return (features,) if isinstance(features, int) else tuple(features)
+
+
+def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
+  """The :class:`~cbp_optax.centering.LayerSpec` of a layer on ``inputs``."""
+  check_layer(layer)
+  if isinstance(layer, nn.Conv):
+    kernel_size = _features(layer.kernel_size)
+    return core.conv_spec(kernel_size, inputs.shape[-1], layer.features,
+                          layer.feature_group_count)
+  axis = -1 if isinstance(layer, nn.Dense) else layer.axis
+  axes = core.normalize_axes(axis, inputs.ndim)
+  return core.dense_spec(axis, tuple(inputs.shape[a] for a in axes),
+                         _features(layer.features))
+
+
+def _centered_call(
+    host: nn.Module,
+    layer_fn: Callable[[jax.Array], jax.Array],
+    kernel_of: Callable[[], jax.Array],
+    spec: core.LayerSpec,
+    mask: Optional[jax.Array],
+    inputs: jax.Array,
+    *,
+    use_running_average: bool,
+    mean_dtype: Any,
+    axis_name: Any,
+) -> jax.Array:
+  """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
+  mean = host.variable(
+      COLLECTION, _MEAN,
+      lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+  recorded = host.variable(COLLECTION, _RECORDED, jnp.zeros, spec.mean_shape,
+                           mean_dtype)
+  if mask is not None:
+    host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
+  if (
+      not use_running_average
+      and not host.is_initializing()
+      and host.is_mutable_collection(COLLECTION)
+  ):
+    recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
+
+  def kernel():
+    value = kernel_of()
+    return value if mask is None else value * mask
+
+  return core.centered_output(spec, layer_fn, inputs, kernel, mean.value)
 
 
 class Centered(nn.Module):
@@ -63,28 +161,26 @@ class Centered(nn.Module):
 
   The wrapper re-homes the layer under itself (parameters at
   ``<Centered>/dense`` or ``<Centered>/conv``), whether the layer was built in
-  the parent's ``@nn.compact`` method, in ``setup``, or unbound; the layer's
-  own auto-name in the parent is left unused.
+  the parent's ``@nn.compact`` method, in ``setup``, or unbound. To center a
+  model without editing it, use :func:`center` instead.
 
-  ``mu`` (``'centering'/'mean'``) starts at zero, so the initial function is
-  the layer's. With ``use_running_average=False`` and the ``'centering'``
-  collection mutable, the forward pass records the batch mean of its input
-  (``'centering'/'batch_mean'``: per input feature, or per input channel over
-  batch and spatial positions for a convolution) and never changes ``mu``;
-  :func:`transport` does, after the update. A convolution is centered after
-  its padding (``mu`` is subtracted at the border too), which keeps the
-  transport exact there; it runs as the plain layer, on the raw input, minus
-  ``(sum over the window of W) . mu`` (``centering.conv_mean_correction``).
+  ``mu`` (``'centering'/'mean'``, a :class:`CenteringMean` box) starts at
+  zero, so the initial function is the layer's. With
+  ``use_running_average=False`` and the ``'centering'`` collection mutable,
+  the forward pass records the batch mean of its input
+  (``'centering'/'batch_mean'``) and never changes ``mu``; :func:`transport`
+  does, after the update. A convolution is centered after its padding and
+  runs as the plain layer minus ``(sum over the window of W) . mu``; a conv
+  ``mask`` is kept in ``'centering'/'kernel_mask'`` for the transport.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
-      ``nn.Conv`` (without input dilation) with a bias.
+      ``nn.Conv`` (without input dilation) with a bias. Exact types only.
     use_running_average: True for evaluation: use ``mu``, record nothing. May
       also be passed to ``__call__``.
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis to average the recorded mean over inside
-      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``, where a
-      sharded batch's mean is already global).
+      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
   """
 
   layer: nn.Module
@@ -93,115 +189,192 @@ class Centered(nn.Module):
   axis_name: Optional[Any] = None
 
   def __post_init__(self):
-    _check_supported(self.layer)
+    check_layer(self.layer)
     super().__post_init__()
 
   @nn.compact
   def __call__(
-      self, inputs: jax.Array, use_running_average: Optional[bool] = None
+      self,
+      inputs: jax.Array,
+      *args,
+      use_running_average: Optional[bool] = None,
+      **kwargs,
   ) -> jax.Array:
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)
     layer = self.layer
-    dtype = self.mean_dtype or layer.param_dtype
-    if isinstance(layer, nn.Conv):
-      axes = (inputs.ndim - 1,)
-    elif isinstance(layer, nn.DenseGeneral):
-      axes = centering_lib.normalize_axes(layer.axis, inputs.ndim)
-    else:
-      axes = (inputs.ndim - 1,)
-    shape = tuple(inputs.shape[a] for a in axes)
-    mean = self.variable(COLLECTION, _MEAN, jnp.zeros, shape, dtype)
-    recorded = self.variable(COLLECTION, _RECORDED, jnp.zeros, shape, dtype)
-    if (
-        not use_running_average
-        and not self.is_initializing()
-        and self.is_mutable_collection(COLLECTION)
-    ):
-      recorded.value = centering_lib.batch_mean(
-          inputs, axes, dtype, self.axis_name
-      )
-
-    if isinstance(layer, nn.Conv):
-      # conv(pad(a) - mu) as conv(a) minus a per-channel constant: the plain
-      # layer's convolution and gradients, no pass over the activation.
-      inner = layer.clone(parent=self, name=_CONV)
-      outputs = inner(inputs)
-      kernel = inner.variables['params']['kernel']
-      correction = centering_lib.conv_mean_correction(
-          kernel, mean.value, layer.feature_group_count
-      )
-      return outputs - correction.astype(outputs.dtype)
-    inner = layer.clone(parent=self, name=_DENSE)
-    return inner(centering_lib.subtract_mean(inputs, mean.value, axes))
-
-
-def _check_supported(layer: Any) -> None:
-  if not isinstance(layer, (nn.Dense, nn.DenseGeneral, nn.Conv)):
-    raise TypeError(
-        'Centered wraps nn.Dense, nn.DenseGeneral or nn.Conv; got '
-        f'{type(layer).__name__}. Transposed and locally connected '
-        'convolutions are not supported: no single bias shift keeps them '
-        'exact.'
-    )
-  if not layer.use_bias:
-    raise ValueError(
-        f'Centered needs a bias to transport (eq. 10); {type(layer).__name__}'
-        ' was built with use_bias=False.'
-    )
-  if isinstance(layer, nn.Conv):
-    centering_lib.check_conv_supported(layer.input_dilation, layer.use_bias)
-    if layer.mask is not None:
-      # transport(params, centering) sees the parameters, not the module, so
-      # it would shift the bias with the unmasked kernel: not exact.
-      raise ValueError(
-          'Centered (Linen) does not support a conv mask: the pure transport '
-          'cannot see it and would move the bias by the unmasked kernel. Use '
-          'cbp_optax.nnx.Centered, whose transport applies the mask.'
-      )
-  if isinstance(layer, nn.DenseGeneral) and layer.batch_dims:
-    raise ValueError(
-        'Centered does not support DenseGeneral with batch_dims: the kernel '
-        'then differs along the batch axes and so would mu.'
+    name = _CONV if isinstance(layer, nn.Conv) else _DENSE
+    inner = layer.clone(parent=self, name=name)
+    return _centered_call(
+        self,
+        lambda x: inner(x, *args, **kwargs),
+        lambda: inner.variables['params']['kernel'],
+        layer_spec(layer, inputs),
+        getattr(layer, 'mask', None),
+        inputs,
+        use_running_average=use_running_average,
+        mean_dtype=self.mean_dtype or layer.param_dtype,
+        axis_name=self.axis_name,
     )
 
 
-def _is_centered_entry(tree: Any) -> bool:
+Where = Union[None, type, tuple[type, ...], Callable[[str, nn.Module], bool]]
+
+
+def _selected(where: Where, path: str, module: nn.Module) -> bool:
+  if where is None:
+    return True
+  if isinstance(where, (type, tuple)):
+    return isinstance(module, where)
+  return bool(where(path, module))
+
+
+class CenteredModel(NamedTuple):
+  """A Linen module run with every supported layer centered (see :func:`center`).
+
+  ``init`` and ``apply`` take exactly what the module's own do; its
+  parameters are the module's own, at the same paths, and the
+  ``'centering'`` collection mirrors them (``centering/<layer path>/mean``).
+  """
+
+  module: nn.Module
+  where: Where = None
+  mean_dtype: Optional[Any] = None
+  axis_name: Optional[Any] = None
+
+  def _interceptor(self, next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name != '__call__' or type(module) not in _SUPPORTED:
+      return next_fun(*args, **kwargs)
+    path = '/'.join(module.scope.path)
+    if not _selected(self.where, path, module):
+      return next_fun(*args, **kwargs)
+    try:
+      check_layer(module)
+    except (TypeError, ValueError):
+      return next_fun(*args, **kwargs)
+    inputs, rest = args[0], args[1:]
+    return _centered_call(
+        module,
+        lambda x: next_fun(x, *rest, **kwargs),
+        lambda: module.get_variable('params', 'kernel'),
+        layer_spec(module, inputs),
+        getattr(module, 'mask', None),
+        inputs,
+        use_running_average=False,
+        mean_dtype=self.mean_dtype or module.param_dtype,
+        axis_name=self.axis_name,
+    )
+
+  def init(self, *args, **kwargs):
+    """``module.init`` with the ``'centering'`` collection created."""
+    with nn.intercept_methods(self._interceptor):
+      return self.module.init(*args, **kwargs)
+
+  def apply(self, *args, **kwargs):
+    """``module.apply``, centered; records batch means when ``'centering'`` is mutable."""
+    with nn.intercept_methods(self._interceptor):
+      return self.module.apply(*args, **kwargs)
+
+  def report(self, *args, **kwargs) -> tuple[list[str], list[tuple[str, str]]]:
+    """``(centered paths, [(path, reason)] skipped)`` for a call on ``args``.
+
+    Traces the module once (abstractly, nothing is computed) and lists the
+    layers with parameters that were and were not centered.
+    """
+    centered, skipped = [], []
+
+    def spy(next_fun, call_args, call_kwargs, context):
+      module = context.module
+      if context.method_name == '__call__' and (
+          'params' in module.variables or type(module) in _SUPPORTED):
+        path = '/'.join(module.scope.path)
+        reason = None
+        if type(module) in _SUPPORTED:
+          try:
+            check_layer(module)
+          except (TypeError, ValueError) as error:
+            reason = str(error)
+          if reason is None and not _selected(self.where, path, module):
+            reason = 'not selected by where'
+          (skipped.append((path, reason)) if reason else centered.append(path))
+      return next_fun(*call_args, **call_kwargs)
+
+    with nn.intercept_methods(spy):
+      jax.eval_shape(functools.partial(self.init, **kwargs), *args)
+    return sorted(set(centered)), sorted(set(skipped))
+
+
+def center(
+    module: nn.Module,
+    *,
+    where: Where = None,
+    mean_dtype: Optional[Any] = None,
+    axis_name: Optional[Any] = None,
+) -> CenteredModel:
+  """Centers every supported linear layer of an unmodified Linen module.
+
+  Every ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` (exact types, with
+  a bias) that the module calls is run as ``W (a - mu) + b~`` (eq. 8),
+  wherever it is: ``@nn.compact`` or ``setup`` submodules, the q/k/v/out
+  projections of ``nn.MultiHeadDotProductAttention`` / ``nn.SelfAttention``,
+  and ``nn.scan``/``nn.vmap`` layer stacks (give the ``'centering'``
+  collection the same ``variable_axes`` as ``'params'``). The module's
+  source is not touched: the layers are intercepted at call time
+  (``nn.intercept_methods``). Before training, the centered model computes
+  exactly what the module does.
+
+  Args:
+    module: the Linen module.
+    where: which layers: None for all, a type or tuple of types, or
+      ``where(path, layer) -> bool`` with ``path`` like ``'Block_0/Dense_1'``.
+    mean_dtype: dtype of the means; the layer's ``param_dtype`` by default.
+    axis_name: the mapped batch axis to average recorded means over.
+
+  Returns:
+    A :class:`CenteredModel` with ``init``, ``apply`` and ``report``.
+  """
+  return CenteredModel(module, where, mean_dtype, axis_name)
+
+
+def _is_entry(tree: Any) -> bool:
   return isinstance(tree, Mapping) and _MEAN in tree and _RECORDED in tree
 
 
-def _transport_layer(layer_params, entry, decay):
-  old, recorded = entry[_MEAN], entry[_RECORDED]
-  new = centering_lib.ema(old, recorded, decay)
-  if _CONV in layer_params:
-    name = _CONV
-    kernel = layer_params[_CONV]['kernel']
-    groups = old.shape[0] // kernel.shape[-2]
-    shift = centering_lib.conv_bias_shift(kernel, new - old, groups)
-  elif _DENSE in layer_params:
-    name = _DENSE
-    shift = centering_lib.dense_bias_shift(
-        layer_params[_DENSE]['kernel'], new - old
-    )
-  else:
+def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mapping[str, Any]]:
+  if 'kernel' in layer_params:
+    return None, layer_params
+  for name in (_DENSE, _CONV):
+    if name in layer_params:
+      return name, layer_params[name]
+  raise ValueError(
+      'transport: a centering entry has no matching layer parameters '
+      f'(expected kernel and bias, or a {_DENSE!r} or {_CONV!r} subtree, found '
+      f'{sorted(layer_params)}); pass the params and centering collections '
+      'of the same model.'
+  )
+
+
+def _transport_layer(layer_params, entry, mean_decay):
+  box = entry[_MEAN]
+  if not isinstance(box, CenteringMean):
     raise ValueError(
-        'transport: a centering entry has no matching layer parameters '
-        f'(expected a {_DENSE!r} or {_CONV!r} subtree, found '
-        f'{sorted(layer_params)}); pass the params and centering collections '
-        'of the same model.'
+        'transport: the centering mean is not a CenteringMean box (a '
+        'collection from an older version, or unboxed with nn.meta.unbox): '
+        'initialize the model again.'
     )
-  inner = dict(layer_params[name])
-  inner['bias'] = centering_lib.transported_bias(inner['bias'], shift)
-  new_params = dict(layer_params)
-  new_params[name] = inner
-  new_entry = dict(entry)
-  new_entry[_MEAN] = new
-  return new_params, new_entry
+  name, inner = _layer_params(layer_params)
+  bias, mean = core.transport(
+      box.spec, inner['kernel'], inner['bias'], box.value, entry[_RECORDED],
+      mean_decay, mask=entry.get(_MASK), mean_stack_axes=box.stack_axes)
+  inner = dict(inner, bias=bias)
+  new_params = inner if name is None else dict(layer_params, **{name: inner})
+  return new_params, dict(entry, **{_MEAN: box.replace_boxed(mean)})
 
 
-def _transport_tree(params, centering, decay):
-  if _is_centered_entry(centering):
-    return _transport_layer(params, centering, decay)
+def _transport_tree(params, centering, mean_decay):
+  if _is_entry(centering):
+    return _transport_layer(params, centering, mean_decay)
   new_params, new_centering = dict(params), dict(centering)
   for key, sub in centering.items():
     if key not in params:
@@ -210,59 +383,110 @@ def _transport_tree(params, centering, decay):
           'pass the params and centering collections of the same model.'
       )
     new_params[key], new_centering[key] = _transport_tree(
-        params[key], sub, decay
-    )
+        params[key], sub, mean_decay)
   return new_params, new_centering
 
 
 def transport(
-    params: Any, centering: Any, decay: Any = 0.99
+    params: Any, centering: Any, mean_decay: Any = 0.99, *, decay: Any = None
 ) -> tuple[Any, Any]:
   """Mean refresh and bias transport for every centered layer (pure).
 
-  ``mu_new = decay * mu + (1 - decay) * batch_mean`` and
+  ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
   ``b~ += W (mu_new - mu_old)`` with the weights in ``params`` (pass the
-  *updated* parameters; Algorithm 1, steps 10-11, eq. 10). The model's output
-  is unchanged for every input.
+  *updated* parameters; Algorithm 1, steps 10-11, eq. 10). Layer stacks are
+  transported slice by slice. The model's output is unchanged for every
+  input.
 
   Args:
     params: the ``'params'`` collection.
     centering: the ``'centering'`` collection (with recorded batch means).
-    decay: the EMA decay ``rho`` of the means.
+    mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``(params, centering)`` with transported biases and refreshed means, in
     the containers they came in (dict or FrozenDict).
   """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
   frozen = isinstance(params, flax.core.FrozenDict)
   new_params, new_centering = _transport_tree(
-      flax.core.unfreeze(params), flax.core.unfreeze(centering), decay
-  )
+      flax.core.unfreeze(params), flax.core.unfreeze(centering), mean_decay)
   if frozen:
     return flax.core.freeze(new_params), flax.core.freeze(new_centering)
   return new_params, new_centering
 
 
+def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
+  """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for a model.
+
+  M1 (eq. 7) should see one block per layer of a layer stack. A stack's root
+  is found from the centered layers in it (their means carry the stack's
+  leading axis): the highest module above a stacked centered layer all of
+  whose parameters share that leading axis. Name stack roots explicitly
+  (``'ScanBlock_0'``) to override or for a model without centered layers.
+
+  Args:
+    params: the ``'params'`` collection.
+    centering: the ``'centering'`` collection.
+    *stack_paths: module paths of layer stacks, like ``'Decoder_0/layers'``.
+
+  Returns:
+    ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
+  """
+  shapes = {
+      tuple(core.key_name(k) for k in path): tuple(jnp.shape(leaf))
+      for path, leaf in jax.tree_util.tree_leaves_with_path(
+          flax.core.unfreeze(params))
+  }
+  roots = {tuple(p.split('/')) for p in stack_paths}
+  if not stack_paths:
+
+    def visit(tree, path):
+      if _is_entry(tree):
+        box = tree[_MEAN]
+        if box.stack_axes and box.stack_axes[0] == 0:
+          roots.add(core.stack_root(shapes, path, box.value.shape[0]))
+        return
+      for key, sub in tree.items():
+        visit(sub, path + (str(key),))
+
+    visit(flax.core.unfreeze(centering), ())
+  return core.stacked_predicate(roots)
+
+
 class TrainState(train_state.TrainState):
-  """``flax.training.train_state.TrainState`` with the centering collection.
+  """``flax.training.train_state.TrainState`` with the model's other state.
 
   Create it with ``TrainState.create(apply_fn=..., params=...,
-  centering=variables['centering'], tx=...)``; ``centering`` may be empty for
-  an uncentered model. ``step`` counts the updates applied and
-  ``skipped_steps`` the batches :func:`train_step` skipped as non-finite.
+  centering=variables['centering'], model_state={'batch_stats': ...},
+  tx=...)``; ``centering`` may be empty for an uncentered model.
+  ``model_state`` holds every other variable collection the model reads and
+  updates in training (BatchNorm's ``batch_stats``, ...). ``step`` counts
+  the updates applied and ``skipped_steps`` the batches :func:`train_step`
+  skipped as non-finite.
   """
 
   centering: Any = flax.struct.field(default_factory=dict)
+  model_state: Any = flax.struct.field(default_factory=dict)
   skipped_steps: jax.Array = flax.struct.field(
       default_factory=lambda: jnp.zeros((), jnp.int32)
   )
 
 
+def _like(container: Any, tree: Any) -> Any:
+  # Keep the container type (dict or FrozenDict) so the skip can select.
+  if isinstance(container, flax.core.FrozenDict):
+    return flax.core.freeze(tree)
+  return flax.core.unfreeze(tree)
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     *,
-    decay: float = 0.99,
+    mean_decay: Any = 0.99,
     donate: bool = True,
+    decay: Any = None,
 ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 
@@ -270,73 +494,83 @@ def train_step(
   (recording batch means), the backward pass, ``state.tx`` (``cbp.cbp`` for
   full CBP, any optax transform otherwise, e.g. ``optax.adam`` for "Adam +
   Center"), the parameter update and :func:`transport`, in one ``jax.jit``
-  with the state donated. A non-finite loss, gradient or recorded batch mean
+  with the state donated. A non-finite loss, gradient or recorded statistic
   skips the step: the returned state equals the input state (parameters,
-  optimizer state, centering, step) but for ``skipped_steps``, which grows by
-  one, and ``StepOutput.skipped`` is True. On CPU the step compiles with
-  ``_step.compiler_options()`` (no parameter-sized buffer copies).
+  optimizer state, centering, model state, step) but for ``skipped_steps``,
+  which grows by one, and ``StepOutput.skipped`` is True. On CPU the step
+  compiles with ``_step.compiler_options()`` (no parameter-sized copies).
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
       aux)``. ``apply(*args, **kwargs)`` runs ``state.apply_fn`` on the
-      current parameters and centering with the ``'centering'`` collection
-      mutable; pass your model's training flags through it.
-    decay: the EMA decay ``rho`` of the centering means.
+      current parameters, centering and model state, with those collections
+      mutable; pass training flags and ``rngs={'dropout': key}`` through it.
+      Call it once per step.
+    mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the input state's buffers to the step.
+    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``step(state, *batch) -> (state, StepOutput)``.
   """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
 
   def step(state: TrainState, *batch):
     def loss_of(params):
-      recorded = {}
+      mutated = []
 
       def apply(*args, **kwargs):
-        variables = {'params': params, COLLECTION: state.centering}
-        out, mutated = state.apply_fn(
-            variables, *args, mutable=[COLLECTION], **kwargs
-        )
-        recorded['centering'] = mutated.get(COLLECTION, state.centering)
+        if mutated:
+          raise ValueError(
+              'train_step: loss_fn called apply twice; the recorded means and '
+              'batch statistics of one step must come from one forward pass. '
+              'Concatenate the inputs into one call.'
+          )
+        variables = {'params': params, COLLECTION: state.centering,
+                     **state.model_state}
+        mutable = [COLLECTION, *state.model_state]
+        out, changed = state.apply_fn(variables, *args, mutable=mutable,
+                                      **kwargs)
+        if changed.get(COLLECTION) and not state.centering:
+          raise ValueError(
+              'train_step: the model creates a centering collection but the '
+              'TrainState has none: pass centering=variables["centering"] '
+              'to TrainState.create.'
+          )
+        extra = set(changed) - set(mutable)
+        if extra:
+          raise ValueError(
+              f'train_step: the model created collections {sorted(extra)} '
+              'that the TrainState lacks: pass them in model_state.'
+          )
+        mutated.append(changed)
         return out
 
       loss, aux = _step.split_loss(loss_fn(apply, *batch))
       _step.check_scalar_loss(loss)
-      centering = recorded.get('centering', state.centering)
-      # Keep the container type (dict or FrozenDict) so the skip can select.
-      if isinstance(state.centering, flax.core.FrozenDict):
-        centering = flax.core.freeze(centering)
-      else:
-        centering = flax.core.unfreeze(centering)
-      return loss, (aux, centering)
+      changed = mutated[0] if mutated else {}
+      centering = _like(state.centering,
+                        changed.get(COLLECTION, state.centering))
+      model_state = _like(state.model_state, {
+          k: changed.get(k, v) for k, v in state.model_state.items()})
+      return loss, (aux, (centering, model_state))
 
-    (loss, (aux, centering)), grads = jax.value_and_grad(
-        loss_of, has_aux=True
-    )(state.params)
-    ok = _step.all_finite(loss, grads, centering)
-
-    def apply_step(state):
+    def apply_step(state, grads, changed):
+      centering, model_state = changed
       updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      new_centering = centering
       if centering:
-        params, new_centering = transport(params, centering, decay)
-      return state.replace(
-          step=state.step + 1,
-          params=params,
-          opt_state=opt_state,
-          centering=new_centering,
-      )
+        params, centering = transport(params, centering, mean_decay)
+      return state.replace(step=state.step + 1, params=params,
+                           opt_state=opt_state, centering=centering,
+                           model_state=model_state)
 
-    def skip_step(state):
+    def skip_step(state, grads, changed):
+      del grads, changed
       return state.replace(skipped_steps=state.skipped_steps + 1)
 
-    # A conditional, not a select of old and new state: selecting would keep
-    # every old buffer alive next to the new one and cost full copies.
-    new_state = jax.lax.cond(ok, apply_step, skip_step, state)
-    return new_state, StepOutput(
-        loss=loss, aux=aux, skipped=jnp.logical_not(ok)
-    )
+    return _step.conditioned_update(
+        loss_of, state.params, apply_step, skip_step, jax.lax.cond, state)
 
   return jax.jit(
       step,

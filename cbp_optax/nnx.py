@@ -1,53 +1,134 @@
 """Conditioned Backpropagation for Flax NNX: centered layers and the fused step.
 
-* :class:`Centered` wraps an ``nnx.Linear``, ``nnx.LinearGeneral`` or
-  ``nnx.Conv`` so that it computes ``z = W (a - mu) + b~`` (eq. 8).
+* :func:`center` wraps every supported layer of a built model in place
+  (attention projections and layer stacks included), so the model computes
+  ``z = W (a - mu) + b~`` (eq. 8) in every linear layer without editing its
+  source.
+* :class:`Centered` is that wrapper, for models written with it.
 * :func:`transport` refreshes every centering mean and moves the biases so the
   function is unchanged (Algorithm 1, steps 10-11; eq. 10).
 * :func:`train_step` builds one ``nnx.jit``-compiled CBP iteration.
+* :func:`stacked_blocks` tells M1 which parameters are layer stacks.
 
 Example::
 
-  model = nnx.Sequential(
-      cbp_optax.nnx.Centered(nnx.Linear(784, 256, rngs=rngs)), nnx.relu,
-      cbp_optax.nnx.Centered(nnx.Linear(256, 10, rngs=rngs)))
-  optimizer = nnx.Optimizer(model, cbp_optax.cbp(1e-3), wrt=nnx.Param)
-  step = cbp_optax.nnx.train_step(loss_fn)   # loss_fn(model, *batch)
-  out = step(model, optimizer, images, labels)   # out.loss, out.skipped
+  model = MyModel(rngs=nnx.Rngs(0))
+  cbp_optax.nnx.center(model)          # every Linear / Conv / attention projection
+  optimizer = cbp_optax.nnx.Optimizer(
+      model, cbp_optax.cbp(1e-3, stacked=cbp_optax.nnx.stacked_blocks(model)))
+  step = cbp_optax.nnx.train_step(loss_fn)     # loss_fn(model, *batch)
+  out = step(model, optimizer, images, labels)  # out.loss, out.skipped
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import graphlib
 
 from cbp_optax import _step
-from cbp_optax import centering as centering_lib
+from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
 __all__ = [
+    'CenterReport',
     'Centered',
     'CenteringMean',
     'Optimizer',
     'RecordedMean',
     'StepOutput',
+    'center',
+    'stacked_blocks',
     'train_step',
     'transport',
 ]
 
 
-class CenteringMean(nnx.BatchStat):
+class _StackTracked(nnx.BatchStat):
+  """A statistic that keeps ``stack_axes`` metadata through ``add_axis``.
+
+  NNX calls ``add_axis`` / ``remove_axis`` when a transform is given a
+  ``transform_metadata`` partition name; then the stack axes are known
+  exactly. Otherwise :func:`cbp_optax.centering.transport` finds them from
+  the shapes.
+  """
+
+  def add_axis(self, axis_index, axis_name):
+    axes = self.get_metadata().get('stack_axes') or ()
+    moved = tuple(a + 1 if a >= axis_index else a for a in axes)
+    self.set_metadata(stack_axes=tuple(sorted(moved + (axis_index,))))
+
+  def remove_axis(self, axis_index, axis_name):
+    axes = self.get_metadata().get('stack_axes') or ()
+    self.set_metadata(stack_axes=tuple(
+        a - 1 if a > axis_index else a for a in axes if a != axis_index))
+
+
+class CenteringMean(_StackTracked):
   """The EMA ``mu`` a centered layer subtracts from its input (eq. 8)."""
 
 
-class RecordedMean(nnx.BatchStat):
+class RecordedMean(_StackTracked):
   """The input mean of the last training batch, consumed by :func:`transport`."""
 
 
-_SUPPORTED = (nnx.Linear, nnx.LinearGeneral, nnx.Conv)
+def _linear_spec(layer: nnx.Linear) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias)
+  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
+
+
+def _linear_general_spec(layer: nnx.LinearGeneral) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias,
+                        batch_axes=dict(layer.batch_axis))
+  return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
+
+
+def _conv_spec(layer: nnx.Conv) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias,
+                        input_dilation=layer.input_dilation)
+  return core.conv_spec(layer.kernel_size, layer.in_features,
+                        layer.out_features, layer.feature_group_count)
+
+
+# Exact types only: a subclass may override __call__ and change the maths.
+_SPEC_OF = {
+    nnx.Linear: _linear_spec,
+    nnx.LinearGeneral: _linear_general_spec,
+    nnx.Conv: _conv_spec,
+}
+
+
+def layer_spec(layer: nnx.Module) -> core.LayerSpec:
+  """The :class:`~cbp_optax.centering.LayerSpec` of a layer, or why not.
+
+  Raises:
+    TypeError: a type the core does not know exactly.
+    cbp_optax.centering.CannotCenterError: a known type configured so that
+      the transport could not be exact.
+  """
+  spec_of = _SPEC_OF.get(type(layer))
+  if spec_of is None:
+    raise core.unsupported_layer_error(type(layer), tuple(_SPEC_OF))
+  return spec_of(layer)
+
+
+def _stacked_shape(layer: nnx.Module, spec: core.LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Shape and stack axes of ``mu`` for a layer that may already be stacked."""
+  kernel_shape = tuple(layer.kernel.shape)
+  axes = core.locate_stack_axes(kernel_shape, spec.kernel_shape)
+  if axes is None:
+    raise ValueError(
+        f'{type(layer).__name__}: kernel shape {kernel_shape} is not '
+        f'{spec.kernel_shape} with stack axes added.'
+    )
+  shape = list(spec.mean_shape)
+  for axis in axes:
+    shape.insert(min(axis, len(shape)), kernel_shape[axis])
+  mean_axes = tuple(min(a, len(spec.mean_shape) + i) for i, a in enumerate(axes))
+  return tuple(shape), mean_axes
 
 
 class Centered(nnx.Module):
@@ -60,17 +141,24 @@ class Centered(nnx.Module):
   ``mu`` itself. :func:`transport` does, after the parameter update, together
   with the bias shift that keeps the function unchanged. ``model.eval()`` (or
   ``nnx.view(model, use_running_average=True)``) stops the recording;
-  ``model.train()`` resumes it.
+  ``model.train()`` resumes it; ``use_running_average`` may also be passed to
+  the call. Other keyword arguments (e.g. ``out_sharding``) go to the layer.
+
+  The layer may already be a stack (built under ``nnx.vmap``/``nnx.scan``):
+  ``mu`` then gets the same stack axes, and :func:`transport` moves every
+  slice's bias by its own kernel. Built inside ``nnx.vmap``, the wrapper is
+  stacked along with the layer.
 
   A convolution is centered after its padding (``mu`` is subtracted at the
   border too, which keeps the transport exact there). It runs as the plain
   layer, on the raw input with its own padding, minus
-  ``(sum over the window of W) . mu`` (``centering.conv_mean_correction``):
-  the same values and gradients (eq. 9), without a pass over the activation.
+  ``(sum over the window of W) . mu`` (``centering.mean_correction``): the
+  same values and gradients (eq. 9), without a pass over the activation.
 
   Args:
     layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
-      ``nnx.Conv`` (without input dilation), built with a bias.
+      ``nnx.Conv`` (without input dilation; any padding, stride, groups,
+      kernel dilation or mask), built with a bias. Exact types only.
     use_running_average: True stops recording batch means (evaluation).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis to average the recorded mean over inside
@@ -78,9 +166,9 @@ class Centered(nnx.Module):
       sharded batch's mean is already global).
 
   Raises:
-    TypeError: for any other layer type (e.g. ``nnx.ConvTranspose``, whose
-      inserted zeros make an exact transport impossible).
-    ValueError: for a layer without bias or with input dilation.
+    TypeError: for any other layer type, subclasses included.
+    cbp_optax.centering.CannotCenterError: (a ``ValueError``) for a layer
+      without bias, with input dilation or with kernel batch axes.
   """
 
   def __init__(
@@ -91,92 +179,70 @@ class Centered(nnx.Module):
       mean_dtype: Optional[Any] = None,
       axis_name: Optional[Any] = None,
   ):
-    if not isinstance(layer, _SUPPORTED):
-      raise TypeError(
-          'Centered wraps nnx.Linear, nnx.LinearGeneral or nnx.Conv; got '
-          f'{type(layer).__name__}. Transposed convolutions and input '
-          'dilation insert zeros that a mean shift would not move, so no bias '
-          'transport could keep them exact.'
-      )
-    if not layer.use_bias:
-      raise ValueError(
-          f'Centered needs a bias to transport (eq. 10); {type(layer).__name__}'
-          ' was built with use_bias=False.'
-      )
+    spec = layer_spec(layer)
+    shape, stack_axes = _stacked_shape(layer, spec)
     dtype = mean_dtype or layer.param_dtype
-    if isinstance(layer, nnx.Conv):
-      centering_lib.check_conv_supported(layer.input_dilation, layer.use_bias)
-      shape = (layer.in_features,)
-    elif isinstance(layer, nnx.LinearGeneral):
-      if layer.batch_axis:
-        raise ValueError(
-            'Centered does not support LinearGeneral with batch_axis: the '
-            'kernel then differs along the batch axes and so would mu.'
-        )
-      shape = tuple(layer.in_features)
-    else:
-      shape = (layer.in_features,)
     self.layer = layer
+    self.spec = spec
     self.use_running_average = use_running_average
     self.axis_name = axis_name
-    self.mean = CenteringMean(jnp.zeros(shape, dtype))
-    self.batch_mean = RecordedMean(jnp.zeros(shape, dtype))
+    self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
+    self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
+                                   stack_axes=stack_axes)
 
   def set_view(self, use_running_average: Optional[bool] = None):
     """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
     if use_running_average is not None:
       self.use_running_average = use_running_average
 
-  def _feature_axes(self, inputs: jax.Array) -> tuple[int, ...]:
-    if isinstance(self.layer, nnx.LinearGeneral):
-      return centering_lib.normalize_axes(self.layer.axis, inputs.ndim)
-    return (inputs.ndim - 1,)
-
-  def __call__(self, inputs: jax.Array) -> jax.Array:
-    axes = self._feature_axes(inputs)
-    if not self.use_running_average:
-      self.batch_mean[...] = centering_lib.batch_mean(
-          inputs, axes, self.batch_mean.dtype, self.axis_name
-      )
-    if isinstance(self.layer, nnx.Conv):
-      # conv(pad(a) - mu) as conv(a) minus a per-channel constant: the plain
-      # layer's convolution and gradients, no pass over the activation.
-      outputs = self.layer(inputs)
-      correction = centering_lib.conv_mean_correction(
-          self._kernel(), self.mean[...], self.layer.feature_group_count
-      )
-      return outputs - correction.astype(outputs.dtype)
-    return self.layer(centering_lib.subtract_mean(inputs, self.mean[...], axes))
+  def __call__(
+      self,
+      inputs: jax.Array,
+      *args,
+      use_running_average: Optional[bool] = None,
+      **kwargs,
+  ) -> jax.Array:
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if not use_running_average:
+      self.batch_mean[...] = core.batch_mean(
+          inputs, self.spec, self.batch_mean.dtype, self.axis_name)
+    return core.centered_output(
+        self.spec,
+        lambda x: self.layer(x, *args, **kwargs),
+        inputs,
+        self._kernel,
+        self.mean[...],
+    )
 
   def _kernel(self) -> jax.Array:
-    """The kernel the layer convolves with (``mask`` applied)."""
+    """The kernel the layer applies (a convolution's ``mask`` included)."""
     kernel = self.layer.kernel[...]
-    if getattr(self.layer, 'mask', None) is not None:
-      kernel = kernel * self.layer.mask
-    return kernel
+    mask = getattr(self.layer, 'mask', None)
+    return kernel if mask is None else kernel * mask
 
-  def transport(self, decay: Any = 0.99) -> None:
+  def transport(self, mean_decay: Any = 0.99) -> None:
     """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
-    old = self.mean[...]
-    new = centering_lib.ema(old, self.batch_mean[...], decay)
-    if isinstance(self.layer, nnx.Conv):
-      shift = centering_lib.conv_bias_shift(
-          self._kernel(), new - old, self.layer.feature_group_count
-      )
-    else:
-      shift = centering_lib.dense_bias_shift(self.layer.kernel[...], new - old)
-    self.layer.bias[...] = centering_lib.transported_bias(
-        self.layer.bias[...], shift
+    bias, mean = core.transport(
+        self.spec,
+        self.layer.kernel[...],
+        self.layer.bias[...],
+        self.mean[...],
+        self.batch_mean[...],
+        mean_decay,
+        mask=getattr(self.layer, 'mask', None),
+        mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
     )
-    self.mean[...] = new
+    self.layer.bias[...] = bias
+    self.mean[...] = mean
 
 
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
 
   ``optimizer.skipped_steps`` (an ``nnx.OptState`` int32 scalar) grows by one
-  for every batch whose loss, gradients or recorded means were not finite;
-  ``optimizer.step`` counts only the updates applied. A plain
+  for every batch whose loss, gradients or recorded statistics were not
+  finite; ``optimizer.step`` counts only the updates applied. A plain
   ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
   """
 
@@ -190,109 +256,352 @@ def centered_layers(model: nnx.Module) -> list[Centered]:
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
 
 
-def transport(model: nnx.Module, decay: Any = 0.99) -> None:
+def transport(self, mean_decay: Any = 0.99) -> None:
+    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
+    bias, mean = core.transport(
+        self.spec,
+        self.layer.kernel[...],
+        self.layer.bias[...],
+        self.mean[...],
+        self.batch_mean[...],
+        mean_decay,
+        mask=getattr(self.layer, 'mask', None),
+        mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
+    )
+    self.layer.bias[...] = bias
+    self.mean[...] = mean
+
+
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
+
+  ``optimizer.skipped_steps`` (an ``nnx.OptState`` int32 scalar) grows by one
+  for every batch whose loss, gradients or recorded statistics were not
+  finite; ``optimizer.step`` counts only the updates applied. A plain
+  ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
+  """
+
+  def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
+    super().__init__(model, tx, wrt=wrt)
+    self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
+
+
+def centered_layers(model: nnx.Module) -> list[Centered]:
+  """Every :class:`Centered` layer inside ``model``."""
+  return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
+
+
+def _mean_decay(mean_decay: Any, decay: Any, where: str) -> Any:
+  if decay is not None:
+    import warnings  # pylint: disable=g-import-not-at-top
+    warnings.warn(
+        f'{where}(decay=...) is deprecated: the EMA decay of the centering '
+        'means is now called mean_decay (decay is M1\'s energy EMA in '
+        'cbp.cbp).', DeprecationWarning, stacklevel=3)
+    mean_decay = decay
+  _checks.check_decay('mean_decay', mean_decay)
+  return mean_decay
+
+
+def transport(
+    model: nnx.Module, mean_decay: Any = 0.99, *, decay: Any = None
+) -> None:
   """Mean refresh and bias transport for every centered layer, in place.
 
-  ``mu_new = decay * mu + (1 - decay) * batch_mean``, then
+  ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
   ``b~ += W (mu_new - mu_old)`` with the current (updated) weights
-  (Algorithm 1, steps 10-11), so the model's output is unchanged. Call it
-  after the optimizer update, inside the same ``nnx.jit`` -- or use
-  :func:`train_step`, which does.
+  (Algorithm 1, steps 10-11), so the model's output is unchanged. Layer
+  stacks are transported slice by slice. Call it after the optimizer update,
+  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does.
 
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
-    decay: the EMA decay ``rho`` of the means.
+    mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    decay: deprecated name of ``mean_decay``.
   """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
   for layer in centered_layers(model):
-    layer.transport(decay)
+    layer.transport(mean_decay)
+
+
+class CenterReport(NamedTuple):
+  """What :func:`center` did.
+
+  Attributes:
+    centered: the paths (``'block/attn/query'``) of the layers it wrapped.
+    skipped: ``(path, reason)`` for every module with parameters it left as
+      it was.
+  """
+
+  centered: list[str]
+  skipped: list[tuple[str, str]]
+
+
+Where = Union[None, type, tuple[type, ...], Callable[[str, nnx.Module], bool]]
+
+
+def _path_str(path: Sequence[Any]) -> str:
+  return '/'.join(str(p) for p in path)
+
+
+def _child(node: Any, key: Any) -> Any:
+  if isinstance(node, nnx.Module) and isinstance(key, str):
+    return getattr(node, key)
+  return node[key]
+
+
+def _set_child(node: Any, key: Any, value: Any) -> None:
+  if isinstance(node, nnx.Module) and isinstance(key, str):
+    setattr(node, key, value)
+  else:
+    node[key] = value
+
+
+def _selected(where: Where, path: str, module: nnx.Module) -> bool:
+  if where is None:
+    return True
+  if isinstance(where, (type, tuple)):
+    return isinstance(module, where)
+  return bool(where(path, module))
+
+
+def _has_own_params(module: nnx.Module) -> bool:
+  return any(isinstance(v, nnx.Param) for v in vars(module).values())
+
+
+def center(
+    model: nnx.Module,
+    *,
+    where: Where = None,
+    mean_dtype: Optional[Any] = None,
+    axis_name: Optional[Any] = None,
+) -> CenterReport:
+  """Centers every supported linear layer of a built model, in place.
+
+  Each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Conv`` (exact types,
+  with a bias) is replaced by ``Centered(layer)`` wherever it sits: plain
+  attributes, lists and dicts of layers, ``nnx.Sequential``, the q/k/v/out
+  projections of ``nnx.MultiHeadAttention``, and layer stacks built with
+  ``nnx.vmap``/``nnx.scan`` (one mean per slice). ``mu`` starts at zero, so
+  the model computes exactly what it did before. Embeddings, norms and
+  anything not linear in its input are left as they are; so are layers that
+  are already centered.
+
+  Args:
+    model: the model; changed in place.
+    where: which layers to center: None for all, a type or tuple of types,
+      or ``where(path, layer) -> bool`` with ``path`` like
+      ``'blocks/attn/query'``.
+    mean_dtype: dtype of the means; the layer's ``param_dtype`` by default.
+    axis_name: see :class:`Centered`.
+
+  Returns:
+    A :class:`CenterReport`: the paths centered, and every module with
+    parameters that was not, with the reason.
+
+  Raises:
+    ValueError: ``model`` itself is a layer to center (it cannot be replaced
+      in place: wrap it with :class:`Centered`).
+  """
+  centered, skipped = [], []
+  inside_centered = set()
+  modules = list(nnx.iter_modules(model))
+  for path, module in modules:
+    if isinstance(module, Centered):
+      inside_centered.add(tuple(path) + ('layer',))
+  for path, module in modules:
+    name = _path_str(path)
+    if isinstance(module, Centered) or tuple(path) in inside_centered:
+      continue
+    if not _has_own_params(module):
+      continue
+    if not _selected(where, name, module):
+      skipped.append((name, 'not selected by where'))
+      continue
+    try:
+      layer_spec(module)
+    except (TypeError, ValueError) as error:
+      skipped.append((name, str(error)))
+      continue
+    if not path:
+      raise ValueError(
+          'center: the model itself is a linear layer and cannot be replaced '
+          'in place; use cbp_optax.nnx.Centered(model) instead.'
+      )
+    parent = model
+    for key in path[:-1]:
+      parent = _child(parent, key)
+    _set_child(parent, path[-1], Centered(
+        module, mean_dtype=mean_dtype, axis_name=axis_name))
+    centered.append(name)
+  return CenterReport(centered=sorted(centered), skipped=sorted(skipped))
+
+
+def stacked_blocks(
+    model: nnx.Module, *stack_paths: str
+) -> Callable[[Any, Any], bool]:
+  """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for ``model``.
+
+  M1 (eq. 7) should see one block per layer of a layer stack, not one block
+  for the whole stack. A stack's root is found from the centered layers in it
+  (their means carry the stack's leading axis): the highest module above a
+  stacked centered layer all of whose parameters share that leading axis.
+  Name stack roots explicitly (``'blocks'``) for a model without centered
+  layers, or to override.
+
+  Args:
+    model: the model (after :func:`center`, for automatic detection).
+    *stack_paths: module paths of layer stacks, like ``'decoder/blocks'``.
+
+  Returns:
+    ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
+  """
+  params = nnx.state(model, nnx.Param)
+  shapes = {
+      tuple(str(core.key_name(k)) for k in path): tuple(jnp.shape(leaf))
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+  }
+  roots = {tuple(p.split('/')) for p in stack_paths}
+  if not stack_paths:
+    for path, module in nnx.iter_modules(model):
+      if not isinstance(module, Centered):
+        continue
+      axes = core.locate_stack_axes(module.mean.shape, module.spec.mean_shape,
+                                    module.mean.get_metadata().get('stack_axes'))
+      if axes and axes[0] == 0:
+        roots.add(core.stack_root(shapes, tuple(str(p) for p in path),
+                                  module.mean.shape[0]))
+  return core.stacked_predicate(roots)
+
+
+def _graph_nodes(tree: Any) -> list[Any]:
+  return [x for x in jax.tree.leaves(tree, is_leaf=graphlib.is_graph_node)
+          if graphlib.is_graph_node(x)]
+
+
+def _check_training_mode(model: nnx.Module) -> None:
+  evaluating = [_path_str(p) for p, m in nnx.iter_modules(model)
+                if isinstance(m, Centered) and m.use_running_average]
+  if evaluating:
+    raise ValueError(
+        'train_step: the model is in evaluation mode (centered layers '
+        f'{evaluating[:3]} record no batch mean, so the transport would move '
+        'mu toward a stale one). Call model.train() before training.'
+    )
 
 
 def train_step(
     loss_fn: Callable[..., Any],
     *,
-    decay: float = 0.99,
+    mean_decay: Any = 0.99,
     donate: bool = True,
+    decay: Any = None,
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 
-  The returned ``step(model, optimizer, *batch)`` runs the forward pass with
-  centering (recording batch means), the backward pass, ``optimizer.update``
-  with whatever optax transform the ``nnx.Optimizer`` holds (``cbp.cbp`` for
-  full CBP, ``optax.adam`` for "Adam + Center"), then :func:`transport`; all
-  inside one ``nnx.jit`` with the model and optimizer buffers donated. If the
-  loss, any gradient or any recorded batch mean is not finite the step is
-  skipped: parameters, optimizer state and centering statistics stay exactly
-  as they were, ``StepOutput.skipped`` is True, and a :class:`Optimizer`
-  counts it in ``skipped_steps``. With no centered layer it is an ordinary
-  train step. On CPU the step compiles with ``_step.compiler_options()``
-  (no parameter-sized buffer copies); ``step.lower(model, optimizer,
-  *batch)`` gives the lowered program for inspection or AOT compilation.
+  The returned ``step(model, optimizer, *args)`` runs ``loss_fn(model,
+  *args)`` (the forward pass with centering, recording batch means), the
+  backward pass, ``optimizer.update`` with whatever optax transform the
+  ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
+  "Adam + Center"), then :func:`transport`; all inside one ``nnx.jit`` with
+  the model and optimizer buffers donated.
+
+  ``args`` may hold anything a plain ``nnx.jit`` train step takes: arrays,
+  ``nnx.Rngs`` (dropout keys), other modules or graph nodes. Every state the
+  forward pass changes (BatchNorm statistics, RNG counts, the recorded
+  means, state in graph-node arguments) is updated exactly as a plain
+  ``nnx.jit`` step would. If the loss, any gradient or any recorded
+  statistic is not finite the step is skipped: parameters, optimizer state,
+  centering and batch statistics and RNG counts stay exactly as they were,
+  ``StepOutput.skipped`` is True, and a :class:`Optimizer` counts it in
+  ``skipped_steps``. With no centered layer it is an ordinary train step.
+  On CPU the step compiles with ``_step.compiler_options()`` (no
+  parameter-sized buffer copies); ``step.lower(model, optimizer, *args)``
+  gives the lowered program.
 
   Args:
-    loss_fn: ``loss_fn(model, *batch)`` returning a scalar loss or
-      ``(loss, aux)``; it runs the model in training mode.
-    decay: the EMA decay ``rho`` of the centering means.
+    loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
+      aux)``; the model must be in training mode (``model.train()``).
+    mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the model and optimizer buffers to the step.
+    decay: deprecated name of ``mean_decay``.
 
   Returns:
-    ``step(model, optimizer, *batch) -> StepOutput``; the model and optimizer
-    are updated in place.
-  """
+    ``step(model, optimizer, *args) -> StepOutput``; the model, optimizer
+    and graph-node arguments are updated in place.
 
-  def step(model, optimizer, *batch):
-    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+  Raises:
+    ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
+      model whose centered layers are in evaluation mode (at the call).
+  """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+
+  def step(model, optimizer, *args):
+    _check_training_mode(model)
+    nodes = _graph_nodes(args)
+    # Split the model with the graph-node arguments, so that references
+    # shared between them (an Rngs held by both) stay shared, but
+    # differentiate the model's own parameters only: their paths are those
+    # the optimizer was initialized with.
+    graphdef, params, rest = nnx.split((model, nodes), optimizer.wrt, ...)
+    node_params = {k: v for k, v in params.items() if k != 0}
     rest = nnx.as_pure(rest)
 
-    def loss_of(params):
+    def loss_of(model_params):
       # A pure function of the parameters, so it differentiates the same way
       # in graph and tree mode. Merging builds fresh Variables at this trace
       # level (from arrays for `rest`), which the forward pass may write
-      # batch means into; `params` keeps its Variable types so the gradients
-      # pass `optimizer.update`'s `wrt` filter.
-      model = nnx.merge(graphdef, params, rest)
-      loss, aux = _step.split_loss(loss_fn(model, *batch))
+      # statistics and RNG counts into.
+      inner_model, inner_nodes = nnx.merge(
+          graphdef, nnx.State({0: model_params, **node_params}), rest)
+      swap = dict(zip(map(id, nodes), inner_nodes))
+      inner_args = jax.tree.map(lambda x: swap.get(id(x), x), args,
+                                is_leaf=graphlib.is_graph_node)
+      loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
       _step.check_scalar_loss(loss)
-      return loss, (aux, nnx.state(model, nnx.Not(optimizer.wrt)))
+      changed = nnx.state((inner_model, inner_nodes), nnx.Not(optimizer.wrt))
+      return loss, (aux, changed)
 
-    (loss, (aux, recorded)), grads = jax.value_and_grad(
-        loss_of, has_aux=True
-    )(params)
-    ok = _step.all_finite(loss, grads, recorded)
-
-    def apply_step(model, optimizer, grads, recorded):
-      nnx.update(model, recorded)
+    def apply_step(model, optimizer, nodes, grads, changed):
+      nnx.update((model, nodes), changed)
       optimizer.update(model, grads)
-      transport(model, decay)
+      for layer in centered_layers(model):
+        layer.transport(mean_decay)
 
-    def skip_step(model, optimizer, grads, recorded):
-      del model, grads, recorded
+    def skip_step(model, optimizer, nodes, grads, changed):
+      del model, nodes, grads, changed
       if isinstance(optimizer, Optimizer):
         optimizer.skipped_steps[...] += 1
 
-    # A conditional, not a select of old and new state: selecting would keep
-    # every old buffer alive next to the new one and cost full copies.
-    nnx.cond(ok, apply_step, skip_step, model, optimizer, grads, recorded)
-    return StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
+    _, out = _step.conditioned_update(
+        loss_of, params[0], apply_step, skip_step, nnx.cond,
+        model, optimizer, nodes)
+    return out
 
   jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
   options = _step.compiler_options()
   if options is None:
     return jitted
   # nnx.jit takes no compiler options, but its AOT path does: compile once
-  # per model structure and batch signature, as jit's own cache would.
+  # per model structure and argument signature, as jit's own cache would.
   executables = {}
 
-  def step_with_options(model, optimizer, *batch):
+  def step_with_options(model, optimizer, *args):
+    nodes = _graph_nodes(args)
+    arrays = jax.tree.leaves(
+        jax.tree.map(lambda x: None if graphlib.is_graph_node(x) else x, args,
+                     is_leaf=graphlib.is_graph_node))
     signature = (
-        nnx.graphdef((model, optimizer)),
-        jax.tree.structure(batch),
-        tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(batch)),
+        nnx.graphdef((model, optimizer, nodes)),
+        jax.tree.structure(
+            jax.tree.map(lambda x: 0, args, is_leaf=graphlib.is_graph_node)),
+        tuple((jnp.shape(x), jnp.result_type(x)) for x in arrays),
     )
     if signature not in executables:
-      executables[signature] = jitted.lower(model, optimizer, *batch).compile(
+      executables[signature] = jitted.lower(model, optimizer, *args).compile(
           options
       )
-    return executables[signature](model, optimizer, *batch)
+    return executables[signature](model, optimizer, *args)
 
   step_with_options.lower = jitted.lower
   return step_with_options

@@ -85,7 +85,7 @@ def test_linen_fused_step_matches_numpy_reference():
         centering=variables['centering'],
         tx=cbp.cbp(LR, decay=DECAY, **HPARAMS))
     step = cbp_linen.train_step(
-        lambda apply, x, y: cross_entropy(apply(x), y), decay=DECAY)
+        lambda apply, x, y: cross_entropy(apply(x), y), mean_decay=DECAY)
     worst = 0.0
     for _ in range(STEPS):
       state, out = step(state, jnp.asarray(x), jnp.asarray(labels))
@@ -98,7 +98,7 @@ def test_linen_fused_step_matches_numpy_reference():
                            reference.kernels[l]),
             relative_error(state.params[n]['dense']['bias'],
                            reference.biases[l]),
-            relative_error(state.centering[n]['mean'], reference.means[l]))
+            relative_error(state.centering[n]['mean'].value, reference.means[l]))
     assert int(state.step) == STEPS
   assert worst <= 1e-9, worst
   # The means moved well away from zero: the test exercised the transport.
@@ -116,7 +116,7 @@ def test_nnx_fused_step_matches_numpy_reference(graph):
     optimizer = nnx.Optimizer(
         model, cbp.cbp(LR, decay=DECAY, **HPARAMS), wrt=nnx.Param)
     step = cbp_nnx.train_step(
-        lambda m, x, y: cross_entropy(m(x), y), decay=DECAY)
+        lambda m, x, y: cross_entropy(m(x), y), mean_decay=DECAY)
     worst = 0.0
     for _ in range(STEPS):
       out = step(model, optimizer, jnp.asarray(x), jnp.asarray(labels))
@@ -244,7 +244,7 @@ def test_linen_uncentered_model_and_adam_plus_center():
     state, out = step(state, x, labels)
     losses.append(float(out.loss))
   assert losses[-1] < 0.7 * losses[0]
-  assert float(jnp.abs(state.centering['Centered_0']['mean']).min()) > 0.1
+  assert float(jnp.abs(state.centering['Centered_0']['mean'].value).min()) > 0.1
 
 
 class ResidualBlock(nnx.Module):
@@ -289,7 +289,7 @@ def test_resnet_block_trains_and_transport_is_exact():
   before = model(images)
   model.train()
   model(images * 2.0 + 1.0)  # records a very different batch mean
-  cbp_nnx.transport(model, decay=0.0)
+  cbp_nnx.transport(model, mean_decay=0.0)
   model.eval()
   after = model(images)
   np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4)

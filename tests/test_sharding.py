@@ -235,7 +235,7 @@ def linen_setup(dtype, layout: Optional[Layout]):
         tx.init, out_shardings=sharding.optimizer_sharding(tx, params)
     )(params))
   step = cbp_linen.train_step(
-      lambda apply, x, y: cross_entropy(apply(x), y), decay=DECAY)
+      lambda apply, x, y: cross_entropy(apply(x), y), mean_decay=DECAY)
   return state, step, data, mesh
 
 
@@ -281,7 +281,7 @@ def run_nnx(dtype, layout: Optional[Layout]) -> Run:
       (nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state),
        nnx.state(model, nnx.BatchStat))))
   step = cbp_nnx.train_step(
-      lambda m, x, y: cross_entropy(m(x), y), decay=DECAY)
+      lambda m, x, y: cross_entropy(m(x), y), mean_decay=DECAY)
   losses = []
   for x, y in batches('conv', dtype):
     if mesh is not None:
@@ -447,7 +447,7 @@ def test_fsdp_step_gathers_parameters_only_for_forward_and_backward():
   ).lower(state.params, state.opt_state, state.centering,
           state.params).compile().as_text()
   in_update = all_gathered_shapes(update_hlo)
-  mean_sizes = sum(m['mean'].size for m in state.centering.values())
+  mean_sizes = sum(m['mean'].value.size for m in state.centering.values())
   print(f'\nall-gathers in the update alone: {dict(in_update)}')
   assert not kernels & set(in_update), in_update
   assert all(len(s) <= 1 for s in in_update), in_update
