@@ -26,8 +26,10 @@ STUDIES = {
     'overhead': 'overhead',               # §5.6, Table 4
     'mnist': 'mnist',                     # §6.6, Table 10
     'resnet': 'resnet',                   # §6.6, Table 11
+    'gradient-flow': 'gradient_flow',     # diagnostics: depth 40, MNIST
+    'init-scale': 'init_scale',           # diagnostics: alpha x depth, MNIST
 }
-REAL_DATA = ('mnist', 'resnet')
+REAL_DATA = ('mnist', 'resnet', 'gradient-flow', 'init-scale')
 _CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
 
 

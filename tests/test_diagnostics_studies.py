@@ -1,0 +1,152 @@
+"""The diagnostics studies: their engine on known answers, and --quick runs.
+
+The engine and helper tests run on synthetic data. The two --quick studies
+need MNIST (``--data-dir``, ``CBP_OPTAX_MNIST`` or the loader's default
+directories) and are skipped with the loader's reason when it is absent; each
+compiles three to six small programs (tens of seconds on a loaded 2-core
+machine).
+"""
+
+import importlib
+import json
+import pathlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import cbp_optax as cbp
+from cbp_optax import datasets
+from cbp_optax.reproduce import cli
+from cbp_optax.reproduce import flow
+from cbp_optax.reproduce import gradient_flow
+from cbp_optax.reproduce import init_scale
+from cbp_optax.reproduce import training
+from cbp_optax.reproduce.context import StudyContext
+
+
+def _mnist_missing():
+  try:
+    datasets.find_mnist(None, download=False)
+  except datasets.DataError as error:
+    return f'no MNIST IDX files (set CBP_OPTAX_MNIST): {error}'
+  return None
+
+
+needs_mnist = pytest.mark.skipif(_mnist_missing() is not None,
+                                 reason=str(_mnist_missing()))
+
+
+def quick(tmp_path, name):
+  return StudyContext(out=tmp_path / name, quick=True, progress=False)
+
+
+def outputs(folder: pathlib.Path):
+  text = (folder / 'results.md').read_text()
+  assert text.startswith('# ') and '## Verdicts' in text
+  assert list(folder.glob('*.png'))
+  return json.loads((folder / 'results.json').read_text())
+
+
+# --- engine and helpers ----------------------------------------------------------
+
+
+def test_depth_order_sorts_layers_numerically():
+  names = ('layer_0', 'layer_1', 'layer_10', 'layer_2/dense', 'layer_11')
+  assert [names[i] for i in flow.depth_order(names)] == [
+      'layer_0', 'layer_1', 'layer_2/dense', 'layer_10', 'layer_11']
+  with pytest.raises(ValueError, match='layer_<i>'):
+    flow.depth_order(('head',))
+
+
+def test_auc_on_hand_examples():
+  labels = np.array([0, 0, 1, 1])
+  assert init_scale.auc(np.array([0.1, 0.2, 0.3, 0.4]), labels) == 1.0
+  assert init_scale.auc(np.array([0.4, 0.3, 0.2, 0.1]), labels) == 0.0
+  assert init_scale.auc(np.zeros(4), labels) == 0.5  # all tied
+  # One of four positive/negative pairs misordered.
+  assert init_scale.auc(np.array([0.1, 0.35, 0.3, 0.4]), labels) == 0.75
+  assert init_scale.auc(np.array([np.nan, 0, 1, 2]), labels) == 0.5
+
+
+def test_engine_records_sgd_updates_as_lr_times_gradient_profile():
+  data = training.spiral(points_per_arm=40)
+  model = flow.NormMLP(hidden=(8,) * 11, classes=6)
+  method = training.Method('SGD', optax.sgd)
+  run = jax.jit(flow.make_run(model, method, data, steps=5, batch_size=16,
+                              block_fn=flow.profile_block_fn))
+  out = run(jax.random.key(0), 0.1)
+  assert out.grad_norms.shape == (5, 12)
+  # SGD applies -lr * g: the applied profile is the raw one scaled by lr.
+  np.testing.assert_allclose(out.update_norms, 0.1 * out.grad_norms,
+                             rtol=1e-5)
+  params, _ = training.init_variables(model, jax.random.key(0),
+                                      data.train_x[:2])
+  names = cbp.block_names(params)
+  assert len(names) == 12 and names[2] == 'layer_10'  # tree order
+  # The engine reorders by depth (flow.depth_order): the output layer, whose
+  # gradient sees the un-attenuated error, is the last column.
+  assert out.grad_norms.shape[1] == len(names)
+  assert np.isfinite(out.movement) and out.movement > 0
+  assert np.isnan(out.hessian_trace)
+
+
+def test_engine_init_scale_multiplies_every_kernel():
+  data = training.spiral(points_per_arm=40)
+  model = flow.NormMLP(hidden=(8, 8), classes=6)
+  method = training.Method('SGD', optax.sgd)
+  run = flow.make_run(model, method, data, steps=1, batch_size=16,
+                      block_fn=flow.profile_block_fn)
+  one, four = run(jax.random.key(0), 0.0), run(jax.random.key(0), 0.0, 4.0)
+  # Zero learning rate: nothing moves, whatever the scale.
+  assert float(one.movement) == 0.0 and float(four.movement) == 0.0
+  # ReLU, zero biases: the last layer's input is scaled by 4 ** 2 = 16, and
+  # its error signal (softmax - one-hot) is bounded, so its gradient grows.
+  assert float(four.grad_norms[0, -1]) > 4 * float(one.grad_norms[0, -1])
+
+
+def test_studies_are_registered_as_real_data_subcommands():
+  for name, module in (('gradient-flow', 'gradient_flow'),
+                       ('init-scale', 'init_scale')):
+    assert cli.STUDIES[name] == module
+    assert name in cli.REAL_DATA
+    study = importlib.import_module(f'cbp_optax.reproduce.{module}')
+    assert study.NAME == name and callable(study.run)
+  assert 'gradient-flow' not in cli.selected(['synthetic'])
+
+
+# --- --quick studies on MNIST -------------------------------------------------------
+
+
+@needs_mnist
+def test_gradient_flow_quick(tmp_path):
+  result = gradient_flow.run(quick(tmp_path, 'gf'))
+  payload = outputs(tmp_path / 'gf')
+  cells = {f'{i}/{m}' for i in ('ReLU + He', 'ReLU + 1/d_in')
+           for m in ('SGD', 'Adam', 'CBP')}
+  assert set(result.summary['mean_test_accuracy']) == cells
+  assert all(0.0 <= v <= 1.0
+             for v in result.summary['mean_test_accuracy'].values())
+  # Every disparity is a max/min ratio of finite, positive block norms.
+  assert all(v >= 1.0 for v in result.summary['median_raw_disparity'].values())
+  assert all(v >= 1.0
+             for v in result.summary['median_applied_disparity'].values())
+  profile = np.asarray(payload['per_seed']['ReLU + He/SGD']['raw_profile'])
+  assert profile.shape == (2, 5)  # seeds x (4 hidden + output) layers
+  assert len(payload['verdicts']) == 2
+
+
+@needs_mnist
+def test_init_scale_quick(tmp_path):
+  result = init_scale.run(quick(tmp_path, 'is'))
+  payload = outputs(tmp_path / 'is')
+  assert set(result.summary['mean_auc']) == {'SGD/3', 'AdamW/3', 'CBP/3'}
+  auc = np.asarray(payload['per_seed']['auc']['AdamW/3'], np.float64)
+  assert auc.shape == (2, 2) and np.all((auc >= 0) & (auc <= 1))
+  # At alpha = 1 every method learns something within 30 steps.
+  assert all(result.summary['mean_auc'][f'{m}/3'][0] > 0.6
+             for m in ('SGD', 'AdamW', 'CBP'))
+  movement = np.asarray(payload['per_seed']['movement']['AdamW/3'],
+                        np.float64)
+  assert np.all(movement[:, 0] > 0)
