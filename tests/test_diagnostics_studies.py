@@ -22,6 +22,7 @@ from cbp_optax.reproduce import cli
 from cbp_optax.reproduce import flow
 from cbp_optax.reproduce import gradient_flow
 from cbp_optax.reproduce import init_scale
+from cbp_optax.reproduce import normalization
 from cbp_optax.reproduce import training
 from cbp_optax.reproduce.context import StudyContext
 
@@ -108,6 +109,7 @@ def test_engine_init_scale_multiplies_every_kernel():
 
 def test_studies_are_registered_as_real_data_subcommands():
   for name, module in (('gradient-flow', 'gradient_flow'),
+                       ('normalization', 'normalization'),
                        ('init-scale', 'init_scale')):
     assert cli.STUDIES[name] == module
     assert name in cli.REAL_DATA
@@ -135,6 +137,32 @@ def test_gradient_flow_quick(tmp_path):
   profile = np.asarray(payload['per_seed']['ReLU + He/SGD']['raw_profile'])
   assert profile.shape == (2, 5)  # seeds x (4 hidden + output) layers
   assert len(payload['verdicts']) == 2
+
+
+def test_batchnorm_model_uses_batch_statistics_only_in_training():
+  data = training.spiral(points_per_arm=40)
+  model = flow.NormMLP(hidden=(8, 8), classes=6, norm='batch')
+  params, collections = training.init_variables(
+      model, jax.random.key(0), data.train_x[:2])
+  assert set(collections) == {'batch_stats'}
+  x = data.train_x[:32] * 5.0 + 3.0
+  _, mutated = model.apply({'params': params, **collections}, x, train=True,
+                           mutable=['batch_stats'])
+  mean = mutated['batch_stats']['norm_0']['mean']
+  assert float(np.abs(mean).max()) > 0  # running mean moved towards the batch
+  # The norm's scale and bias join their layer's block in the profiles.
+  names = cbp.block_names(params, block_fn=flow.profile_block_fn)
+  assert names == ('layer_0', 'layer_1', 'layer_2')
+
+
+@needs_mnist
+def test_normalization_quick(tmp_path):
+  result = normalization.run(quick(tmp_path, 'norm'))
+  outputs(tmp_path / 'norm')
+  assert set(result.summary['mean_train_loss']) == {'Adam + BatchNorm',
+                                                    'CBP (full)'}
+  # 20 steps from log(10) = 2.30: both arms are finite and learning.
+  assert all(0.0 < v < 2.3 for v in result.summary['mean_train_loss'].values())
 
 
 @needs_mnist

@@ -27,9 +27,11 @@ STUDIES = {
     'mnist': 'mnist',                     # §6.6, Table 10
     'resnet': 'resnet',                   # §6.6, Table 11
     'gradient-flow': 'gradient_flow',     # diagnostics: depth 40, MNIST
+    'normalization': 'normalization',     # diagnostics: depth 12, MNIST
     'init-scale': 'init_scale',           # diagnostics: alpha x depth, MNIST
 }
-REAL_DATA = ('mnist', 'resnet', 'gradient-flow', 'init-scale')
+REAL_DATA = ('mnist', 'resnet', 'gradient-flow', 'normalization',
+             'init-scale')
 _CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
 
 
