@@ -178,3 +178,21 @@ def test_init_scale_quick(tmp_path):
   movement = np.asarray(payload['per_seed']['movement']['AdamW/3'],
                         np.float64)
   assert np.all(movement[:, 0] > 0)
+
+
+@needs_mnist
+def test_classic_mlp_example_trains_every_optimizer():
+  import re  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  done = subprocess.run(
+      [sys.executable, 'examples/mlp_classic.py', '--epochs', '1'], cwd=root,
+      capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [l for l in done.stdout.splitlines() if l.startswith('| ')][1:]
+  assert [r.split('|')[1].split('(')[0].strip() for r in rows] == [
+      'SGD', 'SGD + momentum 0.9', 'Adam', 'CBP']
+  accuracies = [float(r.split('|')[3]) for r in rows]
+  assert all(a > 0.8 for a in accuracies), done.stdout
+  assert re.search(r'6,000 training / 2,000 test', done.stdout)
