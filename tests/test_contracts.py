@@ -141,7 +141,7 @@ def test_tree_map_params_and_convergence(name, target, learning_rate, steps):
 def test_tree_map_params_maps_the_moments_only(name):
   opt = make(name)
   params = {'a': jnp.ones(3), 'b': jnp.ones((2, 2))}
-  state = opt.update(params, opt.init(params), params)[1]
+  state = jax.jit(opt.update)(params, opt.init(params), params)[1]
   mapped = optax.tree_map_params(opt, lambda v: v + 1.0, state)
   precondition_state = [s for s in jax.tree.leaves(
       mapped, is_leaf=lambda x: isinstance(x, cbp.PreconditionState))
@@ -244,10 +244,14 @@ def test_learning_rate_schedule_matches_the_constant(name):
   runs = []
   for learning_rate in (optax.constant_schedule(1e-2), 1e-2):
     opt = make(name, learning_rate)
-    params, state = initial, opt.init(initial)
-    for _ in range(5):
+
+    def step(carry, _, opt=opt):
+      params, state = carry
       updates, state = opt.update(jax.grad(objective)(params), state, params)
-      params = optax.apply_updates(params, updates)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = jax.lax.scan(step, (initial, opt.init(initial)),
+                                  length=5)
     runs.append(params)
   chex.assert_trees_all_close(*runs)
 
