@@ -217,6 +217,18 @@ def main(argv=None) -> None:
 
   data = batches(args.steps, dtype)
   rows = sharding.process_batch_slice(BATCH, mesh, 'data')
+  # With jax.make_mesh, process p of N feeds the p-th of N equal parts.
+  part = BATCH // processes
+  assert rows == slice(process * part, (process + 1) * part), rows
+  if processes > 1:
+    # A local batch this process's devices do not divide is refused, here,
+    # before any collective.
+    try:
+      sharding.shard_batch(np.zeros((3, WIDTHS[0]), dtype), mesh, 'data')
+    except ValueError as e:
+      assert 'Process-local batch size 3' in str(e), e
+    else:
+      raise AssertionError('a local batch of 3 rows was not refused')
   losses = []
   for i in range(args.start, args.steps):
     x, y = data[i]

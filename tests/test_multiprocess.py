@@ -10,7 +10,8 @@ block energies) and centering means after 10 steps of full CBP, and the
 losses. Checkpoints written by 2 processes are restored by 1 and by 2.
 
 The default tier runs NNX, data parallel, float64; ``-m slow`` adds Linen,
-FSDP, float32 and restoring a 1-process checkpoint on 2 processes.
+FSDP, float32, the plain one-device run, restoring a 1-process checkpoint on
+2 processes, and examples/multiprocess_mnist.py on 2 processes vs 1.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import io
 import os
 import pathlib
+import re
+import subprocess
 import sys
 from typing import Optional
 
@@ -31,7 +34,7 @@ TIMEOUT = 300  # seconds per launched run; only reached if something hangs
 STEPS = 10
 SAVE_AT = 5
 
-pytestmark = pytest.mark.skipif(
+needs_gloo = pytest.mark.skipif(
     not launch.gloo_available(),
     reason='this jaxlib has no gloo CPU collectives '
     '(jax_cpu_collectives_implementation=gloo), needed to run JAX as '
@@ -145,6 +148,7 @@ def runs(tmp_path_factory) -> Runs:
 # Same numbers on 2 processes as on 1 -------------------------------------------
 
 
+@needs_gloo
 def test_two_processes_equal_one_process_nnx(runs):
   two = runs.get(2, 2)
   one = runs.get(1, 4)
@@ -154,6 +158,7 @@ def test_two_processes_equal_one_process_nnx(runs):
   check_equal('nnx data float64, 2x2 vs 1x4', two, one, 1e-12)
 
 
+@needs_gloo
 @pytest.mark.slow
 @pytest.mark.parametrize('framework,layout', [
     ('linen', 'data'), ('linen', 'fsdp'), ('nnx', 'fsdp')])
@@ -164,6 +169,7 @@ def test_two_processes_equal_one_process_more_layouts(runs, framework, layout):
   check_equal(f'{framework} {layout} float64, 2x2 vs 1x4', two, one, 1e-12)
 
 
+@needs_gloo
 @pytest.mark.slow
 def test_two_processes_equal_one_process_float32(runs):
   two = runs.get(2, 2, dtype='float32')
@@ -177,9 +183,38 @@ def test_two_processes_equal_one_process_float32(runs):
     assert difference <= 1e-6 * scale, (part, worst)
 
 
+@needs_gloo
+@pytest.mark.slow
+@pytest.mark.parametrize('framework', ['nnx', 'linen'])
+def test_two_processes_equal_one_unsharded_device(runs, framework):
+  # Against the plain one-device run, the sums over the batch are ordered
+  # differently: equal to float64 rounding.
+  two = runs.get(2, 2, framework)
+  one = runs.get(1, 1, framework)
+  check_equal(f'{framework} data float64, 2x2 vs 1 device', two, one, 1e-12)
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_example_prints_the_same_final_loss_on_two_processes_as_on_one():
+  finals = {}
+  for processes in (2, 1):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / 'examples' / 'multiprocess_mnist.py'),
+         '--processes', str(processes), '--synthetic', '--steps', '20',
+         '--batch-size', '64', '--timeout', str(TIMEOUT)],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT + 60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    finals[processes] = re.findall(r'final loss (\S+)', result.stdout)
+    assert len(finals[processes]) == 1, result.stdout[-3000:]
+  print(f'\nexample final loss: {finals}')
+  assert finals[2] == finals[1]
+
+
 # Checkpoints across process counts ---------------------------------------------
 
 
+@needs_gloo
 def test_checkpoint_from_two_processes_resumes_on_two(runs):
   uninterrupted = runs.get(2, 2)
   resumed = runs.get(2, 2, restore=(2, 2))
@@ -187,6 +222,7 @@ def test_checkpoint_from_two_processes_resumes_on_two(runs):
               uninterrupted, 1e-12)
 
 
+@needs_gloo
 def test_checkpoint_from_two_processes_resumes_on_one(runs):
   uninterrupted = runs.get(2, 2)
   resumed = runs.get(1, 4, restore=(2, 2))
@@ -194,6 +230,7 @@ def test_checkpoint_from_two_processes_resumes_on_one(runs):
               uninterrupted, 1e-12)
 
 
+@needs_gloo
 @pytest.mark.slow
 def test_checkpoint_from_one_process_resumes_on_two(runs):
   uninterrupted = runs.get(1, 4)
@@ -202,6 +239,7 @@ def test_checkpoint_from_one_process_resumes_on_two(runs):
               uninterrupted, 1e-12)
 
 
+@needs_gloo
 @pytest.mark.slow
 @pytest.mark.parametrize('framework,layout', [('linen', 'fsdp'),
                                               ('nnx', 'fsdp')])
@@ -216,6 +254,7 @@ def test_sharded_checkpoint_resumes_on_one_process(runs, framework, layout):
 # The launcher -------------------------------------------------------------------
 
 
+@needs_gloo
 def test_worker_dying_mid_run_fails_the_launch(tmp_path):
   # Process 1 exits abruptly after step 3; process 0 would wait for it in
   # the next step's collectives. The launcher stops it and says who failed.
