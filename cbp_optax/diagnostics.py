@@ -103,8 +103,9 @@ class UpdateProfile(NamedTuple):
     names: block names, as :func:`cbp_optax.block_names` gives them.
     norms: ``||u_l||_F`` of every block, shape ``(L,)``.
     disparity: ``max_l ||u_l|| / min_l ||u_l||``.
-    relative: ``||u_l|| / ||theta_l||`` (the relative step of every block),
-      or None when no parameters were given.
+    relative: ``||u_l|| / ||theta_l||`` (the relative step of every block;
+      ``inf`` for a step away from an all-zero block, 0 for no step), or None
+      when no parameters were given.
   """
 
   names: tuple[str, ...]
@@ -304,7 +305,7 @@ def update_profile(
       raise ValueError(
           'update_profile: updates and params have different blocks '
           f'({layout.names} vs {param_layout.names}).')
-    relative = norms / _block_norms(param_layout, params, dtype)
+    relative = _safe_ratio(norms, _block_norms(param_layout, params, dtype))
   return UpdateProfile(layout.names, norms, _disparity(norms), relative)
 
 

@@ -371,3 +371,10 @@ def test_the_docs_example_runs(capsys):
   raw = float(re.search(r'raw disparity ([0-9.e+-]+)', out).group(1))
   applied = float(re.search(r'applied disparity ([0-9.e+-]+)', out).group(1))
   assert applied < raw  # M1 flattens the profile of the 1/d_in net
+
+
+def test_update_profile_relative_to_zero_blocks():
+  params = {'a': {'w': jnp.zeros(2)}, 'b': {'w': jnp.zeros(2)}}
+  updates = {'a': {'w': jnp.ones(2)}, 'b': {'w': jnp.zeros(2)}}
+  out = diagnostics.update_profile(updates, params)
+  chex.assert_trees_all_close(out.relative, jnp.asarray([np.inf, 0.0]))
