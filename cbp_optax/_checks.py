@@ -151,6 +151,11 @@ def check_callable(name: str, value: Any) -> None:
     )
 
 
+def check_bool(name: str, value: Any) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f'{name} must be True or False, got {value!r}.')
+
+
 def check_stats_dtype(value: Any) -> Optional[jnp.dtype]:
   """``stats_dtype`` as a dtype; None stays None; only real floats pass."""
   if value is None:

@@ -60,6 +60,7 @@ def cbp(
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
     stats_dtype: Optional[Any] = None,
+    zero_moment_identity: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
 
@@ -76,9 +77,9 @@ def cbp(
   :math:`1/\zeta` = 1000 (default damping) the first time it is non-zero:
   Adam's learning rate can be far too large (on Rosenbrock from the origin,
   :math:`\eta = 0.1` sends the second coordinate to about 421). Start around
-  :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`, or use a larger ``damping`` or
-  a learning-rate warm-up where gradients can be exactly zero at the start;
-  see :func:`precondition`.
+  :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`, or use a larger ``damping``, a
+  learning-rate warm-up, or the opt-in ``zero_moment_identity=True`` where
+  gradients can be exactly zero at the start; see :func:`precondition`.
 
   Hyperparameters: every argument but ``learning_rate`` and ``weight_decay``
   must be a number; to schedule ``b1``, ``b2``, ``damping``, ``decay``,
@@ -114,6 +115,9 @@ def cbp(
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
       float32, float64 for float64 parameters).
+    zero_moment_identity: opt-in guard (off by default, not part of
+      Algorithm 1): coordinates whose stored second moment is exactly zero
+      get :math:`P = 1` instead of :math:`1/\zeta`; see :func:`precondition`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
@@ -150,7 +154,8 @@ def cbp(
           stats_dtype=stats_dtype,
       ),
       precondition_lib.precondition(
-          b1, b2, damping, stats_dtype=stats_dtype
+          b1, b2, damping, stats_dtype=stats_dtype,
+          zero_moment_identity=zero_moment_identity,
       ),
   ]
   if weight_decay is not None:

@@ -104,6 +104,7 @@ def precondition(
     damping: float = 1e-3,
     *,
     stats_dtype: Optional[Any] = None,
+    zero_moment_identity: bool = False,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
@@ -132,7 +133,11 @@ def precondition(
   is Algorithm 1 as written. Where gradients can be exactly zero at the start
   (sparse features, gated or dead units, hand-written objectives), use a
   learning rate well below Adam's, a larger ``damping`` (the bound is
-  :math:`1/\zeta`), or a warm-up schedule on the learning rate.
+  :math:`1/\zeta`), a warm-up schedule on the learning rate, or the opt-in
+  ``zero_moment_identity=True``, which gives such a coordinate
+  :math:`P = 1`, as every coordinate has at step 1 (with it, CBP converges on
+  that Rosenbrock run at :math:`\eta = 0.1`; see tests/test_hardening.py).
+  It is off by default: the default is Algorithm 1 exactly.
 
   Dtypes: the moments are float32 for low-precision parameters
   (``stats_dtype`` overrides), and the update has the gradient's dtype, as
@@ -151,6 +156,10 @@ def precondition(
     damping: :math:`\zeta > 0`.
     stats_dtype: a real floating dtype for both moments; defaults to float32
       for low-precision parameters and to the parameter dtype otherwise.
+    zero_moment_identity: opt-in guard, not part of Algorithm 1: where the
+      stored second moment is exactly zero (no non-zero gradient seen yet),
+      use :math:`P = 1` instead of :math:`1/\zeta`, i.e. the step-1 rule
+      :math:`P_1 = I` per coordinate. Off by default.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
@@ -171,6 +180,7 @@ def precondition(
   _checks.check_decay('b2', b2)
   _checks.check_positive('damping', damping)
   stats_dtype = _checks.check_stats_dtype(stats_dtype)
+  _checks.check_bool('zero_moment_identity', zero_moment_identity)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
@@ -197,6 +207,8 @@ def precondition(
       m_hat = m_new / mu_correction.astype(m.dtype)
       denom = jnp.sqrt(v / nu_correction.astype(v.dtype)) + damping
       step = jnp.where(first_step, m_hat, m_hat / denom)
+      if zero_moment_identity:
+        step = jnp.where(v == 0, m_hat, step)
       v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
       return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
               v_new.astype(v.dtype))

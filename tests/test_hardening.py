@@ -275,6 +275,30 @@ def test_rosenbrock_zero_first_gradient_jumps_by_one_over_damping():
   assert 'about 421' in cbp.cbp.__doc__ and '1/\\zeta' in cbp.cbp.__doc__
 
 
+def test_opt_in_zero_moment_identity_guard_converges_on_rosenbrock():
+  """The study behind the opt-in guard: at Adam's rate 0.1, Algorithm 1 ends
+  in NaN; with zero-moment coordinates at P = 1 it reaches the minimum."""
+  rosenbrock = lambda p: (1 - p[0]) ** 2 + 100 * (p[1] - p[0] ** 2) ** 2
+  results = {}
+  for guard in (False, True):
+    tx = cbp.cbp(0.1, zero_moment_identity=guard)
+
+    def step(carry, _, tx=tx):
+      params, state = carry
+      updates, state = tx.update(jax.grad(rosenbrock)(params), state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    (results[guard], _), _ = jax.jit(lambda c: jax.lax.scan(
+        step, c, length=20000))((jnp.zeros(2), tx.init(jnp.zeros(2))))
+  assert not np.isfinite(np.asarray(results[False])).all()
+  np.testing.assert_allclose(results[True], [1.0, 1.0], atol=1e-3)
+
+
+def test_guard_must_be_a_bool():
+  with pytest.raises(TypeError, match='zero_moment_identity must be True or'):
+    cbp.cbp(1e-2, zero_moment_identity='yes')
+
+
 # --- items 5, 7, 8: checkpoints ---------------------------------------------------
 
 
