@@ -15,8 +15,10 @@ has process ``--die-process`` exit abruptly after ``--die-at`` steps.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
+from typing import Optional
 
 from cbp_optax import launch
 
@@ -178,6 +180,52 @@ class LinenRun:
             'means': self.train_state.centering}
 
 
+def listening_addresses() -> Optional[list[str]]:
+  """Addresses this process listens on (TCP), from /proc; None off Linux."""
+  try:
+    inodes = set()
+    for fd in os.listdir('/proc/self/fd'):
+      try:
+        target = os.readlink(f'/proc/self/fd/{fd}')
+      except OSError:
+        continue
+      if target.startswith('socket:['):
+        inodes.add(target[len('socket:['):-1])
+    addresses = []
+    for table in ('/proc/self/net/tcp', '/proc/self/net/tcp6'):
+      if not os.path.exists(table):
+        continue
+      with open(table) as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+      for row in rows:
+        local, state, inode = row[1], row[3], row[9]
+        if state != '0A' or inode not in inodes:  # 0A: LISTEN
+          continue
+        host, port = local.split(':')
+        # /proc prints each 32-bit word in host (little-endian) order.
+        raw = b''.join(bytes.fromhex(host[i:i + 8])[::-1]
+                       for i in range(0, len(host), 8))
+        address = ipaddress.ip_address(raw)
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+          address = address.ipv4_mapped
+        addresses.append(f'{address}:{int(port, 16)}')
+    return addresses
+  except OSError:
+    return None
+
+
+def check_loopback_only() -> None:
+  """Every TCP socket this process listens on is on the loopback address."""
+  addresses = listening_addresses()
+  if addresses is None:
+    print('listening sockets: not checked (no /proc)', flush=True)
+    return
+  print(f'listening on {sorted(addresses)}', flush=True)
+  for entry in addresses:
+    host = entry.rsplit(':', 1)[0]
+    assert ipaddress.ip_address(host).is_loopback, entry
+
+
 def flatten(tree, prefix: str) -> dict[str, np.ndarray]:
   # Gather every global array whole (collective: all processes call it).
   tree = multihost_utils.process_allgather(tree, tiled=True)
@@ -235,6 +283,9 @@ def main(argv=None) -> None:
     # Each process hands over only its own rows of the global batch.
     x, y = sharding.shard_batch((x[rows], y[rows]), mesh, 'data')
     losses.append(run.step(x, y))
+    if i == args.start:
+      # After a step, gloo's connections and the coordinator are all up.
+      check_loopback_only()
     if args.die_at is not None and i + 1 == args.die_at and (
         process == args.die_process):
       print(f'process {process}: dying on purpose after step {i + 1}',

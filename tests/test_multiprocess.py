@@ -2,8 +2,9 @@
 
 Each test starts real worker processes (``tests/multiprocess_worker.py``)
 through :func:`cbp_optax.launch.launch`: every process gets 2 simulated CPU
-devices, the coordinator and gloo's collectives listen on 127.0.0.1 only,
-and every run is bounded by the launcher's timeout. A run with 2 processes x
+devices, the coordinator and gloo's collectives listen on 127.0.0.1 only
+(each worker checks its listening sockets in /proc), and every run is
+bounded by the launcher's timeout. A run with 2 processes x
 2 devices is compared with 1 process x 4 devices (the same global mesh
 ``(data=4)``): final parameters, optimizer state (CBP's moments and M1's
 block energies) and centering means after 10 steps of full CBP, and the
@@ -291,6 +292,15 @@ def test_launch_forwards_prefixed_output_and_environment():
   lines = set(stream.getvalue().splitlines())
   assert {'[proc 0] 0 2 127.0.0.1', '[proc 1] 1 2 127.0.0.1'} <= lines
   assert result.output(1) == '1 2 127.0.0.1\n'
+
+
+def test_launch_command_line(capsys):
+  assert launch.main(['--processes', '2', '--timeout', '60', '--', '-c',
+                      'print("hello")']) == 0
+  assert '[proc 1] hello' in capsys.readouterr().out
+  assert launch.main(['--processes', '2', '--timeout', '60', '--', '-c',
+                      'import sys; sys.exit(3)']) == 1
+  assert 'exited with status 3' in capsys.readouterr().err
 
 
 def test_launch_refuses_no_processes():
