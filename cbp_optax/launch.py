@@ -209,6 +209,7 @@ def launch(
     init_timeout: int = 60,
     keep_lines: int = 10_000,
     grace: float = 2.0,
+    stop_on_failure: bool = True,
 ) -> LaunchResult:
   """Runs ``python *args`` as ``num_processes`` cooperating JAX processes.
 
@@ -242,6 +243,11 @@ def launch(
       ``jax.distributed.initialize`` wait for all processes.
     keep_lines: lines of output kept per worker in the result.
     grace: seconds between SIGTERM and SIGKILL when stopping workers.
+    stop_on_failure: stop the other workers as soon as one fails (default).
+      With False they are left to end on their own (JAX's coordination
+      service aborts them once the failed one misses its heartbeats) and
+      :class:`WorkerFailed` is raised when all have exited, or
+      :class:`LaunchTimeout` at the timeout.
 
   Returns:
     A :class:`LaunchResult` (all exit statuses 0).
@@ -288,17 +294,23 @@ def launch(
       exited = [w for w in workers if w.exited_at is not None]
       failed = sorted((w for w in exited if w.proc.returncode != 0),
                       key=lambda w: w.exited_at)
-      if failed:
+      if failed and (stop_on_failure or len(exited) == num_processes):
         first = failed[0]
         _stop(workers, grace)
         for w in workers:
           w.pump.join(timeout=grace)
         others = [w.index for w in workers if w is not first]
+        if stop_on_failure:
+          fate = (f'stopped the others '
+                  f'({", ".join(map(str, others)) or "none"})')
+        else:
+          fate = 'then ' + ', '.join(
+              f'process {w.index} {_describe_exit(w.proc.returncode)} after '
+              f'{w.exited_at - start:.1f} s' for w in workers if w is not first)
         raise WorkerFailed(
             f'process {first.index} of {num_processes} '
             f'{_describe_exit(first.proc.returncode)} after '
-            f'{first.exited_at - start:.1f} s; stopped the others '
-            f'({", ".join(map(str, others)) or "none"}). Last output of '
+            f'{first.exited_at - start:.1f} s; {fate}. Last output of '
             f'process {first.index}:\n{first.tail()}', result())
       if len(exited) == num_processes:
         for w in workers:

@@ -117,7 +117,7 @@ class NnxRun:
     for variable, target in zip(variables, jax.tree.leaves(derived)):
       variable[...] = jax.device_put(variable[...], target)
     self.step_fn = cbp.nnx.train_step(
-        lambda m, x, y: cross_entropy(m(x), y), decay=DECAY)
+        lambda m, x, y: cross_entropy(m(x), y), mean_decay=DECAY)
 
   def step(self, x, y) -> float:
     out = self.step_fn(self.model, self.optimizer, x, y)
@@ -161,7 +161,7 @@ class LinenRun:
         lambda x: x if isinstance(getattr(x, 'sharding', None), NamedSharding)
         else jax.device_put(jnp.asarray(x), replicated), state)
     self.step_fn = cbp.linen.train_step(
-        lambda apply, x, y: cross_entropy(apply(x), y), decay=DECAY)
+        lambda apply, x, y: cross_entropy(apply(x), y), mean_decay=DECAY)
 
   def step(self, x, y) -> float:
     self.train_state, out = self.step_fn(self.train_state, x, y)

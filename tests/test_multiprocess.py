@@ -270,6 +270,28 @@ def test_worker_dying_mid_run_fails_the_launch(tmp_path):
   assert not (tmp_path / 'never.npz').exists()
 
 
+@needs_gloo
+@pytest.mark.slow
+def test_survivors_of_a_dead_worker_abort_on_their_own(tmp_path):
+  # Without the launcher stopping them, JAX's coordination service notices
+  # the missing heartbeats (initialize_from_env: 30 s) and aborts the
+  # survivor: a bounded failure, not a hang, but slower than the launcher.
+  env = dict(os.environ)
+  env.pop('XLA_FLAGS', None)
+  with pytest.raises(launch.WorkerFailed) as info:
+    launch.launch(
+        ['-m', 'tests.multiprocess_worker', '--die-at', '3',
+         '--out', str(tmp_path / 'never.npz')],
+        2, cpu_devices=2, timeout=TIMEOUT, cwd=str(ROOT), env=env,
+        stream=sys.stdout, stop_on_failure=False)
+  message = str(info.value)
+  print(f'\n{message}')
+  assert 'process 1 of 2 exited with status 7' in message
+  survivor = info.value.result
+  assert survivor.returncodes[0] not in (0, None), survivor.returncodes
+  assert 'JAX distributed service detected fatal errors' in survivor.output(0)
+
+
 def test_launch_timeout_stops_every_worker():
   with pytest.raises(launch.LaunchTimeout, match='did not finish within 3 s'
                      ) as info:
