@@ -1,6 +1,7 @@
 """``cbp()``: the optimizer side of Conditioned Backpropagation as one optax chain."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: optax's contract tests read
+# `learning_rate`'s annotation (optax.ScalarOrSchedule) with inspect.
 
 from typing import Any, Callable, Optional, Union
 

@@ -19,9 +19,8 @@ tests/test_sharding.py does, reruns itself in a subprocess with eight
 simulated CPU devices.
 """
 
-from __future__ import annotations
-
 import functools
+import inspect
 import os
 import pathlib
 import subprocess
@@ -254,6 +253,14 @@ def test_learning_rate_schedule_matches_the_constant(name):
                                   length=5)
     runs.append(params)
   chex.assert_trees_all_close(*runs)
+
+
+def test_learning_rate_is_annotated_as_a_schedule():
+  """optax's suites test schedules only for a factory whose learning_rate is
+  annotated with the optax.ScalarOrSchedule object (not a string)."""
+  for factory in (cbp.cbp, cbp_chain):
+    annotation = inspect.signature(factory).parameters['learning_rate']
+    assert annotation.annotation is optax.ScalarOrSchedule
 
 
 # Sharding: state types equal at init and after an update ----------------------
