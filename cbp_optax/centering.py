@@ -134,6 +134,22 @@ def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> Type
   )
 
 
+Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
+
+
+def selected(where: Where, path: str, layer: Any) -> bool:
+  """Whether ``center(..., where=where)`` centers ``layer`` at ``path``.
+
+  ``where`` is None (every supported layer), a type or tuple of types, or a
+  predicate ``where(path, layer) -> bool`` on paths like ``'blocks/attn/query'``.
+  """
+  if where is None:
+    return True
+  if isinstance(where, (type, tuple)):
+    return isinstance(layer, where)
+  return bool(where(path, layer))
+
+
 def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
   """Axes as non-negative indices, in ascending order (the kernel's order)."""
   if isinstance(axes, int):

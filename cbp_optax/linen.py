@@ -218,17 +218,6 @@ class Centered(nn.Module):
     )
 
 
-Where = Union[None, type, tuple[type, ...], Callable[[str, nn.Module], bool]]
-
-
-def _selected(where: Where, path: str, module: nn.Module) -> bool:
-  if where is None:
-    return True
-  if isinstance(where, (type, tuple)):
-    return isinstance(module, where)
-  return bool(where(path, module))
-
-
 class CenteredModel(NamedTuple):
   """A Linen module run with every supported layer centered (see :func:`center`).
 
@@ -238,7 +227,7 @@ class CenteredModel(NamedTuple):
   """
 
   module: nn.Module
-  where: Where = None
+  where: core.Where = None
   mean_dtype: Optional[Any] = None
   axis_name: Optional[Any] = None
 
@@ -247,7 +236,7 @@ class CenteredModel(NamedTuple):
     if context.method_name != '__call__' or type(module) not in _SUPPORTED:
       return next_fun(*args, **kwargs)
     path = '/'.join(module.scope.path)
-    if not _selected(self.where, path, module):
+    if not core.selected(self.where, path, module):
       return next_fun(*args, **kwargs)
     try:
       check_layer(module)
@@ -295,7 +284,7 @@ class CenteredModel(NamedTuple):
             check_layer(module)
           except (TypeError, ValueError) as error:
             reason = str(error)
-          if reason is None and not _selected(self.where, path, module):
+          if reason is None and not core.selected(self.where, path, module):
             reason = 'not selected by where'
           (skipped.append((path, reason)) if reason else centered.append(path))
       return next_fun(*call_args, **call_kwargs)
@@ -306,11 +295,8 @@ class CenteredModel(NamedTuple):
 
 
 def center(
-    module: nn.Module,
-    *,
-    where: Where = None,
-    mean_dtype: Optional[Any] = None,
-    axis_name: Optional[Any] = None,
+    module: nn.Module, *, where: core.Where = None,
+    mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
 ) -> CenteredModel:
   """Centers every supported linear layer of an unmodified Linen module.
 
@@ -482,11 +468,8 @@ def _like(container: Any, tree: Any) -> Any:
 
 
 def train_step(
-    loss_fn: Callable[..., Any],
-    *,
-    mean_decay: Any = 0.99,
-    donate: bool = True,
-    decay: Any = None,
+    loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
+    donate: bool = True, decay: Any = None,
 ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 

@@ -195,13 +195,9 @@ class Centered(nnx.Module):
     if use_running_average is not None:
       self.use_running_average = use_running_average
 
-  def __call__(
-      self,
-      inputs: jax.Array,
-      *args,
-      use_running_average: Optional[bool] = None,
-      **kwargs,
-  ) -> jax.Array:
+  def __call__(self, inputs: jax.Array, *args,
+               use_running_average: Optional[bool] = None, **kwargs):
+    """``W (a - mu) + b~``; extra arguments go to the layer."""
     if use_running_average is None:
       use_running_average = self.use_running_average
     if not use_running_average:
@@ -256,53 +252,6 @@ def centered_layers(model: nnx.Module) -> list[Centered]:
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
 
 
-def transport(self, mean_decay: Any = 0.99) -> None:
-    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
-    bias, mean = core.transport(
-        self.spec,
-        self.layer.kernel[...],
-        self.layer.bias[...],
-        self.mean[...],
-        self.batch_mean[...],
-        mean_decay,
-        mask=getattr(self.layer, 'mask', None),
-        mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
-    )
-    self.layer.bias[...] = bias
-    self.mean[...] = mean
-
-
-class Optimizer(nnx.Optimizer):
-  """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
-
-  ``optimizer.skipped_steps`` (an ``nnx.OptState`` int32 scalar) grows by one
-  for every batch whose loss, gradients or recorded statistics were not
-  finite; ``optimizer.step`` counts only the updates applied. A plain
-  ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
-  """
-
-  def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
-    super().__init__(model, tx, wrt=wrt)
-    self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
-
-
-def centered_layers(model: nnx.Module) -> list[Centered]:
-  """Every :class:`Centered` layer inside ``model``."""
-  return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
-
-
-def _mean_decay(mean_decay: Any, decay: Any, where: str) -> Any:
-  if decay is not None:
-    import warnings  # pylint: disable=g-import-not-at-top
-    warnings.warn(
-        f'{where}(decay=...) is deprecated: the EMA decay of the centering '
-        'means is now called mean_decay (decay is M1\'s energy EMA in '
-        'cbp.cbp).', DeprecationWarning, stacklevel=3)
-    mean_decay = decay
-  _checks.check_decay('mean_decay', mean_decay)
-  return mean_decay
-
-
 def transport(
     model: nnx.Module, mean_decay: Any = 0.99, *, decay: Any = None
 ) -> None:
@@ -337,9 +286,6 @@ class CenterReport(NamedTuple):
   skipped: list[tuple[str, str]]
 
 
-Where = Union[None, type, tuple[type, ...], Callable[[str, nnx.Module], bool]]
-
-
 def _path_str(path: Sequence[Any]) -> str:
   return '/'.join(str(p) for p in path)
 
@@ -357,25 +303,13 @@ def _set_child(node: Any, key: Any, value: Any) -> None:
     node[key] = value
 
 
-def _selected(where: Where, path: str, module: nnx.Module) -> bool:
-  if where is None:
-    return True
-  if isinstance(where, (type, tuple)):
-    return isinstance(module, where)
-  return bool(where(path, module))
-
-
 def _has_own_params(module: nnx.Module) -> bool:
   return any(isinstance(v, nnx.Param) for v in vars(module).values())
 
 
 def center(
-    model: nnx.Module,
-    *,
-    where: Where = None,
-    mean_dtype: Optional[Any] = None,
-    axis_name: Optional[Any] = None,
-) -> CenterReport:
+    model: nnx.Module, *, where: core.Where = None,
+    mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None) -> CenterReport:
   """Centers every supported linear layer of a built model, in place.
 
   Each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Conv`` (exact types,
@@ -415,7 +349,7 @@ def center(
       continue
     if not _has_own_params(module):
       continue
-    if not _selected(where, name, module):
+    if not core.selected(where, name, module):
       skipped.append((name, 'not selected by where'))
       continue
     try:
@@ -491,11 +425,8 @@ def _check_training_mode(model: nnx.Module) -> None:
 
 
 def train_step(
-    loss_fn: Callable[..., Any],
-    *,
-    mean_decay: Any = 0.99,
-    donate: bool = True,
-    decay: Any = None,
+    loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
+    donate: bool = True, decay: Any = None,
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 

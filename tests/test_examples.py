@@ -37,3 +37,13 @@ def test_compare_job_prints_a_table():
   lines = [l for l in out.splitlines() if l.startswith('| ')]
   assert [l.split('|')[1].strip() for l in lines[1:]] == [
       'Adam', 'Adam + Center', 'CBP (M1+M2+M3)']
+
+
+@needs_mnist
+@pytest.mark.parametrize('script', ['center_nnx.py', 'center_linen.py'])
+def test_one_call_centering_example_trains_the_unmodified_cnn(script):
+  out = run(f'examples/{script}', '--steps', '60', '--data-dir',
+            str(MNIST_DIR))
+  assert re.search(r'centered: .*Conv|centered: conv1', out), out
+  accuracy = float(re.findall(r'test accuracy ([0-9.]+)', out)[-1])
+  assert accuracy > 0.7, out

@@ -1,0 +1,119 @@
+"""Center an unmodified Flax NNX model in one call and train it with full CBP.
+
+  python examples/center_nnx.py [--data-dir DIR] [--steps 250] [--optimizer cbp]
+
+The model is the Flax NNX MNIST tutorial's CNN (conv -> BatchNorm -> relu,
+dropout), written without any knowledge of CBP. ``cbp_optax.nnx.center``
+wraps its convolutions and linear layers in place; the fused
+``cbp_optax.nnx.train_step`` takes the tutorial's ``nnx.Rngs`` for dropout and
+updates BatchNorm's statistics as a plain ``nnx.jit`` step would. Evaluation
+uses BatchNorm's running averages (``model.eval()``).
+"""
+
+import argparse
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import cbp_optax as cbp
+from cbp_optax import datasets
+
+
+class CNN(nnx.Module):
+  """The Flax NNX MNIST tutorial's CNN, with BatchNorm and dropout."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(32, rngs=rngs)
+    self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(64, rngs=rngs)
+    self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
+    self.dropout = nnx.Dropout(rate=0.5)
+    self.linear2 = nnx.Linear(256, 10, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    pool = lambda x: nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    x = pool(nnx.relu(self.batch_norm1(self.conv1(x))))
+    x = pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+    x = x.reshape(x.shape[0], -1)
+    x = self.dropout(nnx.relu(self.linear1(x)), rngs=rngs)
+    return self.linear2(x)
+
+
+def loss_fn(model, images, labels, rngs):
+  logits = model(images, rngs)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+@nnx.jit
+def predict(model, images):
+  return jnp.argmax(model(images), -1)
+
+
+def main():
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument('--data-dir', default=None,
+                      help='MNIST IDX directory (default: $CBP_OPTAX_MNIST, '
+                      'then the user cache, downloading if allowed)')
+  parser.add_argument('--steps', type=int, default=250, help='training steps')
+  parser.add_argument('--batch-size', type=int, default=32,
+                      help='images per step')
+  parser.add_argument('--learning-rate', type=float, default=1e-3,
+                      help='peak learning rate')
+  parser.add_argument('--optimizer', choices=('cbp', 'adam', 'adamw'),
+                      default='cbp', help='cbp: full CBP; adam: Adam + '
+                      'Center; adamw: the tutorial\'s AdamW')
+  parser.add_argument('--no-center', action='store_true',
+                      help='leave the model as it is')
+  parser.add_argument('--seed', type=int, default=0, help='random seed')
+  args = parser.parse_args()
+
+  data = datasets.find_mnist(args.data_dir)
+  print(f'data: {data.source}')
+  if not 1 <= args.batch_size <= len(data.train_labels):
+    parser.error(f'--batch-size {args.batch_size} must be between 1 and the '
+                 f'{len(data.train_labels):,} training images')
+  images = data.train_images.reshape(-1, 28, 28, 1)
+  test_images = data.test_images.reshape(-1, 28, 28, 1)
+
+  model = CNN(rngs=nnx.Rngs(args.seed))
+  if not args.no_center:
+    report = cbp.nnx.center(model)
+    print(f'centered: {", ".join(report.centered)}')
+    for path, reason in report.skipped:
+      print(f'left as is: {path} ({reason.split(":")[0]})')
+  tx = {
+      'cbp': lambda: cbp.cbp(args.learning_rate),
+      'adam': lambda: optax.adam(args.learning_rate),
+      'adamw': lambda: optax.adamw(args.learning_rate),
+  }[args.optimizer]()
+  optimizer = cbp.nnx.Optimizer(model, tx)
+  step = cbp.nnx.train_step(loss_fn)
+  rngs = nnx.Rngs(dropout=args.seed + 1)
+
+  order = np.random.default_rng(args.seed).permutation(len(data.train_labels))
+  per_epoch = len(order) // args.batch_size
+  losses = []
+  bar = tqdm(range(args.steps), desc=args.optimizer)
+  for i in bar:
+    start = (i % per_epoch) * args.batch_size
+    idx = order[start:start + args.batch_size]
+    out = step(model, optimizer, images[idx], data.train_labels[idx], rngs)
+    losses.append(float(out.loss))
+    if i % 10 == 0:
+      bar.set_postfix(loss=f'{np.mean(losses[-10:]):.4f}')
+  model.eval()
+  accuracy = np.mean(np.asarray(predict(model, test_images)) == data.test_labels)
+  print(f'{args.optimizer}{"" if args.no_center else " (centered)"}: mean '
+        f'train loss of the last 50 steps {np.mean(losses[-50:]):.4f}, test '
+        f'accuracy {accuracy:.4f} (BatchNorm running averages), skipped steps '
+        f'{int(optimizer.skipped_steps[...])}')
+
+
+if __name__ == '__main__':
+  main()
