@@ -32,7 +32,6 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from cbp_optax.equalize import block_energies
 from cbp_optax.equalize import block_layout
 from cbp_optax.equalize import BlockFn
 from cbp_optax.equalize import BlockLayout
@@ -207,7 +206,32 @@ def _layout(tree, block_fn, stacked) -> BlockLayout:
 
 
 def _block_norms(layout: BlockLayout, tree: Any, dtype) -> chex.Array:
-  return jnp.sqrt(block_energies(layout, jax.tree.leaves(tree), dtype))
+  """``||x_l||_F`` of every block, shape (L,), without underflow.
+
+  ``block_energies`` squares the entries, so in float32 a block whose entries
+  are all below ~1e-19 (a vanishing gradient, exactly what these diagnostics
+  look for) would read as zero. Each block is divided by its largest entry
+  before squaring and the norm scaled back: ``m * ||x / m||``.
+  """
+  leaves = jax.tree.leaves(tree)
+  per_group = []
+  for leaf_ids, stack in zip(layout.groups, layout.group_stacks):
+    arrays = [jnp.asarray(leaves[i]).astype(dtype) for i in leaf_ids]
+    axes = lambda a: tuple(range(1, a.ndim)) if stack is not None else None
+    expand = lambda v, a: v if stack is None else jnp.reshape(
+        v, (stack,) + (1,) * (a.ndim - 1))
+    peak = jnp.zeros((stack,) if stack is not None else (), dtype)
+    for a in arrays:
+      peak = jnp.maximum(peak, jnp.max(jnp.abs(a), axis=axes(a), initial=0))
+    safe = jnp.where((peak > 0) & jnp.isfinite(peak), peak, 1.0)
+    total = jnp.zeros_like(peak)
+    for a in arrays:
+      total = total + jnp.sum(jnp.square(a / expand(safe, a)), axis=axes(a))
+    norm = jnp.where(jnp.isinf(peak), peak, safe * jnp.sqrt(total))
+    per_group.append(jnp.reshape(jnp.where(peak == 0, 0.0, norm), (-1,)))
+  if not per_group:
+    return jnp.zeros((0,), dtype)
+  return jnp.concatenate(per_group)
 
 
 def _disparity(norms: chex.Array) -> chex.Array:
@@ -396,7 +420,6 @@ def hessian_trace(
     probe = _rademacher_like(probe_key, params)
     hv = _hvp(loss_fn, params, probe)
     products = jax.tree.map(lambda v, h: (v * h).astype(dtype), probe, hv)
-    # block_energies sums squares; sum the products instead, block by block.
     return _block_sums(layout, jax.tree.leaves(products), dtype)
 
   keys = jax.random.split(key, num_samples)

@@ -378,3 +378,26 @@ def test_update_profile_relative_to_zero_blocks():
   updates = {'a': {'w': jnp.ones(2)}, 'b': {'w': jnp.zeros(2)}}
   out = diagnostics.update_profile(updates, params)
   chex.assert_trees_all_close(out.relative, jnp.asarray([np.inf, 0.0]))
+
+
+def test_profile_of_a_vanishing_gradient_does_not_underflow():
+  # 1e-25 ** 2 underflows float32; the profile still reads the exact norm.
+  grads = {'bottom': {'w': jnp.full((4, 4), 1e-25, jnp.float32)},
+           'top': {'w': jnp.full((4,), 1.0, jnp.float32)}}
+  profile = diagnostics.gradient_profile(grads)
+  chex.assert_trees_all_close(profile.norms, jnp.asarray([4e-25, 2.0]),
+                              rtol=1e-6)
+  chex.assert_trees_all_close(profile.disparity, 5e24, rtol=1e-6)
+  stacked = diagnostics.gradient_profile(
+      {'s': {'w': jnp.asarray([[3e-30, 4e-30], [0.0, 0.0]])}},
+      stacked=lambda path, leaf: True)
+  chex.assert_trees_all_close(stacked.norms, jnp.asarray([5e-30, 0.0]),
+                              rtol=1e-6)
+
+
+def test_profile_propagates_nan_and_inf():
+  out = diagnostics.gradient_profile({'a': {'w': jnp.asarray([1.0, jnp.nan])},
+                                      'b': {'w': jnp.asarray([jnp.inf])},
+                                      'c': {'w': jnp.zeros(2)}})
+  assert np.isnan(out.norms[0]) and out.norms[1] == np.inf
+  assert out.norms[2] == 0.0
