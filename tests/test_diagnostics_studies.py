@@ -126,7 +126,7 @@ def test_gradient_flow_quick(tmp_path):
   result = gradient_flow.run(quick(tmp_path, 'gf'))
   payload = outputs(tmp_path / 'gf')
   cells = {f'{i}/{m}' for i in ('ReLU + He', 'ReLU + 1/d_in')
-           for m in ('SGD', 'Adam', 'CBP')}
+           for m in ('SGD', 'SGD + M1', 'CBP')}
   assert set(result.summary['mean_test_accuracy']) == cells
   assert all(0.0 <= v <= 1.0
              for v in result.summary['mean_test_accuracy'].values())
