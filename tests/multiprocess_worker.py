@@ -237,6 +237,11 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument('--framework', choices=('nnx', 'linen'), default='nnx')
   parser.add_argument('--layout', choices=('data', 'fsdp'), default='data')
+  parser.add_argument(
+      '--mesh', choices=('data', 'model_data'), default='data',
+      help="data: one axis over all devices; model_data: (model=2, data) "
+      "with 'model' across the processes, so every process holds all of "
+      "'data' and feeds the whole batch")
   parser.add_argument('--dtype', choices=('float32', 'float64'),
                       default='float64')
   parser.add_argument('--steps', type=int, default=10)
@@ -253,8 +258,13 @@ def main(argv=None) -> None:
     jax.config.update('jax_enable_x64', True)
   dtype = np.dtype(args.dtype)
   process, processes = jax.process_index(), jax.process_count()
-  mesh = jax.make_mesh((jax.device_count(),), ('data',),
-                       axis_types=(AxisType.Auto,))
+  if args.mesh == 'data':
+    mesh = jax.make_mesh((jax.device_count(),), ('data',),
+                         axis_types=(AxisType.Auto,))
+  else:
+    # jax.make_mesh puts the processes along the first axis.
+    mesh = jax.make_mesh((2, jax.device_count() // 2), ('model', 'data'),
+                         axis_types=(AxisType.Auto,) * 2)
   print(f'process {process} of {processes}: {jax.local_device_count()} local '
         f'of {jax.device_count()} devices, mesh {dict(mesh.shape)}', flush=True)
   run = (NnxRun if args.framework == 'nnx' else LinenRun)(
@@ -266,9 +276,12 @@ def main(argv=None) -> None:
   data = batches(args.steps, dtype)
   rows = sharding.process_batch_slice(BATCH, mesh, 'data')
   # With jax.make_mesh, process p of N feeds the p-th of N equal parts.
-  part = BATCH // processes
-  assert rows == slice(process * part, (process + 1) * part), rows
-  if processes > 1:
+  if args.mesh == 'data':
+    part = BATCH // processes
+    assert rows == slice(process * part, (process + 1) * part), rows
+  else:
+    assert rows == slice(0, BATCH), rows
+  if processes > 1 and args.mesh == 'data':
     # A local batch this process's devices do not divide is refused, here,
     # before any collective.
     try:

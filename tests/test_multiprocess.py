@@ -109,7 +109,8 @@ class Runs:
 
   def get(self, processes: int, devices: int, framework: str = 'nnx',
           layout: str = 'data', dtype: str = 'float64',
-          restore: Optional[tuple] = None) -> dict[str, np.ndarray]:
+          restore: Optional[tuple] = None, mesh: str = 'data'
+          ) -> dict[str, np.ndarray]:
     """Final state of a run; uninterrupted runs also save at ``SAVE_AT``.
 
     ``restore`` names the uninterrupted run (its key) whose checkpoint this
@@ -119,13 +120,14 @@ class Runs:
       # The full key of the run whose checkpoint is resumed (the model,
       # layout and dtype of this one unless given).
       restore = tuple(restore) + (framework, layout, dtype)[len(restore) - 2:]
-    key = (processes, devices, framework, layout, dtype, restore)
+    key = (processes, devices, framework, layout, dtype, restore, mesh)
     if key not in self._cache:
       name = '_'.join(map(str, key[:5])) + (
-          '_from_' + '_'.join(map(str, restore[:2])) if restore else '')
+          '_from_' + '_'.join(map(str, restore[:2])) if restore else ''
+      ) + f'_{mesh}'
       out = self.directory / f'{name}.npz'
       args = ['--framework', framework, '--layout', layout, '--dtype', dtype,
-              '--steps', str(STEPS)]
+              '--steps', str(STEPS), '--mesh', mesh]
       if restore is None:
         args += ['--save-at', str(SAVE_AT),
                  '--save-dir', str(self.checkpoint(key))]
@@ -138,7 +140,8 @@ class Runs:
     return self._cache[key]
 
   def checkpoint(self, key: tuple) -> pathlib.Path:
-    return self.directory / ('ckpt_' + '_'.join(map(str, key[:5])))
+    return self.directory / ('ckpt_' + '_'.join(map(str, key[:5]))
+                             + '_' + (key[6] if len(key) > 6 else 'data'))
 
 
 @pytest.fixture(scope='module')
@@ -168,6 +171,19 @@ def test_two_processes_equal_one_process_more_layouts(runs, framework, layout):
   one = runs.get(1, 4, framework, layout)
   check_real_work(one)
   check_equal(f'{framework} {layout} float64, 2x2 vs 1x4', two, one, 1e-12)
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_data_axis_within_each_process(runs):
+  # Mesh (model=2, data=2) with 'model' across the processes: each process
+  # holds the whole data axis, so process_batch_slice gives it the whole
+  # batch and shard_batch keeps the local size as the global one.
+  two = runs.get(2, 2, mesh='model_data')
+  one = runs.get(1, 4, mesh='model_data')
+  check_real_work(one)
+  check_equal('nnx data float64, mesh (model=2, data=2), 2x2 vs 1x4', two,
+              one, 1e-12)
 
 
 @needs_gloo
