@@ -1,9 +1,12 @@
 """MNIST (IDX) and CIFAR-10 (binary) readers for the examples and experiments.
 
 Not part of the optimizer: nothing in the transforms or the Flax modules
-imports it. Files are read from a directory the user names (gzipped or not);
-where the network allows, the full dataset is downloaded into it, verified
-against known SHA-256 digests and written atomically. Every file is validated (magic
+imports it. Files are read from a directory the user names (gzipped or not),
+``$CBP_OPTAX_MNIST`` or the user cache directory; where the network allows,
+the full dataset is downloaded into it, verified against known SHA-256
+digests and written atomically. A small real subset ships with the package
+(``data/mnist_subset.npz``) as the last resort of ``find_mnist(...,
+bundled=True)``. Every file is validated (magic
 number, dimensions, size, label range) before use; nothing is unpickled.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.resources
 import math
 import os
 import pathlib
@@ -262,21 +266,86 @@ def load_mnist(
 
 
 def default_mnist_dirs() -> Sequence[pathlib.Path]:
-  """Where the examples look for MNIST when no directory is given."""
+  """Where MNIST is looked for when no directory is given, in order.
+
+  Returns:
+    ``$CBP_OPTAX_MNIST`` when set, then the user cache directory
+    (``$XDG_CACHE_HOME/cbp_optax/mnist``, by default
+    ``~/.cache/cbp_optax/mnist``), which is also where a download goes.
+  """
   dirs = []
   if os.environ.get('CBP_OPTAX_MNIST'):
-    dirs.append(pathlib.Path(os.environ['CBP_OPTAX_MNIST']))
-  repo = pathlib.Path(__file__).resolve().parents[1]
-  dirs += [pathlib.Path.cwd() / '../shared/data/mnist',
-           repo / '../shared/data/mnist',
-           pathlib.Path.home() / '.cache/cbp_optax/mnist']
+    dirs.append(pathlib.Path(os.environ['CBP_OPTAX_MNIST']).expanduser())
+  cache = os.environ.get('XDG_CACHE_HOME') or pathlib.Path.home() / '.cache'
+  dirs.append(pathlib.Path(cache) / 'cbp_optax' / 'mnist')
   return dirs
 
 
+BUNDLED_MNIST = 'data/mnist_subset.npz'  # inside the package, see data/README.md
+
+
+def load_bundled_mnist() -> Mnist:
+  """The small real-MNIST subset shipped inside the package.
+
+  2,000 training and 500 test images drawn from the MNIST test set (see
+  ``cbp_optax/data/README.md`` for how, and for the CC BY-SA 3.0 licence of
+  MNIST by Yann LeCun, Corinna Cortes and Christopher J.C. Burges). Enough to
+  try the command-line tools offline; not a benchmark.
+
+  Returns:
+    The subset as :class:`Mnist`; ``source`` names it.
+
+  Raises:
+    DataError: the file is missing from the installation or invalid.
+  """
+  resource = importlib.resources.files(__package__).joinpath(BUNDLED_MNIST)
+  try:
+    with resource.open('rb') as f, np.load(f, allow_pickle=False) as npz:
+      arrays = {key: npz[key] for key in (
+          'train_images', 'train_labels', 'test_images', 'test_labels')}
+  except (OSError, KeyError, ValueError) as e:
+    raise DataError(f'bundled MNIST subset {resource}: cannot read ({e}).'
+                    ) from e
+  for split in ('train', 'test'):
+    images, labels = arrays[f'{split}_images'], arrays[f'{split}_labels']
+    if (images.dtype != np.uint8 or images.ndim != 3
+        or images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]
+        or labels.max() > 9):
+      raise DataError(f'bundled MNIST subset {resource}: {split} split is not '
+                      '28x28 uint8 images with labels 0-9.')
+  return Mnist(
+      arrays['train_images'].astype(np.float32) / 255.0,
+      arrays['train_labels'].astype(np.int32),
+      arrays['test_images'].astype(np.float32) / 255.0,
+      arrays['test_labels'].astype(np.int32),
+      source=(f'MNIST subset bundled with cbp_optax ('
+              f'{len(arrays["train_labels"]):,}/{len(arrays["test_labels"]):,}'
+              ' real images from the MNIST test set; not a benchmark)'),
+  )
+
+
 def find_mnist(data_dir: Optional[PathLike] = None, *,
-               download: bool = True) -> Mnist:
-  """``load_mnist`` on ``data_dir``, or on the first default directory with
-  data; downloads into the user cache as a last resort."""
+               download: bool = True, bundled: bool = False) -> Mnist:
+  """Finds MNIST: in ``data_dir``, else in the default directories.
+
+  Without ``data_dir``, the first of :func:`default_mnist_dirs` that holds
+  the test files is used; otherwise the full set is downloaded into the last
+  one (the user cache) when ``download`` allows.
+
+  Args:
+    data_dir: directory with the IDX files; when given, only it is used.
+    download: allow downloading into ``data_dir`` or the user cache.
+    bundled: when nothing is found (and downloading is not allowed or
+      fails), fall back to the subset shipped with the package
+      (:func:`load_bundled_mnist`) instead of raising; ``source`` then says
+      that and why. Not used when ``data_dir`` is given.
+
+  Returns:
+    The dataset; its ``source`` says which files it came from.
+
+  Raises:
+    DataError: no data found, or the files are invalid.
+  """
   if data_dir is not None:
     return load_mnist(data_dir, download=download)
   candidates = default_mnist_dirs()
@@ -287,6 +356,13 @@ def find_mnist(data_dir: Optional[PathLike] = None, *,
     return load_mnist(candidates[-1], download=download)
   except DataError as e:
     searched = ', '.join(dict.fromkeys(str(d.resolve()) for d in candidates))
+    if bundled:
+      data = load_bundled_mnist()
+      why = 'could not be downloaded' if download else (
+          'downloading was not allowed')
+      return data._replace(source=(
+          f'{data.source}; no MNIST files in {searched} and the full set '
+          f'{why}: set $CBP_OPTAX_MNIST or pass --data-dir for real runs'))
     raise DataError(
         f'MNIST not found: none of the default directories holds the IDX '
         f'files (searched {searched}'

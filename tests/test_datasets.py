@@ -1,6 +1,13 @@
-"""The MNIST IDX reader: real data, and files that are not what they claim."""
+"""The MNIST IDX reader: real data, and files that are not what they claim.
+
+Real MNIST is found only through ``$CBP_OPTAX_MNIST`` (a directory with the
+IDX test files, ``t10k-*-idx?-ubyte.gz``); tests that need it skip when it is
+not set or the directory lacks them.
+"""
 
 import gzip
+import hashlib
+import os
 import pathlib
 import struct
 
@@ -9,10 +16,16 @@ import pytest
 
 from cbp_optax import datasets
 
-MNIST_DIR = pathlib.Path(__file__).resolve().parents[1] / '../shared/data/mnist'
+MNIST_DIR = (pathlib.Path(os.environ['CBP_OPTAX_MNIST']).expanduser()
+             if os.environ.get('CBP_OPTAX_MNIST') else None)
 needs_mnist = pytest.mark.skipif(
-    not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').is_file(),
-    reason=f'real MNIST test set not found at {MNIST_DIR}')
+    MNIST_DIR is None
+    or not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').is_file(),
+    reason=('real MNIST: set CBP_OPTAX_MNIST to a directory with the IDX test '
+            'files (t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz)'
+            if MNIST_DIR is None else
+            f'real MNIST: CBP_OPTAX_MNIST={MNIST_DIR} has no '
+            't10k-images-idx3-ubyte.gz'))
 
 
 def idx_bytes(array, magic):
@@ -112,7 +125,7 @@ def test_download_is_verified_and_atomic(tmp_path, monkeypatch):
   monkeypatch.setattr(datasets.urllib.request, 'urlopen',
                       lambda url, timeout: Response(served['payload']))
   monkeypatch.setitem(datasets._SHA256, 't10k-images-idx3-ubyte.gz',
-                      __import__('hashlib').sha256(good).hexdigest())
+                      hashlib.sha256(good).hexdigest())
   path = datasets._download(tmp_path, 't10k-images-idx3-ubyte')
   assert path.read_bytes() == good
   path.unlink()
@@ -171,3 +184,79 @@ def test_random_bytes_never_crash_the_cifar10_reader():
       continue
     assert len(blob) % datasets.CIFAR10_RECORD_BYTES == 0
     assert labels.max() <= 9 and images.max() <= 1.0
+
+
+# --- where MNIST is looked for, and the bundled subset ------------------------
+
+
+def _offline(monkeypatch):
+  def urlopen(url, timeout):
+    raise OSError(f'no network for {url}')
+  monkeypatch.setattr(datasets.urllib.request, 'urlopen', urlopen)
+
+
+def test_default_dirs_come_from_the_environment_only(tmp_path, monkeypatch):
+  monkeypatch.setenv('CBP_OPTAX_MNIST', str(tmp_path / 'mine'))
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  assert datasets.default_mnist_dirs() == [
+      tmp_path / 'mine', tmp_path / 'cache' / 'cbp_optax' / 'mnist']
+  monkeypatch.delenv('CBP_OPTAX_MNIST')
+  monkeypatch.delenv('XDG_CACHE_HOME')
+  assert datasets.default_mnist_dirs() == [
+      pathlib.Path.home() / '.cache' / 'cbp_optax' / 'mnist']
+
+
+def test_env_var_directory_is_used(tmp_path, monkeypatch):
+  rng = np.random.default_rng(0)
+  write_pair(tmp_path, rng.integers(0, 256, (20, 28, 28)),
+             rng.integers(0, 10, 20))
+  monkeypatch.setenv('CBP_OPTAX_MNIST', str(tmp_path))
+  _offline(monkeypatch)
+  data = datasets.find_mnist(None, download=True, bundled=True)
+  assert str(tmp_path) in data.source and 'bundled' not in data.source
+  assert len(data.train_labels) + len(data.test_labels) == 20
+
+
+def test_bundled_subset_is_real_mnist_and_small():
+  path = pathlib.Path(datasets.__file__).parent / datasets.BUNDLED_MNIST
+  assert path.stat().st_size < 1_000_000
+  data = datasets.load_bundled_mnist()
+  assert data.train_images.shape == (2000, 28, 28)
+  assert data.test_images.shape == (500, 28, 28)
+  assert data.train_images.dtype == np.float32
+  assert 0.0 <= data.train_images.min() and data.train_images.max() == 1.0
+  assert set(np.unique(data.train_labels)) == set(range(10))
+  assert set(np.unique(data.test_labels)) == set(range(10))
+  # Drawn without replacement from one set: train and test are disjoint.
+  with np.load(path) as npz:
+    assert not set(npz['train_index']) & set(npz['test_index'])
+  # Real digits, not noise: every image has ink on a mostly blank page.
+  ink = (data.train_images > 0.5).mean(axis=(1, 2))
+  assert 0.03 < ink.min() and ink.max() < 0.5
+  assert 'bundled' in data.source
+  licence = path.with_name('README.md').read_text()
+  assert 'CC BY-SA 3.0' in licence and 'LeCun' in licence
+
+
+@pytest.mark.parametrize('download', [True, False])
+def test_find_mnist_falls_back_to_the_bundled_subset_offline(
+    tmp_path, monkeypatch, download):
+  """No env var, an empty cache, no network: the bundled subset, and
+  ``source`` says so and why; without ``bundled`` it is an error."""
+  monkeypatch.delenv('CBP_OPTAX_MNIST', raising=False)
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+  _offline(monkeypatch)
+  data = datasets.find_mnist(None, download=download, bundled=True)
+  assert len(data.train_labels) == 2000 and len(data.test_labels) == 500
+  assert 'bundled' in data.source and 'CBP_OPTAX_MNIST' in data.source
+  assert str(tmp_path / 'cbp_optax' / 'mnist') in data.source
+  assert ('could not be downloaded' if download
+          else 'downloading was not allowed') in data.source
+  with pytest.raises(datasets.DataError, match='MNIST not found'):
+    datasets.find_mnist(None, download=download)
+
+
+def test_a_named_directory_never_falls_back(tmp_path, monkeypatch):
+  _offline(monkeypatch)
+  with pytest.raises(datasets.DataError, match='No MNIST IDX files'):
+    datasets.find_mnist(tmp_path, download=True, bundled=True)
