@@ -17,8 +17,10 @@ the run is the same computation whatever the number of processes, and the
 script prints the same final loss.
 
 Data: MNIST from ``--data-dir`` or the default directories
-(``cbp_optax.datasets.find_mnist``, no download unless ``--download``), or
-``--synthetic`` for random digits-shaped data. Runs offline either way. On a
+(``cbp_optax.datasets.find_mnist``: ``$CBP_OPTAX_MNIST``, the user cache; no
+download unless ``--download``; else the small subset shipped with the
+package), or ``--synthetic`` for random digits-shaped data. Runs offline
+either way. On a
 real cluster, start one worker per host with your scheduler instead and see
 docs/multihost.md.
 """
@@ -119,7 +121,9 @@ def worker(args: argparse.Namespace) -> None:
     source = 'synthetic (8,192 random 28x28 images)'
   else:
     try:
-      data = datasets.find_mnist(args.data_dir, download=args.download)
+      # Offline without a copy of MNIST: the subset shipped with the package.
+      data = datasets.find_mnist(args.data_dir, download=args.download,
+                                 bundled=True)
     except datasets.DataError as e:
       raise SystemExit(
           f'{e}\nPass --data-dir DIR (or set $CBP_OPTAX_MNIST), --download, '
