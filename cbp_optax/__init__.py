@@ -10,11 +10,16 @@ Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
 ``cbp_optax.linen``.
 """
 
+import importlib
+
+from cbp_optax import blocks
+from cbp_optax import centering
+from cbp_optax import diagnostics
 from cbp_optax import linen
 from cbp_optax import nnx
 from cbp_optax import sharding
 from cbp_optax.alias import cbp
-from cbp_optax.equalize import block_names
+from cbp_optax.blocks import block_names
 from cbp_optax.equalize import BlockStats
 from cbp_optax.equalize import equalize
 from cbp_optax.equalize import equalize_stats
@@ -29,11 +34,25 @@ __all__ = (
     'EqualizeState',
     'PreconditionState',
     'block_names',
+    'blocks',
     'cbp',
+    'centering',
+    'checkpoint',
+    'diagnostics',
     'equalize',
     'equalize_stats',
+    'launch',
     'linen',
     'nnx',
-    'sharding',
     'precondition',
+    'sharding',
 )
+
+# Imported on first use: checkpoint pulls in orbax, launch subprocess helpers.
+_LAZY_MODULES = ('checkpoint', 'launch')
+
+
+def __getattr__(name: str):
+  if name in _LAZY_MODULES:
+    return importlib.import_module(f'cbp_optax.{name}')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

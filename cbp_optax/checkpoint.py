@@ -44,7 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from cbp_optax.equalize import path_name
+from cbp_optax.blocks import path_name
 
 PathLike = Union[str, os.PathLike]
 

@@ -19,20 +19,20 @@ each entry belongs to is recovered from the parameter tree by
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
 import optax
-from optax._src import numerics
 
 from cbp_optax import _checks
-
-KeyPath = tuple[Any, ...]
-BlockFn = Callable[[KeyPath, Any], Hashable]
-StackedFn = Callable[[KeyPath, Any], bool]
-
+from cbp_optax.blocks import block_layout
+from cbp_optax.blocks import BlockFn
+from cbp_optax.blocks import BlockLayout
+from cbp_optax.blocks import path_name
+from cbp_optax.blocks import StackedFn
+from cbp_optax.blocks import strip_variable_suffix
 
 class EqualizeState(NamedTuple):
   """State of :func:`equalize`."""
@@ -41,150 +41,11 @@ class EqualizeState(NamedTuple):
   energy: chex.Array  # shape=(num_blocks,): the EMAs q_l of eq. (5).
 
 
-class BlockLayout(NamedTuple):
-  """Static assignment of the leaves of a tree to M1 blocks.
-
-  Attributes:
-    names: one readable name per block, in state order.
-    groups: for each group of leaves that share a block key, the indices of
-      its leaves in ``jax.tree.leaves`` order.
-    group_starts: index of each group's first block in ``names``.
-    group_stacks: ``None`` for a group that forms one block, or the length of
-      the leading layer axis for a stacked group (one block per slice).
-  """
-
-  names: tuple[str, ...]
-  groups: tuple[tuple[int, ...], ...]
-  group_starts: tuple[int, ...]
-  group_stacks: tuple[Optional[int], ...]
-
-
 class BlockStats(NamedTuple):
   """Energy and scale of one block, as read by :func:`equalize_stats`."""
 
   energy: chex.Array  # q_l, eq. (5).
   scale: chex.Array  # s_l the next step applies, eq. (6).
-
-
-def _strip_variable_suffix(path: KeyPath) -> KeyPath:
-  # NNX states flatten a Variable to its `.value`; `nnx.Optimizer` hands
-  # Variables to `init` but plain arrays to `update`, so drop the suffix to
-  # give both the same block keys.
-  if (
-      path
-      and isinstance(path[-1], jax.tree_util.GetAttrKey)
-      and path[-1].name == 'value'
-  ):
-    return path[:-1]
-  return path
-
-
-def _key_name(key: jax.tree_util.KeyEntry) -> str:
-  for attribute in ('key', 'name', 'idx'):
-    if hasattr(key, attribute):
-      return str(getattr(key, attribute))
-  return str(key)
-
-
-def path_name(path: KeyPath) -> str:
-  """A key path as ``'Dense_0/kernel'``: key names joined by slashes."""
-  return '/'.join(_key_name(k) for k in path)
-
-
-def _block_name(block_key: Hashable) -> str:
-  if isinstance(block_key, tuple) and all(
-      isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
-                     jax.tree_util.SequenceKey,
-                     jax.tree_util.FlattenedIndexKey))
-      for k in block_key
-  ):
-    return path_name(block_key)
-  return str(block_key)
-
-
-def default_block_key(path: KeyPath, leaf: Any) -> Hashable:
-  """One block per layer: a leaf's parent path; a root leaf is its own block."""
-  del leaf
-  return path[:-1] if len(path) > 1 else path
-
-
-def block_layout(
-    tree: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> BlockLayout:
-  """Assigns the leaves of ``tree`` to M1 blocks.
-
-  Args:
-    tree: parameters or gradients (arrays, or NNX Variables).
-    block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys form
-      one block. Defaults to :func:`default_block_key`.
-    stacked: ``stacked(path, leaf) -> bool``; a leaf for which it returns True
-      carries a leading layer axis (``nn.scan``, ``nnx.vmap`` layer stacks) and
-      each slice along that axis is a block of its own.
-
-  Returns:
-    The static :class:`BlockLayout`.
-  """
-  key_fn = block_fn or default_block_key
-  paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  group_index: dict[Hashable, int] = {}
-  group_keys: list[Hashable] = []
-  groups: list[list[int]] = []
-  stacks: list[Optional[int]] = []
-  for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
-    path = _strip_variable_suffix(path)
-    key = key_fn(path, leaf)
-    stack = None
-    if stacked is not None and stacked(path, leaf):
-      shape = jnp.shape(leaf)
-      if not shape:
-        raise ValueError(
-            f'Leaf {jax.tree_util.keystr(path)} is declared stacked but is a '
-            'scalar; a stacked leaf needs a leading layer axis.'
-        )
-      stack = shape[0]
-    if key not in group_index:
-      group_index[key] = len(groups)
-      group_keys.append(key)
-      groups.append([])
-      stacks.append(stack)
-    group = group_index[key]
-    if stacks[group] != stack:
-      raise ValueError(
-          f'Block {_block_name(key)!r} mixes leaves with different layer '
-          f'stacks ({stacks[group]} and {stack}, at leaf '
-          f'{jax.tree_util.keystr(path)}); every leaf of a block must be '
-          'stacked along the same leading axis, or none.'
-      )
-    groups[group].append(leaf_index)
-
-  names: list[str] = []
-  starts: list[int] = []
-  for key, stack in zip(group_keys, stacks):
-    starts.append(len(names))
-    name = _block_name(key)
-    if stack is None:
-      names.append(name)
-    else:
-      names.extend(f'{name}[{i}]' for i in range(stack))
-  return BlockLayout(
-      names=tuple(names),
-      groups=tuple(tuple(g) for g in groups),
-      group_starts=tuple(starts),
-      group_stacks=tuple(stacks),
-  )
-
-
-def block_names(
-    params: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> tuple[str, ...]:
-  """Names of the M1 blocks of ``params``, in the order of the state vector."""
-  return block_layout(params, block_fn=block_fn, stacked=stacked).names
 
 
 def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
@@ -346,7 +207,7 @@ def _describe_difference(
     return f'{len(got.shapes)} leaves, expected {len(expected.shapes)}'
   paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   lines = [
-      f'{path_name(_strip_variable_suffix(path))!r} has shape {g}, expected {e}'
+      f'{path_name(strip_variable_suffix(path))!r} has shape {g}, expected {e}'
       for path, g, e in zip(paths, got.shapes, expected.shapes) if g != e
   ]
   if len(lines) > 5:
@@ -493,7 +354,7 @@ def equalize(
     energy = decay * state.energy + (1 - decay) * energies
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes)
     new_state = EqualizeState(
-        count=numerics.safe_increment(state.count),
+        count=optax.safe_increment(state.count),
         energy=energy.astype(state.energy.dtype),
     )
     return jax.tree.unflatten(treedef, scaled), new_state

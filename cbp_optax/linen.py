@@ -35,6 +35,7 @@ from flax.core import meta
 from flax.training import train_state
 
 from cbp_optax import _step
+from cbp_optax import blocks
 from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
@@ -421,7 +422,7 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
     ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
   """
   shapes = {
-      tuple(core.key_name(k) for k in path): tuple(jnp.shape(leaf))
+      tuple(blocks.key_name(k) for k in path): tuple(jnp.shape(leaf))
       for path, leaf in jax.tree_util.tree_leaves_with_path(
           flax.core.unfreeze(params))
   }
@@ -432,13 +433,13 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
       if _is_entry(tree):
         box = tree[_MEAN]
         if box.stack_axes and box.stack_axes[0] == 0:
-          roots.add(core.stack_root(shapes, path, box.value.shape[0]))
+          roots.add(blocks.stack_root(shapes, path, box.value.shape[0]))
         return
       for key, sub in tree.items():
         visit(sub, path + (str(key),))
 
     visit(flax.core.unfreeze(centering), ())
-  return core.stacked_predicate(roots)
+  return blocks.stacked_predicate(roots)
 
 
 class TrainState(train_state.TrainState):

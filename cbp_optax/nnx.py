@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from cbp_optax import _step
+from cbp_optax import blocks
 from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
@@ -392,7 +393,7 @@ def stacked_blocks(
   """
   params = nnx.state(model, nnx.Param)
   shapes = {
-      tuple(str(core.key_name(k)) for k in path): tuple(jnp.shape(leaf))
+      tuple(str(blocks.key_name(k)) for k in path): tuple(jnp.shape(leaf))
       for path, leaf in jax.tree_util.tree_leaves_with_path(params)
   }
   roots = {tuple(p.split('/')) for p in stack_paths}
@@ -403,9 +404,9 @@ def stacked_blocks(
       axes = core.locate_stack_axes(module.mean.shape, module.spec.mean_shape,
                                     module.mean.get_metadata().get('stack_axes'))
       if axes and axes[0] == 0:
-        roots.add(core.stack_root(shapes, tuple(str(p) for p in path),
+        roots.add(blocks.stack_root(shapes, tuple(str(p) for p in path),
                                   module.mean.shape[0]))
-  return core.stacked_predicate(roots)
+  return blocks.stacked_predicate(roots)
 
 
 def _graph_nodes(tree: Any) -> list[Any]:

@@ -21,7 +21,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
-from optax._src import numerics
 
 from cbp_optax import _checks
 
@@ -194,7 +193,7 @@ def precondition(
     _checks.check_real_gradients('precondition', updates)
     _check_matches_state(updates, state)
     count = state.count
-    count_inc = numerics.safe_increment(count)
+    count_inc = optax.safe_increment(count)
     first_step = count == 0
     # 1 - b2^(t-1) is zero at the first step, where P_1 = I is used instead.
     nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)

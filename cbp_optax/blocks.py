@@ -1,0 +1,206 @@
+"""M1's parameter blocks: which leaves share one equalizing scale (eq. 7).
+
+By default a block is one layer: the leaves that share a parent path (an NNX
+``.value`` suffix ignored). ``block_fn(path, leaf)`` regroups leaves, and
+``stacked(path, leaf)`` marks leaves that carry a leading layer-stack axis
+(``nnx.vmap``, ``nn.scan``), each slice of which is a block of its own.
+:func:`block_layout` is the static assignment that :func:`cbp_optax.equalize`
+keeps its energies in; :func:`block_names` names the blocks, in state order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+KeyPath = tuple[Any, ...]
+BlockFn = Callable[[KeyPath, Any], Hashable]
+StackedFn = Callable[[KeyPath, Any], bool]
+
+
+
+class BlockLayout(NamedTuple):
+  """Static assignment of the leaves of a tree to M1 blocks.
+
+  Attributes:
+    names: one readable name per block, in state order.
+    groups: for each group of leaves that share a block key, the indices of
+      its leaves in ``jax.tree.leaves`` order.
+    group_starts: index of each group's first block in ``names``.
+    group_stacks: ``None`` for a group that forms one block, or the length of
+      the leading layer axis for a stacked group (one block per slice).
+  """
+
+  names: tuple[str, ...]
+  groups: tuple[tuple[int, ...], ...]
+  group_starts: tuple[int, ...]
+  group_stacks: tuple[Optional[int], ...]
+
+
+def strip_variable_suffix(path: KeyPath) -> KeyPath:
+  # NNX states flatten a Variable to its `.value`; `nnx.Optimizer` hands
+  # Variables to `init` but plain arrays to `update`, so drop the suffix to
+  # give both the same block keys.
+  if (
+      path
+      and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name == 'value'
+  ):
+    return path[:-1]
+  return path
+
+
+def key_name(key: jax.tree_util.KeyEntry) -> str:
+  """The name of one key-path entry (dict key, attribute or index)."""
+  for attribute in ('key', 'name', 'idx'):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def path_name(path: KeyPath) -> str:
+  """A key path as ``'Dense_0/kernel'``: key names joined by slashes."""
+  return '/'.join(key_name(k) for k in path)
+
+
+def _block_name(block_key: Hashable) -> str:
+  if isinstance(block_key, tuple) and all(
+      isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
+                     jax.tree_util.SequenceKey,
+                     jax.tree_util.FlattenedIndexKey))
+      for k in block_key
+  ):
+    return path_name(block_key)
+  return str(block_key)
+
+
+def default_block_key(path: KeyPath, leaf: Any) -> Hashable:
+  """One block per layer: a leaf's parent path; a root leaf is its own block."""
+  del leaf
+  return path[:-1] if len(path) > 1 else path
+
+
+def block_layout(
+    tree: Any,
+    *,
+    block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None,
+) -> BlockLayout:
+  """Assigns the leaves of ``tree`` to M1 blocks.
+
+  Args:
+    tree: parameters or gradients (arrays, or NNX Variables).
+    block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys form
+      one block. Defaults to :func:`default_block_key`.
+    stacked: ``stacked(path, leaf) -> bool``; a leaf for which it returns True
+      carries a leading layer axis (``nn.scan``, ``nnx.vmap`` layer stacks) and
+      each slice along that axis is a block of its own.
+
+  Returns:
+    The static :class:`BlockLayout`.
+  """
+  key_fn = block_fn or default_block_key
+  paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  group_index: dict[Hashable, int] = {}
+  group_keys: list[Hashable] = []
+  groups: list[list[int]] = []
+  stacks: list[Optional[int]] = []
+  for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
+    path = strip_variable_suffix(path)
+    key = key_fn(path, leaf)
+    stack = None
+    if stacked is not None and stacked(path, leaf):
+      shape = jnp.shape(leaf)
+      if not shape:
+        raise ValueError(
+            f'Leaf {jax.tree_util.keystr(path)} is declared stacked but is a '
+            'scalar; a stacked leaf needs a leading layer axis.'
+        )
+      stack = shape[0]
+    if key not in group_index:
+      group_index[key] = len(groups)
+      group_keys.append(key)
+      groups.append([])
+      stacks.append(stack)
+    group = group_index[key]
+    if stacks[group] != stack:
+      raise ValueError(
+          f'Block {_block_name(key)!r} mixes leaves with different layer '
+          f'stacks ({stacks[group]} and {stack}, at leaf '
+          f'{jax.tree_util.keystr(path)}); every leaf of a block must be '
+          'stacked along the same leading axis, or none.'
+      )
+    groups[group].append(leaf_index)
+
+  names: list[str] = []
+  starts: list[int] = []
+  for key, stack in zip(group_keys, stacks):
+    starts.append(len(names))
+    name = _block_name(key)
+    if stack is None:
+      names.append(name)
+    else:
+      names.extend(f'{name}[{i}]' for i in range(stack))
+  return BlockLayout(
+      names=tuple(names),
+      groups=tuple(tuple(g) for g in groups),
+      group_starts=tuple(starts),
+      group_stacks=tuple(stacks),
+  )
+
+
+def block_names(
+    params: Any,
+    *,
+    block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None,
+) -> tuple[str, ...]:
+  """Names of the M1 blocks of ``params``, in the order of the state vector."""
+  return block_layout(params, block_fn=block_fn, stacked=stacked).names
+
+
+def stack_root(
+    param_shapes: dict[tuple[str, ...], tuple[int, ...]],
+    layer_path: tuple[str, ...],
+    stack_size: int,
+) -> tuple[str, ...]:
+  """The highest module above a stacked layer that is all one layer stack.
+
+  Walks up from ``layer_path`` while every parameter under the module has a
+  leading axis of ``stack_size``: a module built by ``nnx.vmap`` (or scanned
+  by ``nn.scan``) stacks all of its parameters, its parent does not.
+  """
+  root = layer_path
+  for depth in range(len(layer_path), -1, -1):
+    prefix = layer_path[:depth]
+    under = [s for p, s in param_shapes.items() if p[:depth] == prefix]
+    if not under or any(not s or s[0] != stack_size for s in under):
+      break
+    root = prefix
+  return root
+
+class stacked_predicate:  # pylint: disable=invalid-name
+  """``stacked(path, leaf)``: True for leaves under one of ``roots``.
+
+  Equal (and hashing equal) for equal roots, so transforms built with it
+  compare equal.
+  """
+
+  def __init__(self, roots):
+    self.roots = frozenset(tuple(r) for r in roots)
+
+  def __call__(self, path: Any, leaf: Any) -> bool:
+    del leaf
+    names = tuple(key_name(k) for k in strip_variable_suffix(path))
+    return any(names[:len(root)] == root for root in self.roots)
+
+  def __eq__(self, other):
+    return isinstance(other, stacked_predicate) and self.roots == other.roots
+
+  def __hash__(self):
+    return hash(self.roots)
+
+  def __repr__(self):
+    return f'stacked_predicate({sorted("/".join(r) for r in self.roots)})'
