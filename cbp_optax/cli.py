@@ -2,12 +2,18 @@
 
 ``cbp-optax compare`` trains the paper's MNIST MLP (§6.6: 4 hidden layers of
 width 256, batch 256) with optax.adam, Adam + Center and full CBP side by side
-and prints a comparison table.
+and prints a comparison table (``--out DIR`` also writes results.md,
+results.json and a loss-curve PNG). ``cbp-optax reproduce`` runs the paper's
+studies (``cbp_optax.reproduce``). ``cbp-optax --version``; every command has
+``--help`` listing each flag with its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
+import pathlib
 import sys
 import time
 from typing import Callable, Optional, Sequence
@@ -21,7 +27,6 @@ from flax import nnx
 import cbp_optax as cbp
 from cbp_optax import datasets
 from cbp_optax import nnx as cbp_nnx
-from cbp_optax.reproduce import cli as reproduce_cli
 
 
 class MLP(nnx.Module):
@@ -72,31 +77,121 @@ def _methods(lr_adam: float, lr_cbp: float):
   }
 
 
-def compare(argv: Optional[Sequence[str]] = None) -> int:
+_EMA = 0.9  # smoothing of the reported training loss
+
+
+def compare_parser() -> argparse.ArgumentParser:
+  """The ``cbp-optax compare`` argument parser (every flag with its default)."""
   parser = argparse.ArgumentParser(
       prog='cbp-optax compare',
-      description='Train the paper\'s MNIST MLP with Adam, Adam + Center and '
-      'CBP side by side.')
-  parser.add_argument('--data-dir', default=None,
-                      help='directory with the MNIST IDX files (default: '
-                      '$CBP_OPTAX_MNIST, ../shared/data/mnist, or a download '
-                      'into ~/.cache/cbp_optax/mnist)')
-  parser.add_argument('--steps', type=int, default=300)
-  parser.add_argument('--batch-size', type=int, default=256)
-  parser.add_argument('--width', type=int, default=256)
-  parser.add_argument('--depth', type=int, default=4)
-  parser.add_argument('--lr-adam', type=float, default=1e-3)
-  parser.add_argument('--lr-cbp', type=float, default=3e-3)
-  parser.add_argument('--seed', type=int, default=0)
-  args = parser.parse_args(argv)
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      description='Train the paper\'s MNIST MLP (§6.6) with Adam, Adam + '
+      'Center and CBP from the same initialization on the same batches, and '
+      'print final training loss, test accuracy and time per step.')
+  parser.add_argument(
+      '--data-dir', type=pathlib.Path, default=None,
+      help='directory with the MNIST IDX files; if not given: '
+      '$CBP_OPTAX_MNIST, then ~/.cache/cbp_optax/mnist (downloading there '
+      'unless --no-download), then the small MNIST subset bundled with the '
+      'package')
+  parser.add_argument('--no-download', action='store_true',
+                      help='never download MNIST')
+  parser.add_argument('--steps', type=int, default=300,
+                      help='training steps per method')
+  parser.add_argument('--batch-size', type=int, default=256,
+                      help='images per step (sampled with replacement)')
+  parser.add_argument('--width', type=int, default=256,
+                      help='units per hidden layer')
+  parser.add_argument('--depth', type=int, default=4,
+                      help='number of hidden layers')
+  parser.add_argument('--lr-adam', type=float, default=1e-3,
+                      help='learning rate of Adam and Adam + Center')
+  parser.add_argument('--lr-cbp', type=float, default=3e-3,
+                      help='learning rate of CBP')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='seed of the initialization and the batches')
+  parser.add_argument(
+      '--out', type=pathlib.Path, default=None,
+      help='also write results.md, results.json (per-step losses) and '
+      'loss_curves.png into this directory (the PNG needs matplotlib: pip '
+      "install 'cbp-optax[experiments]')")
+  return parser
 
-  data = datasets.find_mnist(args.data_dir)
-  print(f'data: {data.source}')
-  print(f'model: MLP 784 -> {args.width} x {args.depth} -> 10, batch '
-        f'{args.batch_size}, {args.steps} steps, seed {args.seed}, '
-        f'jax {jax.__version__} on {jax.devices()[0].platform}')
-  print(f'learning rates: Adam {args.lr_adam:g}, CBP {args.lr_cbp:g} '
-        '(--lr-adam / --lr-cbp); ms / step excludes compilation')
+
+def _require_matplotlib():
+  """pyplot, or a SystemExit that names the extra to install."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise SystemExit(
+        f'cbp-optax compare --out needs matplotlib for loss_curves.png ({e}). '
+        "Install the extra: pip install 'cbp-optax[experiments]'") from e
+  return plt
+
+
+def _table(rows) -> list[str]:
+  lines = [f'| {"method":<16} | {"train loss (EMA)":>16} | '
+           f'{"test accuracy":>13} | {"ms / step":>9} |',
+           f'|{"-" * 18}|{"-" * 17}:|{"-" * 14}:|{"-" * 10}:|']
+  for row in rows:
+    lines.append(f'| {row["method"]:<16} | {row["train_loss_ema"]:>16.4f} | '
+                 f'{row["test_accuracy"]:>13.4f} | {row["ms_per_step"]:>9.2f} |')
+  return lines
+
+
+def _write_results(out: pathlib.Path, plt, header: list[str], config: dict,
+                   rows: list[dict]) -> None:
+  """results.md, results.json and loss_curves.png in ``out``."""
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.md').write_text(
+      '# cbp-optax compare\n\n' + '\n'.join(f'{line}  ' for line in header)
+      + '\n\n' + '\n'.join(_table(rows)) + '\n\n'
+      f'Train loss (EMA): exponential moving average (weight {1 - _EMA:g} on '
+      'the newest step) of the minibatch loss at the last step. Per-step '
+      'losses: results.json; curves: loss_curves.png.\n')
+  (out / 'results.json').write_text(json.dumps(
+      {'config': config, 'methods': rows}, indent=1) + '\n')
+  figure, axis = plt.subplots(figsize=(7, 4.5))
+  for row in rows:
+    line, = axis.plot(row['train_loss'], alpha=0.3, linewidth=0.8)
+    axis.plot(row['train_loss_ema_curve'], color=line.get_color(),
+              label=f'{row["method"]} (test acc. {row["test_accuracy"]:.3f})')
+  axis.set_xlabel('step')
+  axis.set_ylabel('training loss (minibatch; bold: EMA)')
+  axis.set_yscale('log')
+  axis.set_title(f'MNIST MLP 784 -> {config["width"]} x {config["depth"]} '
+                 f'-> 10, batch {config["batch_size"]}', fontsize=10)
+  axis.legend()
+  axis.grid(alpha=0.3)
+  figure.tight_layout()
+  figure.savefig(out / 'loss_curves.png', dpi=120)
+  plt.close(figure)
+
+
+def compare(argv: Optional[Sequence[str]] = None) -> int:
+  """``cbp-optax compare``: Adam vs Adam + Center vs CBP on the MNIST MLP.
+
+  Args:
+    argv: the command's arguments (see ``cbp-optax compare --help``).
+
+  Returns:
+    The exit status, 0.
+  """
+  args = compare_parser().parse_args(argv)
+  plt = _require_matplotlib() if args.out is not None else None
+  data = datasets.find_mnist(args.data_dir, download=not args.no_download,
+                             bundled=True)
+  header = [
+      f'data: {data.source}',
+      f'model: MLP 784 -> {args.width} x {args.depth} -> 10, batch '
+      f'{args.batch_size}, {args.steps} steps, seed {args.seed}, '
+      f'jax {jax.__version__} on {jax.devices()[0].platform}',
+      f'learning rates: Adam {args.lr_adam:g}, CBP {args.lr_cbp:g} '
+      '(--lr-adam / --lr-cbp); ms / step excludes compilation',
+  ]
+  print('\n'.join(header))
   rng = np.random.default_rng(args.seed)
   batches = [rng.integers(0, len(data.train_labels), args.batch_size)
              for _ in range(args.steps)]
@@ -107,8 +202,8 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
                 rngs=nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
     step = cbp_nnx.train_step(_loss_fn)
-    smoothed, losses = None, []
-    start = None
+    losses = []
+    start = time.perf_counter()
     for i, idx in enumerate(batches):
       if i == 1:
         jax.block_until_ready(nnx.state(model))
@@ -118,35 +213,90 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
       losses.append(out.loss)
     jax.block_until_ready(nnx.state(model))
     seconds = time.perf_counter() - start
+    losses = [float(loss) for loss in losses]
+    smoothed = []
     for loss in losses:
-      loss = float(loss)
-      smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
-    accuracy = _evaluate(model, data.test_images, data.test_labels)
-    rows.append((name, smoothed, accuracy,
-                 1e3 * seconds / max(args.steps - 1, 1)))
+      smoothed.append(loss if not smoothed else
+                      _EMA * smoothed[-1] + (1 - _EMA) * loss)
+    rows.append({
+        'method': name,
+        'train_loss_ema': smoothed[-1] if smoothed else float('nan'),
+        'test_accuracy': _evaluate(model, data.test_images,
+                                   data.test_labels),
+        'ms_per_step': 1e3 * seconds / max(args.steps - 1, 1),
+        'train_loss': losses,
+        'train_loss_ema_curve': smoothed,
+    })
   print()
-  print(f'| {"method":<16} | {"train loss (EMA)":>16} | {"test accuracy":>13} '
-        f'| {"ms / step":>9} |')
-  print(f'|{"-" * 18}|{"-" * 17}:|{"-" * 14}:|{"-" * 10}:|')
-  for name, loss, accuracy, ms in rows:
-    print(f'| {name:<16} | {loss:>16.4f} | {accuracy:>13.4f} | {ms:>9.2f} |')
+  print('\n'.join(_table(rows)))
+  if args.out is not None:
+    config = {key: (str(value) if isinstance(value, pathlib.Path) else value)
+              for key, value in vars(args).items()}
+    config.update(data_source=data.source, jax=jax.__version__,
+                  platform=jax.devices()[0].platform)
+    _write_results(args.out, plt, header, config, rows)
+    print(f'\nwrote {args.out / "results.md"}, results.json and '
+          'loss_curves.png')
   return 0
 
 
-_COMMANDS: dict[str, Callable[[Optional[Sequence[str]]], int]] = {
-    'compare': compare,
-    'reproduce': reproduce_cli.main,
+def _reproduce(argv: Optional[Sequence[str]] = None) -> int:
+  # Imported on use: the experiments are not needed by `compare`.
+  from cbp_optax.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
+  return reproduce_cli.main(argv)
+
+
+# Command -> (entry point taking the command's own arguments, one-line help).
+_COMMANDS: dict[str, tuple[Callable[[Optional[Sequence[str]]], int], str]] = {
+    'compare': (compare, 'Adam vs Adam + Center vs CBP on the MNIST MLP '
+                '(§6.6); see cbp-optax compare --help'),
+    'reproduce': (_reproduce, "the paper's studies: reproduce <study|all> "
+                  '[--quick] [--download]; see cbp-optax reproduce --help'),
 }
 
 
+def _version() -> str:
+  try:
+    return importlib.metadata.version('cbp-optax')
+  except importlib.metadata.PackageNotFoundError:  # a source tree, not installed
+    return getattr(cbp, '__version__', 'unknown')
+
+
+def parser() -> argparse.ArgumentParser:
+  """The top-level ``cbp-optax`` parser: ``--version`` and the commands."""
+  top = argparse.ArgumentParser(
+      prog='cbp-optax',
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      description='Conditioned Backpropagation (CBP) for JAX, Optax and Flax: '
+      'command-line tools. Each command has its own --help.')
+  top.add_argument('--version', action='version',
+                   version=f'%(prog)s {_version()}')
+  commands = top.add_subparsers(
+      dest='command', metavar='{' + ','.join(_COMMANDS) + '}', required=True)
+  for name, (_, help_text) in _COMMANDS.items():
+    # The command parses its own arguments (and its own --help).
+    commands.add_parser(name, help=help_text, add_help=False)
+  return top
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs ``cbp-optax <command> [options]``; returns the exit status.
+
+  Args:
+    argv: the arguments after ``cbp-optax`` (default: ``sys.argv[1:]``).
+
+  Returns:
+    The command's exit status. An unknown command, or no command, exits
+    with status 2 and a message naming the commands.
+  """
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or argv[0] in ('-h', '--help') or argv[0] not in _COMMANDS:
-    print('usage: cbp-optax {' + ','.join(_COMMANDS) + '} [options]\n\n'
-          '  compare   Adam vs Adam + Center vs CBP on the MNIST MLP (§6.6)\n'
-          '  reproduce the paper\'s studies: reproduce <study|all> [--quick]')
-    return 0 if argv and argv[0] in ('-h', '--help') else 2
-  return _COMMANDS[argv[0]](argv[1:])
+  top = parser()
+  args, _ = top.parse_known_args(argv)
+  position = argv.index(args.command)
+  if position:
+    top.error(f'unrecognized arguments before the command: '
+              f'{" ".join(argv[:position])}')
+  return _COMMANDS[args.command][0](argv[position + 1:])
 
 
 if __name__ == '__main__':

@@ -358,11 +358,11 @@ def find_mnist(data_dir: Optional[PathLike] = None, *,
     searched = ', '.join(dict.fromkeys(str(d.resolve()) for d in candidates))
     if bundled:
       data = load_bundled_mnist()
-      why = 'could not be downloaded' if download else (
-          'downloading was not allowed')
+      why = ('the full set could not be downloaded' if download else
+             'downloading was not allowed')
       return data._replace(source=(
-          f'{data.source}; no MNIST files in {searched} and the full set '
-          f'{why}: set $CBP_OPTAX_MNIST or pass --data-dir for real runs'))
+          f'{data.source}; no MNIST files in {searched} and {why}: set '
+          '$CBP_OPTAX_MNIST or pass --data-dir for real runs'))
     raise DataError(
         f'MNIST not found: none of the default directories holds the IDX '
         f'files (searched {searched}'
