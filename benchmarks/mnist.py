@@ -60,8 +60,9 @@ QUICK_MAX_STEPS, QUICK_THRESHOLD = 60, 0.6
 WIDTH = 256
 METHODS = ('Adam', 'CBP')
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA_DIR = os.path.normpath(os.path.join(REPO, '..', 'shared', 'data',
-                                                 'mnist'))
+# --data-dir, else $CBP_OPTAX_MNIST, else the loader's user cache.
+DEFAULT_DATA_DIR = os.path.expanduser(
+    os.environ.get('CBP_OPTAX_MNIST') or '~/.cache/cbp_optax/mnist')
 
 
 def load(data_dir: str):

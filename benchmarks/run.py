@@ -8,13 +8,13 @@ Usage::
   python benchmarks/run.py --device gpu    # the same on a GPU (see gpu.sh)
   python benchmarks/run.py --sections steps,optimizer --archs MLP-1024
   python benchmarks/run.py --sections peer --archs ResNet-8  # ours vs torch, paired
-  python benchmarks/run.py --sections mnist --data-dir ../shared/data/mnist
+  python benchmarks/run.py --sections mnist --data-dir DIR  # or $CBP_OPTAX_MNIST
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default
 ``results/benchmarks``) and prints the markdown. XLA flags the suite sets are
 printed in the header; none changes the results beyond float rounding (the
-ynn convolution flag, see STYLE.md) or at all (region analysis, checked
-bitwise).
+ynn convolution flag: same results to ~1e-7) or at all (region analysis,
+checked bitwise).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if REPO not in sys.path:
 
 # XLA on CPU sends weight-gradient convolutions to a slow library fusion by
 # default (~2.4x slower ResNet-8 steps); this flag keeps them on the
-# individual-convolution path. Same results to ~1e-7 (STYLE.md).
+# individual-convolution path. Same results to ~1e-7, not bitwise.
 YNN_CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
 SECTIONS = ('steps', 'optimizer', 'rss', 'torch', 'peer', 'mnist')
 FULL_ROUNDS, SLOW_ROUNDS, FULL_WARMUP = 60, 20, 5
@@ -62,7 +62,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       help='timed rounds (default 60, 20 for steps > 0.5 s)')
   parser.add_argument('--data-dir', default=None,
                       help='MNIST IDX files for the mnist section (default: '
-                      'the shared copy, ../shared/data/mnist from the repo); '
+                      '$CBP_OPTAX_MNIST, else ~/.cache/cbp_optax/mnist); '
                       'the section is skipped, saying so, without them')
   parser.add_argument('--no-ynn-flag', action='store_true',
                       help='leave the XLA CPU convolution fusion default')

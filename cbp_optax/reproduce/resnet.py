@@ -42,8 +42,8 @@ PAPER = {
     'AdamW + BN': dict(lr='0.001', e2='1.175 ± 0.006', loss='1.109 ± 0.154', acc='0.598 ± 0.028'),
     'CBP (full)': dict(lr='0.003', e2='1.353 ± 0.010', loss='1.048 ± 0.027', acc='0.617 ± 0.010'),
 }
-# XLA:CPU sends weight-gradient convolutions to a slow fusion by default
-# (STYLE.md): ~2.4x faster steps with this flag, same numbers to ~1e-7.
+# XLA:CPU sends weight-gradient convolutions to a slow library fusion by
+# default: ~2.4x faster steps with this flag, same numbers to ~1e-7.
 CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
 
 
