@@ -16,12 +16,15 @@ class StudyContext:
     seeds: seeds per configuration; None for the paper's count.
     quick: the reduced smoke-test version (under a minute on 2 cores).
     data_dir: where the real-data studies look for MNIST / CIFAR-10.
+    data: the transformer study's text (a file or a folder); None for the
+      Python standard library.
     progress: show tqdm progress bars.
   """
   out: pathlib.Path
   seeds: Optional[int] = None
   quick: bool = False
   data_dir: Optional[pathlib.Path] = None
+  data: Optional[pathlib.Path] = None
   progress: bool = True
 
   def seed_count(self, paper: int, quick: int) -> int:
