@@ -32,11 +32,11 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from cbp_optax.equalize import block_layout
-from cbp_optax.equalize import BlockFn
-from cbp_optax.equalize import BlockLayout
+from cbp_optax.blocks import block_layout
+from cbp_optax.blocks import BlockFn
+from cbp_optax.blocks import BlockLayout
+from cbp_optax.blocks import StackedFn
 from cbp_optax.equalize import stats_dtype_for
-from cbp_optax.equalize import StackedFn
 
 LossFn = Callable[[Any], chex.Numeric]
 
