@@ -167,14 +167,16 @@ def test_reproduce_summary_accumulates_studies(tmp_path, fake_studies):
   assert 'Title of disparity' in markdown
 
 
-def test_reproduce_summary_survives_an_unreadable_old_summary(
-    tmp_path, fake_studies, capsys):
-  (tmp_path / 'summary.json').write_text('{not json')
+@pytest.mark.parametrize('old, warning', [
+    ('{not json', 'unreadable'), ('[1, 2]', 'not a study summary')])
+def test_reproduce_summary_survives_an_unusable_old_summary(
+    tmp_path, fake_studies, capsys, old, warning):
+  (tmp_path / 'summary.json').write_text(old)
   assert reproduce_cli.main(['quadratic', '--out', str(tmp_path),
                              '--no-progress']) == 0
   assert list(json.loads((tmp_path / 'summary.json').read_text())) == [
       'quadratic']
-  assert 'unreadable' in capsys.readouterr().err
+  assert warning in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('argv, downloads', [

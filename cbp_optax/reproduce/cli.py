@@ -167,6 +167,10 @@ def _write_summary(plotting, out: pathlib.Path, name: str, entry) -> None:
   except (OSError, ValueError) as e:
     print(f'warning: {out / "summary.json"} unreadable ({e}); starting a new '
           'summary', file=sys.stderr)
+  if not isinstance(summary, dict):  # valid JSON, but not a summary
+    print(f'warning: {out / "summary.json"} is not a study summary; starting '
+          'a new summary', file=sys.stderr)
+    summary = {}
   # A rerun replaces its own entry in place; new studies are appended.
   summary[name] = entry
   plotting.write_json(out / 'summary.json', summary)
