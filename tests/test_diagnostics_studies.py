@@ -31,7 +31,8 @@ def _mnist_missing():
   try:
     datasets.find_mnist(None, download=False)
   except datasets.DataError as error:
-    return f'no MNIST IDX files (set CBP_OPTAX_MNIST): {error}'
+    first = str(error).split(';')[0].split('. ')[0]
+    return f'MNIST IDX files not available (set CBP_OPTAX_MNIST): {first}'
   return None
 
 
