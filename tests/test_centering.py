@@ -73,55 +73,79 @@ def max_relative(a, b):
   return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+class NnxCentered:
+  """One centered NNX layer behind the interface both frameworks' tests use."""
+
+  def __init__(self, make_nnx, make_linen, dtype, x):
+    del make_linen
+    self.layer = make_nnx(dtype, nnx.Rngs(0))
+    self.plain = self.layer(x)
+    self.centered = cbp_nnx.Centered(self.layer)
+
+  def evaluate(self, x):
+    self.centered.eval()
+    out = self.centered(x)
+    self.centered.train()
+    return out
+
+  def record(self, x):
+    self.centered(x)
+
+  def transport(self, mean_decay):
+    cbp_nnx.transport(self.centered, mean_decay)
+
+  def mean(self):
+    return self.centered.mean[...]
+
+
+class LinenCentered:
+  """One centered Linen layer behind the same interface."""
+
+  def __init__(self, make_nnx, make_linen, dtype, x):
+    del make_nnx
+    self.model = cbp_linen.Centered(make_linen(dtype))
+    variables = self.model.init(jax.random.key(0), x)
+    self.params, self.centering = variables['params'], variables['centering']
+    self.plain = make_linen(dtype).apply(
+        {'params': next(iter(self.params.values()))}, x)
+
+  def evaluate(self, x):
+    return self.model.apply(
+        {'params': self.params, 'centering': self.centering}, x,
+        use_running_average=True)
+
+  def record(self, x):
+    _, mutated = self.model.apply(
+        {'params': self.params, 'centering': self.centering}, x,
+        mutable=['centering'])
+    self.centering = mutated['centering']
+
+  def transport(self, mean_decay):
+    self.params, self.centering = cbp_linen.transport(
+        self.params, self.centering, mean_decay)
+
+  def mean(self):
+    return self.centering['mean'].value
+
+
+@pytest.mark.parametrize('framework', [NnxCentered, LinenCentered],
+                         ids=['nnx', 'linen'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.float64])
 @pytest.mark.parametrize('name, shape, make_nnx, make_linen', LAYERS, ids=IDS)
-def test_nnx_transport_is_exact(name, shape, make_nnx, make_linen, dtype):
-  del name, make_linen
+def test_transport_is_exact(name, shape, make_nnx, make_linen, dtype,
+                            framework):
+  del name
   with jax.enable_x64(dtype == jnp.float64):
-    layer = make_nnx(dtype, nnx.Rngs(0))
     x = inputs(shape, 0, dtype)
-    plain = layer(x)
-    centered = cbp_nnx.Centered(layer)
+    layer = framework(make_nnx, make_linen, dtype, x)
     # mu = 0: exactly the wrapped layer, border included.
-    np.testing.assert_array_equal(centered(x), plain)
-    assert not np.allclose(centered.batch_mean[...], 0)
-    for seed, decay in ((1, 0.0), (2, 0.5)):
-      centered.eval()
-      before = centered(x)
-      centered.train()
-      centered(inputs(shape, seed, dtype, offset=5.0 * seed))
-      cbp_nnx.transport(centered, decay)
-      centered.eval()
-      after = centered(x)
-      assert max_relative(after, before) <= TOLERANCE[dtype]
-    assert float(jnp.min(jnp.abs(centered.mean[...]))) > 1.0
-
-
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.float64])
-@pytest.mark.parametrize('name, shape, make_nnx, make_linen', LAYERS, ids=IDS)
-def test_linen_transport_is_exact(name, shape, make_nnx, make_linen, dtype):
-  del name, make_nnx
-  with jax.enable_x64(dtype == jnp.float64):
-    model = cbp_linen.Centered(make_linen(dtype))
-    x = inputs(shape, 0, dtype)
-    variables = model.init(jax.random.key(0), x)
-    params, centering = variables['params'], variables['centering']
-    plain = make_linen(dtype).apply(
-        {'params': next(iter(params.values()))}, x)
-    evaluate = lambda p, c: model.apply(
-        {'params': p, 'centering': c}, x, use_running_average=True)
-    np.testing.assert_array_equal(evaluate(params, centering), plain)
-    for seed, decay in ((1, 0.0), (2, 0.5)):
-      before = evaluate(params, centering)
-      _, mutated = model.apply(
-          {'params': params, 'centering': centering},
-          inputs(shape, seed, dtype, offset=5.0 * seed),
-          mutable=['centering'])
-      params, centering = cbp_linen.transport(
-          params, mutated['centering'], decay)
-      after = evaluate(params, centering)
-      assert max_relative(after, before) <= TOLERANCE[dtype]
-    assert float(jnp.min(jnp.abs(centering['mean'].value))) > 1.0
+    np.testing.assert_array_equal(layer.evaluate(x), layer.plain)
+    for seed, mean_decay in ((1, 0.0), (2, 0.5)):
+      before = layer.evaluate(x)
+      layer.record(inputs(shape, seed, dtype, offset=5.0 * seed))
+      layer.transport(mean_decay)
+      assert max_relative(layer.evaluate(x), before) <= TOLERANCE[dtype]
+    assert float(jnp.min(jnp.abs(layer.mean()))) > 1.0
 
 
 def explicit_pads(layer, spatial_shape):
