@@ -82,12 +82,13 @@ def run(ctx: StudyContext) -> StudyResult:
 
   names = [m.name for m, _ in chosen]
   reference = 'Adam + BatchNorm'
-  rows = []
+  rows, pvalues = [], {}
   for name in names:
     cell = cells[name]
     test = (stats.paired_test(cell['train_loss'],
                               cells[reference]['train_loss'])
             if name != reference and len(seeds) > 1 else None)
+    pvalues[name] = None if test is None else test.t_pvalue
     rows.append([
         name, '—' if cell['lr'] is None else f'{cell["lr"]:g}',
         stats.format_mean_std(cell['test_accuracy'], 4),
@@ -112,7 +113,13 @@ def run(ctx: StudyContext) -> StudyResult:
            'its norm parameters included): medians over seeds.')
   mean = lambda k: {n: float(np.mean(cells[n][k])) for n in names}
   accuracy, train_loss = mean('test_accuracy'), mean('train_loss')
-  verdicts = _verdicts(names, accuracy, train_loss, reference)
+  verdicts = _verdicts(names, accuracy, train_loss, reference, pvalues)
+  edge = [n for n in names if cells[n]['lr'] in (grid[0], grid[-1])
+          and len(grid) > 1]
+  if edge:
+    verdicts.append('Selected at an edge of the learning-rate grid: '
+                    + ', '.join(f'{n} ({cells[n]["lr"]:g})' for n in edge)
+                    + '; a wider grid could change the ordering.')
   fig, ax = plotting.new_axes()
   for i, name in enumerate(names):
     plotting.band(ax, np.arange(1, steps + 1),
@@ -136,7 +143,7 @@ def run(ctx: StudyContext) -> StudyResult:
   return StudyResult(NAME, summary, time.perf_counter() - start)
 
 
-def _verdicts(names, accuracy, train_loss, reference) -> list[str]:
+def _verdicts(names, accuracy, train_loss, reference, pvalues) -> list[str]:
   out = []
   if 'Adam' in names and 'Adam + LayerNorm' in names:
     lowest = min(('Adam', 'Adam + LayerNorm', reference),
@@ -153,9 +160,14 @@ def _verdicts(names, accuracy, train_loss, reference) -> list[str]:
     if name not in names:
       continue
     lower = train_loss[name] <= train_loss[reference]
+    p = pvalues.get(name)
+    significant = p is not None and p < 0.05
+    verdict = ('holds' if lower and significant else
+               'lower, not significant' if lower else 'not supported')
     out.append(
         f'{name} reaches a training loss at least as low as BatchNorm '
-        f'without normalization layers: {"holds" if lower else "not supported"}'
-        f' ({train_loss[name]:.4f} vs {train_loss[reference]:.4f}); test '
-        f'accuracy {accuracy[name]:.4f} vs {accuracy[reference]:.4f}.')
+        f'without normalization layers: {verdict} ({train_loss[name]:.4f} vs '
+        f'{train_loss[reference]:.4f}, paired t-test p = '
+        f'{"n/a" if p is None else stats.format_pvalue(p)}); test accuracy '
+        f'{accuracy[name]:.4f} vs {accuracy[reference]:.4f}.')
   return out
