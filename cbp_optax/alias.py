@@ -132,15 +132,42 @@ def cbp(
       not finite or out of range.
 
   Examples:
-    >>> import cbp_optax as cbp
+    The first step applies :math:`s_l = 1` and :math:`P_1 = I`, so the update
+    is :math:`-\eta g`; from the second step on, :math:`P_t` divides by the
+    stored second moment (here :math:`|g| + \zeta`):
+
     >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
     >>> params = {'dense': {'kernel': jnp.ones((2, 2)), 'bias': jnp.zeros(2)}}
-    >>> tx = cbp.cbp(1e-3)
+    >>> grads = {'dense': {'kernel': jnp.full((2, 2), 0.5),
+    ...                    'bias': jnp.ones(2)}}
+    >>> tx = cbp.cbp(learning_rate=0.1)
     >>> state = tx.init(params)
-    >>> updates, state = tx.update(params, state, params)
+    >>> [type(s).__name__ for s in state]
+    ['EqualizeState', 'PreconditionState', 'EmptyState']
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates['dense']['kernel'].round(4))
+    [[-0.05 -0.05]
+     [-0.05 -0.05]]
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates['dense']['kernel'].round(4))
+    [[-0.0998 -0.0998]
+     [-0.0998 -0.0998]]
+    >>> updates['dense']['kernel'].dtype
+    dtype('float32')
+
+    float16 gradients give float16 updates (computed in float32):
+
+    >>> half = {'w': jnp.ones(3, jnp.float16)}
+    >>> tx = cbp.cbp(1e-3)
+    >>> updates, _ = tx.update(half, tx.init(half), half)
+    >>> updates['w'].dtype
+    dtype('float16')
 
   References:
-    Conditioned Backpropagation, §4.4 and Algorithm 1.
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.4 (eq. 12) and Algorithm 1.
   """
   _checks.check_nonnegative('learning_rate', learning_rate, schedule_ok=True)
   if weight_decay is not None:

@@ -100,6 +100,30 @@ def block_layout(
 
   Returns:
     The static :class:`BlockLayout`.
+
+  Examples:
+    One block per layer; a stacked leaf (two layers along axis 0) gives one
+    block per slice:
+
+    >>> import jax.numpy as jnp
+    >>> from cbp_optax import blocks
+    >>> params = {
+    ...     'Dense_0': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)},
+    ...     'layers': {'kernel': jnp.ones((2, 2, 2)), 'bias': jnp.zeros((2, 2))},
+    ... }
+    >>> layout = blocks.block_layout(
+    ...     params, stacked=lambda path, leaf: path[0].key == 'layers')
+    >>> layout.names
+    ('Dense_0', 'layers[0]', 'layers[1]')
+    >>> layout.groups  # leaf indices, in jax.tree.leaves order
+    ((0, 1), (2, 3))
+    >>> blocks.block_layout(params, block_fn=lambda path, leaf: path).names
+    ('Dense_0/bias', 'Dense_0/kernel', 'layers/bias', 'layers/kernel')
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    eq. (7).
   """
   key_fn = block_fn or default_block_key
   paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -157,7 +181,34 @@ def block_names(
     block_fn: Optional[BlockFn] = None,
     stacked: Optional[StackedFn] = None,
 ) -> tuple[str, ...]:
-  """Names of the M1 blocks of ``params``, in the order of the state vector."""
+  """Names of the M1 blocks of ``params``, in the order of the state vector.
+
+  The entries of :class:`cbp_optax.EqualizeState` ``.energy`` are the blocks'
+  energies :math:`q_l` (eq. 5) in this order.
+
+  Args:
+    params: parameters (arrays, or NNX Variables).
+    block_fn: the grouping, see :func:`block_layout`.
+    stacked: the layer-stack declaration, see :func:`block_layout`.
+
+  Returns:
+    The block names, like ``('Dense_0', 'Dense_1')``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'Dense_0': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)},
+    ...           'Dense_1': {'kernel': jnp.ones((2, 1)), 'bias': jnp.zeros(1)}}
+    >>> cbp.block_names(params)
+    ('Dense_0', 'Dense_1')
+    >>> cbp.equalize().init(params).energy.shape
+    (2,)
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    eq. (7).
+  """
   return block_layout(params, block_fn=block_fn, stacked=stacked).names
 
 

@@ -348,7 +348,7 @@ def transport(
     mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Mean refresh and bias transport of one layer or one stack of layers.
+  r"""Mean refresh and bias transport of one layer or one stack of layers.
 
   ``mu_new = decay * mu + (1 - decay) * recorded`` (Algorithm 1, step 10) and
   ``b~ += W (mu_new - mu_old)`` (eq. 10) with the given (updated) kernel. For
@@ -367,6 +367,29 @@ def transport(
 
   Returns:
     ``(new_bias, new_mean)``.
+
+  Examples:
+    A dense layer with two inputs and one output. The mean moves half-way to
+    the recorded one, the bias by :math:`W \Delta\mu`, and the layer's
+    output :math:`W (a - \mu) + \tilde b` stays the same:
+
+    >>> import jax.numpy as jnp
+    >>> from cbp_optax import centering
+    >>> spec = centering.dense_spec(-1, in_shape=(2,), out_shape=(1,))
+    >>> kernel, bias = jnp.array([[1.0], [2.0]]), jnp.zeros(1)
+    >>> mean, recorded = jnp.zeros(2), jnp.ones(2)
+    >>> new_bias, new_mean = centering.transport(
+    ...     spec, kernel, bias, mean, recorded, decay=0.5)
+    >>> print(new_mean, new_bias)
+    [0.5 0.5] [1.5]
+    >>> a = jnp.array([3.0, -1.0])
+    >>> print((a - mean) @ kernel + bias, (a - new_mean) @ kernel + new_bias)
+    [1.] [1.]
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.2 (eqs. 8-10) and Algorithm 1, steps 10-11.
   """
   mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
   kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)

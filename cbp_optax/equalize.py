@@ -282,16 +282,32 @@ def equalize(
       given to ``init`` (or to ``update``).
 
   Examples:
-    >>> import cbp_optax as cbp
+    Two layers whose gradient energies differ by almost four orders of
+    magnitude. Step 1 applies :math:`s_l = 1`; step 2 boosts the weak block
+    up to ``max_scale`` and damps the strong one (``decay=0`` makes
+    :math:`q_l` the last energy, for a short example):
+
     >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
     >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
-    >>> tx = cbp.equalize()
-    >>> state = tx.init(params)
+    >>> grads = {'a': {'w': jnp.full(3, 0.1)}, 'b': {'w': jnp.full(2, 10.0)}}
     >>> cbp.block_names(params)
     ('a', 'b')
+    >>> tx = cbp.equalize(decay=0.0)
+    >>> state = tx.init(params)
+    >>> state.energy
+    Array([0., 0.], dtype=float32)
+    >>> updates, state = tx.update(grads, state)
+    >>> print(updates['a']['w'], updates['b']['w'])
+    [0.1 0.1 0.1] [10. 10.]
+    >>> updates, state = tx.update(grads, state)
+    >>> print(updates['a']['w'].round(3), updates['b']['w'].round(3))
+    [0.4 0.4 0.4] [7.072... 7.072...]
 
   References:
-    Conditioned Backpropagation, §4.1 and Algorithm 1.
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
   _checks.check_decay('decay', decay)
   _checks.check_positive('min_scale', min_scale)
@@ -401,6 +417,24 @@ def equalize_stats(
 
   Returns:
     ``{block name: BlockStats(energy, scale)}`` in state order.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
+    >>> grads = {'a': {'w': jnp.full(3, 0.1)}, 'b': {'w': jnp.full(2, 10.0)}}
+    >>> tx = cbp.cbp(1e-3, decay=0.0)
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(grads, state, params)
+    >>> for name, stats in cbp.equalize_stats(state, params).items():
+    ...   print(name, round(float(stats.energy), 3), round(float(stats.scale), 3))
+    a 0.03 4.0
+    b 200.0 0.707
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    eqs. (5) and (6).
   """
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.

@@ -172,8 +172,38 @@ def precondition(
     ValueError: a hyperparameter array that is not a scalar, or a concrete
       value out of range.
 
+  Examples:
+    Momentum-free (``b1=0``) so the update is :math:`P_t g_t`. Step 1 returns
+    the gradient (:math:`P_1 = I`). At step 2 the first coordinate is divided
+    by its stored :math:`\sqrt{\hat v_1} + \zeta = 2.001`; the second, whose
+    gradient was zero at step 1, is multiplied by :math:`1/\zeta = 1000`:
+
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> tx = cbp.precondition(b1=0.0, damping=1e-3)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> updates, state = tx.update({'w': jnp.array([2.0, 0.0])}, state)
+    >>> print(updates['w'])
+    [2. 0.]
+    >>> updates, state = tx.update({'w': jnp.array([2.0, 3.0])}, state)
+    >>> print(*(f'{u:.4g}' for u in updates['w'].tolist()))
+    0.9995 3000
+
+    The opt-in guard gives that coordinate :math:`P = 1` instead:
+
+    >>> tx = cbp.precondition(b1=0.0, zero_moment_identity=True)
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> _, state = tx.update({'w': jnp.array([2.0, 0.0])}, state)
+    >>> updates, state = tx.update({'w': jnp.array([2.0, 3.0])}, state)
+    >>> print(*(f'{u:.4g}' for u in updates['w'].tolist()))
+    0.9995 3
+    >>> int(state.count), state.nu['w'].dtype
+    (2, dtype('float32'))
+
   References:
-    Conditioned Backpropagation, §4.3-4.4 and Algorithm 1.
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
   _checks.check_decay('b1', b1)
   _checks.check_decay('b2', b2)
