@@ -182,6 +182,29 @@ class Centered(nn.Module):
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis to average the recorded mean over inside
       ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return cbp.linen.Centered(nn.Dense(1))(x)
+    >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+    >>> variables = Net().init(jax.random.key(0), x)
+    >>> jax.tree.map(jnp.shape, variables['params'])
+    {'Centered_0': {'dense': {'bias': (1,), 'kernel': (2, 1)}}}
+    >>> variables['centering']['Centered_0']['mean'].value
+    Array([0., 0.], dtype=float32)
+    >>> y, changed = Net().apply(variables, x, mutable=['centering'])
+    >>> changed['centering']['Centered_0']['batch_mean']
+    Array([2., 3.], dtype=float32)
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.2, eqs. (8) and (9).
   """
 
   layer: nn.Module
@@ -320,6 +343,33 @@ def center(
 
   Returns:
     A :class:`CenteredModel` with ``init``, ``apply`` and ``report``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     x = nn.relu(nn.LayerNorm()(nn.Dense(4)(x)))
+    ...     return nn.Dense(1)(x)
+    >>> model = cbp.linen.center(MLP())
+    >>> x = jnp.ones((8, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> sorted(variables)
+    ['centering', 'params']
+    >>> variables['centering']['Dense_0']['mean'].value.shape
+    (3,)
+    >>> model.report(jax.random.key(0), x)
+    (['Dense_0', 'Dense_1'], [])
+    >>> plain = MLP().apply({'params': variables['params']}, x)
+    >>> bool(jnp.array_equal(model.apply(variables, x), plain))
+    True
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.2, eq. (8).
   """
   return CenteredModel(module, where, mean_dtype, axis_name)
 
@@ -394,6 +444,27 @@ def transport(
   Returns:
     ``(params, centering)`` with transported biases and refreshed means, in
     the containers they came in (dict or FrozenDict).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Dense(1))
+    >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> y, changed = model.apply(variables, x, mutable=['centering'])
+    >>> params, centering = cbp.linen.transport(
+    ...     variables['params'], changed['centering'], mean_decay=0.5)
+    >>> centering['mean'].value
+    Array([1. , 1.5], dtype=float32)
+    >>> y_new = model.apply({'params': params, 'centering': centering}, x)
+    >>> bool(jnp.allclose(y_new, y, atol=1e-6))
+    True
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    eq. (10) and Algorithm 1, steps 10-11.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
   frozen = isinstance(params, flax.core.FrozenDict)
@@ -420,6 +491,39 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
 
   Returns:
     ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
+
+  Examples:
+    Three ``nn.Dense`` layers scanned with ``nn.scan`` and one head: four M1
+    blocks.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x, _):
+    ...     return nn.Dense(2)(x), None
+    >>> class Stack(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     layers = nn.scan(Block, length=3, split_rngs={'params': True},
+    ...                      variable_axes={'params': 0, 'centering': 0})
+    ...     x, _ = layers(name='layers')(x, None)
+    ...     return nn.Dense(1)(x)
+    >>> model = cbp.linen.center(Stack())
+    >>> variables = model.init(jax.random.key(0), jnp.ones((4, 2)))
+    >>> stacked = cbp.linen.stacked_blocks(
+    ...     variables['params'], variables['centering'])
+    >>> stacked
+    stacked_predicate(['layers'])
+    >>> cbp.block_names(variables['params'], stacked=stacked)
+    ('Dense_0', 'layers/Dense_0[0]', 'layers/Dense_0[1]', 'layers/Dense_0[2]')
+    >>> tx = cbp.cbp(1e-3, stacked=stacked)
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    eq. (7).
   """
   shapes = {
       tuple(blocks.key_name(k) for k in path): tuple(jnp.shape(leaf))
@@ -452,6 +556,18 @@ class TrainState(train_state.TrainState):
   updates in training (BatchNorm's ``batch_stats``, ...). ``step`` counts
   the updates applied and ``skipped_steps`` the batches :func:`train_step`
   skipped as non-finite.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Dense(1))
+    >>> variables = model.init(jax.random.key(0), jnp.ones((4, 2)))
+    >>> state = cbp.linen.TrainState.create(
+    ...     apply_fn=model.apply, params=variables['params'],
+    ...     centering=variables['centering'], tx=cbp.cbp(1e-3))
+    >>> int(state.step), int(state.skipped_steps), state.model_state
+    (0, 0, {})
   """
 
   centering: Any = flax.struct.field(default_factory=dict)
@@ -496,6 +612,37 @@ def train_step(
 
   Returns:
     ``step(state, *batch) -> (state, StepOutput)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return nn.Dense(1)(nn.relu(nn.Dense(4)(x)))
+    >>> model = cbp.linen.center(MLP())
+    >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> state = cbp.linen.TrainState.create(
+    ...     apply_fn=model.apply, params=variables['params'],
+    ...     centering=variables['centering'], tx=cbp.cbp(1e-3))
+    >>> def loss_fn(apply, x, y):
+    ...   return jnp.mean((apply(x) - y) ** 2)
+    >>> step = cbp.linen.train_step(loss_fn, mean_decay=0.99)
+    >>> state, out = step(state, x, y)
+    >>> out.loss.shape, bool(out.skipped), int(state.step)
+    ((), False, 1)
+    >>> state.centering['Dense_1']['mean'].value  # 0.99 * 0 + 0.01 * mean(x)
+    Array([0.01, 0.01, 0.01], dtype=float32)
+    >>> state, out = step(state, x, jnp.full((8, 1), jnp.nan))
+    >>> bool(out.skipped), int(state.step), int(state.skipped_steps)
+    (True, 1, 1)
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Algorithm 1.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
 
