@@ -6,6 +6,11 @@
   16 / 32 / 64 channels (stride 2 and a 1x1 projection shortcut where the width
   changes), global average pooling, Dense to 10: 77,706 parameters, the
   paper's count.
+* Transformer (beyond the paper): the byte-level decoder-only LM of
+  ``cbp-optax reproduce transformer`` (4 pre-LayerNorm blocks built with
+  ``nnx.vmap`` and run with ``nnx.scan``, width 128, 4 heads, context 128),
+  NNX only; centered with ``cbp.nnx.center`` (attention projections and MLP),
+  dropout off (no ``rngs``), batch x 128 tokens.
 
 ``centered=True`` wraps every Dense and every convolution in the library's
 ``Centered`` (M2); otherwise the layers are plain. Only the public API of
@@ -15,7 +20,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -47,6 +52,8 @@ class Arch:
   width: int = 0
 
   def input_shape(self, batch: int) -> tuple[int, ...]:
+    if self.kind == 'transformer':
+      return (batch, TRANSFORMER_CONTEXT)
     if self.kind == 'mlp':
       return (batch, MNIST_FEATURES)
     return (batch,) + CIFAR_SHAPE
@@ -57,11 +64,22 @@ def mlp(width: int) -> Arch:
 
 
 RESNET8 = Arch(name='ResNet-8', kind='resnet8')
+TRANSFORMER = Arch(name='Transformer', kind='transformer')
+TRANSFORMER_CONTEXT = 128
+# Layer stacks of each kind: M1 gets one block per layer slice of them.
+STACKS = {'transformer': ('blocks',)}
 
 
 def make_batch(arch: Arch, batch: int, seed: int = 0):
-  """Random inputs (offset from zero, as real activations are) and labels."""
+  """Random inputs (offset from zero, as real activations are) and labels.
+
+  Transformer: random bytes and their next-byte labels, [batch, context].
+  """
   rng = np.random.default_rng(seed)
+  if arch.kind == 'transformer':
+    text = rng.integers(0, 256, (batch, TRANSFORMER_CONTEXT + 1))
+    return (jnp.asarray(text[:, :-1], jnp.int32),
+            jnp.asarray(text[:, 1:], jnp.int32))
   images = rng.standard_normal(arch.input_shape(batch)).astype(np.float32)
   labels = rng.integers(0, NUM_CLASSES, batch).astype(np.int32)
   return jnp.asarray(images + 0.5), jnp.asarray(labels)
@@ -124,6 +142,8 @@ class LinenResNet8(nn.Module):
 
 
 def linen_model(arch: Arch, centered: bool) -> nn.Module:
+  if arch.kind == 'transformer':
+    raise ValueError('The Transformer is benchmarked in NNX only: --api nnx.')
   if arch.kind == 'mlp':
     return LinenMLP(arch.width, centered)
   return LinenResNet8(centered)
@@ -196,6 +216,13 @@ class NnxResNet8(nnx.Module):
 
 def nnx_model(arch: Arch, centered: bool, seed: int = 0) -> nnx.Module:
   rngs = nnx.Rngs(seed)
+  if arch.kind == 'transformer':
+    from cbp_optax.reproduce import transformer  # pylint: disable=g-import-not-at-top
+    config = transformer.Config(context=TRANSFORMER_CONTEXT)
+    model = transformer.TransformerLM(config, rngs)
+    if centered:
+      cbp.nnx.center(model)  # the library's one-call centering
+    return model
   if arch.kind == 'mlp':
     return NnxMLP(arch.width, centered, rngs)
   return NnxResNet8(centered, rngs)
@@ -223,3 +250,12 @@ def layer_count(params) -> int:
 
 LossFn = Callable[..., jax.Array]
 ALL_ARCHS: Sequence[Arch] = (mlp(256), mlp(1024), mlp(4096), RESNET8)
+# Selected by name (--archs Transformer --api nnx); not in the default set,
+# which every API runs.
+EXTRA_ARCHS: Sequence[Arch] = (TRANSFORMER,)
+
+
+def stacked_for(arch: Arch, model) -> Any:
+  """The ``stacked=`` predicate of ``arch``'s NNX model, or None."""
+  paths = STACKS.get(arch.kind)
+  return cbp.nnx.stacked_blocks(model, *paths) if paths else None

@@ -9,6 +9,8 @@ Usage::
   python benchmarks/run.py --sections steps,optimizer --archs MLP-1024
   python benchmarks/run.py --sections peer --archs ResNet-8  # ours vs torch, paired
   python benchmarks/run.py --sections mnist --data-dir DIR  # or $CBP_OPTAX_MNIST
+  python benchmarks/run.py --sections steps --archs Transformer --api nnx \
+      --batches 32                         # scanned LM, also / AdamW
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default
 ``results/benchmarks``) and prints the markdown. XLA flags the suite sets are
@@ -153,6 +155,7 @@ def time_group(api: str, arch, batch: int, variants, rounds: int,
   times = timing.interleaved({n: r.step for n, r in runners.items()},
                              n_rounds)
   ratios = timing.pairwise_ratios(times, 'Adam')
+  ratios_adamw = timing.pairwise_ratios(times, 'AdamW')
   params = next(iter(runners.values())).params
   n_params = models.count_params(params)
   kernels = models.kernel_shapes(params)
@@ -170,6 +173,7 @@ def time_group(api: str, arch, batch: int, variants, rounds: int,
     out['variants'][name] = {
         'time': timing.quartiles(times[name]),
         'ratio_to_adam': ratios.get(name),
+        'ratio_to_adamw': ratios_adamw.get(name),
         'compile_s': runner.compile_s,
         'opt_state_bytes': runner.opt_state_bytes,
         'expected_cbp_state_bytes': (4 * (2 * n_params + n_layers)
@@ -206,14 +210,21 @@ def run_steps(args, archs, batch: int, rounds: int, warmup: int,
               apis: Sequence[str], results: dict, save) -> None:
   """Times every architecture at ``batch``; saves after each group."""
   from benchmarks import steps as steps_lib
-  variants = steps_lib.variants_for()
-  if args.device != 'cpu':
-    variants = [v for v in variants if not v.compiler_options]
   for api in apis:
     for arch in archs:
+      variants = steps_lib.variants_for(arch=arch)
+      if args.device != 'cpu':
+        variants = [v for v in variants if not v.compiler_options]
       log(f'steps: {api} {arch.name} batch {batch}')
-      results.setdefault('steps', []).append(
-          time_group(api, arch, batch, variants, rounds, warmup))
+      group = time_group(api, arch, batch, variants, rounds, warmup)
+      results.setdefault('steps', []).append(group)
+      for name, v in group['variants'].items():
+        if v.get('ratio_to_adamw'):
+          log(f'  {arch.name} {name}: {1e3 * v["time"]["median"]:.1f} ms, '
+              f'/ AdamW {v["ratio_to_adamw"]["median"]:.3f}, compile '
+              f'{v["compile_s"]:.1f} s (/ AdamW '
+              f'{v["compile_s"] / group["variants"]["AdamW"]["compile_s"]:.2f})'
+              f', parameter copies per step {v["param_copies_per_step"]}')
       save(results)
 
 
@@ -354,7 +365,8 @@ def select_archs(args):
     default = list(models.ALL_ARCHS)
   if not args.archs:
     return default
-  by_name = {a.name: a for a in list(models.ALL_ARCHS)}
+  by_name = {a.name: a for a in list(models.ALL_ARCHS) +
+             list(models.EXTRA_ARCHS)}
   names = args.archs.split(',')
   return [by_name[n] if n in by_name else models.mlp(int(n.split('-')[1]))
           for n in names]

@@ -56,18 +56,25 @@ class Variant:
   centered: bool
   make_tx: Callable[[], optax.GradientTransformation]
   compiler_options: Optional[dict] = None
+  m1: bool = False  # make_tx takes stacked= (M1 per layer slice)
+
+
+def _cbp(stacked=None) -> optax.GradientTransformation:
+  return cbp.cbp(LEARNING_RATE, stacked=stacked)
 
 
 SGD = Variant('SGD', False, lambda: optax.sgd(LEARNING_RATE))
 ADAM = Variant('Adam', False, lambda: optax.adam(LEARNING_RATE))
 ADAM_CENTER = Variant('Adam+Center', True, lambda: optax.adam(LEARNING_RATE))
-CBP_M1M3 = Variant('CBP M1+M3', False, lambda: cbp.cbp(LEARNING_RATE))
-CBP_FULL = Variant('CBP', True, lambda: cbp.cbp(LEARNING_RATE))
-CBP_FULL_RA = Variant('CBP (RA)', True, lambda: cbp.cbp(LEARNING_RATE),
-                      REGION_ANALYSIS)
-CBP_FULL_NO_RA = Variant('CBP (no RA)', True, lambda: cbp.cbp(LEARNING_RATE),
-                         NO_REGION_ANALYSIS)
+CBP_M1M3 = Variant('CBP M1+M3', False, _cbp, m1=True)
+CBP_FULL = Variant('CBP', True, _cbp, m1=True)
+CBP_FULL_RA = Variant('CBP (RA)', True, _cbp, REGION_ANALYSIS, m1=True)
+CBP_FULL_NO_RA = Variant('CBP (no RA)', True, _cbp, NO_REGION_ANALYSIS,
+                         m1=True)
 VARIANTS = (SGD, ADAM, ADAM_CENTER, CBP_M1M3, CBP_FULL, CBP_FULL_NO_RA)
+# The transformer is also timed against AdamW (optax defaults), the optimizer
+# its users compare with.
+ADAMW = Variant('AdamW', False, lambda: optax.adamw(LEARNING_RATE))
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -157,7 +164,10 @@ def nnx_runner(arch: models.Arch, variant: Variant, batch: int) -> Runner:
   """
   images, labels = models.make_batch(arch, batch)
   model = models.nnx_model(arch, variant.centered)
-  optimizer = nnx.Optimizer(model, variant.make_tx(), wrt=nnx.Param)
+  stacked = models.stacked_for(arch, model)
+  tx = (variant.make_tx(stacked=stacked) if variant.m1 and stacked
+        else variant.make_tx())
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
   opt_state_bytes = models.tree_bytes(nnx.state(optimizer))
   centering_bytes = models.tree_bytes(nnx.state(model, nnx.BatchStat))
@@ -191,6 +201,11 @@ def make_runner(api: str, arch: models.Arch, variant: Variant,
   raise ValueError(f'Unknown api {api!r}; use linen or nnx.')
 
 
-def variants_for(names: Optional[list[str]] = None) -> list[Variant]:
-  """The variants named (all by default), in table order."""
-  return [v for v in VARIANTS if names is None or v.name in names]
+def variants_for(names: Optional[list[str]] = None,
+                 arch: Optional[models.Arch] = None) -> list[Variant]:
+  """The variants named (all by default), in table order; AdamW too for
+  the transformer."""
+  variants = list(VARIANTS)
+  if arch is not None and arch.kind == 'transformer':
+    variants.insert(2, ADAMW)
+  return [v for v in variants if names is None or v.name in names]
