@@ -107,6 +107,24 @@ def optimizer_sharding(
     >>> state = jax.jit(
     ...     tx.init, out_shardings=sharding.optimizer_sharding(tx, params)
     ... )(params)
+    >>> tuple(state[1].nu['w'].sharding.spec)  # M3's moments: like the params
+    ()
+
+    With FSDP parameters (a one-device mesh here; the specs are the same on
+    more), the moments are split like their parameter and M1's per-block
+    energies are replicated:
+
+    >>> import numpy as np
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
+    >>> params = {'dense': {'kernel': jax.numpy.ones((4, 8)),
+    ...                     'bias': jax.numpy.zeros(8)}}
+    >>> params = jax.device_put(
+    ...     params, sharding.fsdp_sharding(params, mesh, min_size=16))
+    >>> shardings = sharding.optimizer_sharding(tx, params)
+    >>> tuple(shardings[1].mu['dense']['kernel'].spec)
+    (None, 'data')
+    >>> tuple(shardings[0].energy.spec)
+    ()
   """
   if param_sharding is None:
     param_sharding = jax.tree.map(lambda p: p.sharding, params)
@@ -151,6 +169,19 @@ def fsdp_sharding(
 
   Returns:
     A tree of ``NamedSharding`` with the structure of ``tree``.
+
+  Examples:
+    The rule needs only shapes and mesh axis sizes, so an abstract 4-device
+    mesh shows what it would do:
+
+    >>> import jax, numpy as np
+    >>> from cbp_optax import sharding
+    >>> mesh = jax.sharding.AbstractMesh((4,), ('data',))
+    >>> tree = {'kernel': jax.ShapeDtypeStruct((6, 8), np.float32),
+    ...         'bias': jax.ShapeDtypeStruct((6,), np.float32)}
+    >>> specs = sharding.fsdp_sharding(tree, mesh)
+    >>> tuple(specs['kernel'].spec), tuple(specs['bias'].spec)
+    ((None, 'data'), ())
   """
   size = _axis_size(mesh, axis)
 
@@ -168,7 +199,25 @@ def fsdp_sharding(
 
 
 def batch_sharding(mesh: Mesh, axis: AxisNames = 'data') -> NamedSharding:
-  """Leading (batch) dimension split over ``axis``, the rest replicated."""
+  """Leading (batch) dimension split over ``axis``, the rest replicated.
+
+  Args:
+    mesh: the device mesh.
+    axis: the data axis (or axes).
+
+  Returns:
+    ``NamedSharding(mesh, PartitionSpec(axis))``.
+
+  Raises:
+    ValueError: ``axis`` is not an axis of ``mesh``.
+
+  Examples:
+    >>> import jax
+    >>> from cbp_optax import sharding
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> tuple(sharding.batch_sharding(mesh).spec)
+    ('data',)
+  """
   _axis_size(mesh, axis)
   return NamedSharding(mesh, PartitionSpec(axis))
 
@@ -187,6 +236,16 @@ def check_batch_divisible(
   Raises:
     ValueError: if a leaf has no batch dimension, or its size is not a
       multiple of the number of devices along ``axis``.
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> from cbp_optax import sharding
+    >>> mesh = jax.sharding.AbstractMesh((4,), ('data',))
+    >>> sharding.check_batch_divisible({'x': np.ones((8, 2))}, mesh)
+    >>> sharding.check_batch_divisible({'x': np.ones((6, 2))}, mesh)
+    Traceback (most recent call last):
+      ...
+    ValueError: Batch size 6 (of ['x'], shape (6, 2)) is not divisible by the 4 devices of mesh axis 'data'. ...
   """
   size = _axis_size(mesh, axis)
   for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -260,6 +319,16 @@ def process_batch_slice(
   Raises:
     ValueError: ``global_batch_size`` is not divisible by the devices along
       ``axis``, or this process's devices are not contiguous along it.
+
+  Examples:
+    One process holds the whole batch:
+
+    >>> import jax
+    >>> from cbp_optax import sharding
+    >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+    >>> sharding.process_batch_slice(8 * jax.device_count(), mesh) == slice(
+    ...     0, 8 * jax.device_count())
+    True
   """
   count, first, size = _local_blocks(mesh, axis)
   if global_batch_size % size:
