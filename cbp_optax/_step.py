@@ -21,6 +21,23 @@ class StepOutput(NamedTuple):
     skipped: True when the loss, a gradient or a recorded batch mean was not
       finite; the step then left parameters, optimizer state and centering
       means exactly as they were (but for the skip count).
+
+  Examples:
+    A loss function returning ``(loss, aux)`` gets its ``aux`` back:
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, cbp.cbp(1e-3), wrt=nnx.Param)
+    >>> def loss_fn(model, x):
+    ...   y = model(x)
+    ...   return jnp.mean(y ** 2), {'mean_output': jnp.mean(y)}
+    >>> out = cbp.nnx.train_step(loss_fn)(model, optimizer, jnp.ones((4, 2)))
+    >>> out._fields
+    ('loss', 'aux', 'skipped')
+    >>> sorted(out.aux), out.skipped.dtype
+    (['mean_output'], dtype('bool'))
   """
 
   loss: jax.Array
@@ -107,6 +124,20 @@ def compiler_options() -> Optional[dict[str, Any]]:
   branches of the skip conditional. Region analysis proves the read comes
   first and drops the copies. It changes buffer assignment only: results are
   bitwise identical (tested).
+
+  Pass them to your own ``jax.jit`` loop too, where the state is donated.
+
+  Returns:
+    ``{'xla_cpu_copy_insertion_use_region_analysis': True}`` on CPU, else
+    None.
+
+  Examples:
+    >>> import jax
+    >>> from cbp_optax import _step
+    >>> options = _step.compiler_options()
+    >>> options == ({'xla_cpu_copy_insertion_use_region_analysis': True}
+    ...             if jax.default_backend() == 'cpu' else None)
+    True
   """
   if jax.default_backend() == 'cpu':
     return {'xla_cpu_copy_insertion_use_region_analysis': True}

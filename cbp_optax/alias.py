@@ -1,4 +1,10 @@
-"""``cbp()``: the optimizer side of Conditioned Backpropagation as one optax chain."""
+"""``cbp()``: the optimizer side of Conditioned Backpropagation as one optax chain.
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.4, eq. (12), and Algorithm 1.
+"""
 
 # No `from __future__ import annotations`: optax's contract tests read
 # `learning_rate`'s annotation (optax.ScalarOrSchedule) with inspect.

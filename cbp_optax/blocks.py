@@ -6,6 +6,11 @@ By default a block is one layer: the leaves that share a parent path (an NNX
 (``nnx.vmap``, ``nn.scan``), each slice of which is a block of its own.
 :func:`block_layout` is the static assignment that :func:`cbp_optax.equalize`
 keeps its energies in; :func:`block_names` names the blocks, in state order.
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.1, eq. (7).
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ give the kernel, the bias and ``mu`` extra *stack axes*. A spec describes one
 slice; :func:`transport` finds the stack axes from the shapes (or takes them
 from the caller) and maps the per-layer maths over them, so each slice's bias
 moves by its own kernel.
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.2, eqs. (8)-(10), and Algorithm 1, steps 10-11.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ depend on the parameter tree: it survives ``optax.masked``, ``MultiSteps``,
 ``apply_if_finite``, ``tree_map_params`` and sharding unchanged. The block that
 each entry belongs to is recovered from the parameter tree by
 :func:`block_names`, and :func:`equalize_stats` reads energies and scales by name.
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.1, eqs. (5)-(7), and Algorithm 1, steps 3-5.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ Example::
       centering=variables['centering'], tx=cbp_optax.cbp(1e-3))
   step = cbp_optax.linen.train_step(loss_fn)    # loss_fn(apply, *batch)
   state, out = step(state, images, labels)
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.2, eqs. (8)-(10), and Algorithm 1.
 """
 
 from __future__ import annotations

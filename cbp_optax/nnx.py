@@ -18,6 +18,11 @@ Example::
       model, cbp_optax.cbp(1e-3, stacked=cbp_optax.nnx.stacked_blocks(model)))
   step = cbp_optax.nnx.train_step(loss_fn)     # loss_fn(model, *batch)
   out = step(model, optimizer, images, labels)  # out.loss, out.skipped
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.2, eqs. (8)-(10), and Algorithm 1.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ The preconditioner of step ``t`` is formed from the *stored* second moment
 before it is refreshed with the current gradient (Algorithm 1, steps 6-9): this
 one-step lag makes ``P_t`` independent of the current minibatch, which the
 stochastic analysis (Theorem 3) requires.
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.3-4.4, eqs. (11)-(12), Lemma 1 and Algorithm 1, steps 6-9.
 """
 
 from __future__ import annotations
