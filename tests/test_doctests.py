@@ -1,11 +1,15 @@
 """Runs the docstring examples of the core modules; any failing example fails.
 
 The modules are listed explicitly: the experiments (``cbp_optax.reproduce``)
-need matplotlib and are not part of the installed core.
+need matplotlib and are not part of the installed core. The public API listed
+in ``DOCUMENTED`` must carry an ``Examples:`` section with at least one
+checked example and, where it implements a piece of the method, a
+``References:`` section naming the paper.
 """
 
 import doctest
 import importlib
+import inspect
 
 import pytest
 
@@ -16,7 +20,7 @@ CORE_MODULES = (
     'cbp_optax.blocks',
     'cbp_optax.centering',
     'cbp_optax.checkpoint',
-    'cbp_optax.diagnostics',
+    # cbp_optax.diagnostics: its examples run in test_diagnostics.py.
     'cbp_optax.equalize',
     'cbp_optax.linen',
     'cbp_optax.nnx',
@@ -50,3 +54,64 @@ def test_module_doctests(name):
   assert result.failed == 0, f'{result.failed} doctest example(s) failed in {name}'
   if name in MUST_HAVE_EXAMPLES:
     assert result.attempted > 0, f'{name} has no doctest examples'
+
+
+PAPER = 'Layerwise Conditioned Backpropagation'
+
+# (object, whether its docstring cites the paper).
+DOCUMENTED = (
+    ('cbp_optax.cbp', True),
+    ('cbp_optax.equalize', True),
+    ('cbp_optax.precondition', True),
+    ('cbp_optax.equalize_stats', True),
+    ('cbp_optax.block_names', True),
+    ('cbp_optax.blocks.block_layout', True),
+    ('cbp_optax.centering.transport', True),
+    ('cbp_optax.nnx.center', True),
+    ('cbp_optax.nnx.Centered', True),
+    ('cbp_optax.nnx.transport', True),
+    ('cbp_optax.nnx.train_step', True),
+    ('cbp_optax.nnx.stacked_blocks', True),
+    ('cbp_optax.nnx.Optimizer', False),
+    ('cbp_optax.linen.center', True),
+    ('cbp_optax.linen.Centered', True),
+    ('cbp_optax.linen.transport', True),
+    ('cbp_optax.linen.train_step', True),
+    ('cbp_optax.linen.TrainState', False),
+    ('cbp_optax.linen.stacked_blocks', True),
+    ('cbp_optax.checkpoint.save', False),
+    ('cbp_optax.checkpoint.restore', False),
+    ('cbp_optax.sharding.optimizer_sharding', False),
+    ('cbp_optax.sharding.fsdp_sharding', False),
+    ('cbp_optax.sharding.batch_sharding', False),
+    ('cbp_optax.sharding.check_batch_divisible', False),
+    ('cbp_optax.sharding.process_batch_slice', False),
+    ('cbp_optax.sharding.shard_batch', False),
+)
+
+
+def _resolve(dotted):
+  module_name, _, attr = dotted.rpartition('.')
+  while True:
+    try:
+      obj = importlib.import_module(module_name)
+      break
+    except ModuleNotFoundError:
+      module_name, _, outer = module_name.rpartition('.')
+      attr = f'{outer}.{attr}'
+  for part in attr.split('.'):
+    obj = getattr(obj, part)
+  return obj
+
+
+@pytest.mark.parametrize('dotted,cites_paper', DOCUMENTED)
+def test_public_api_has_checked_examples(dotted, cites_paper):
+  doc = inspect.getdoc(_resolve(dotted)) or ''
+  assert 'Examples:' in doc, f'{dotted} has no Examples section'
+  examples = doctest.DocTestParser().get_examples(doc)
+  assert examples, f'{dotted} has no doctest example'
+  assert any(e.want for e in examples), (
+      f'{dotted}: no example checks any output')
+  if cites_paper:
+    assert 'References:' in doc and PAPER in doc, (
+        f'{dotted} does not cite the paper by its title')
