@@ -40,14 +40,35 @@ from cbp_optax.blocks import StackedFn
 from cbp_optax.blocks import strip_variable_suffix
 
 class EqualizeState(NamedTuple):
-  """State of :func:`equalize`."""
+  """State of :func:`equalize`.
+
+  One flat vector whatever the parameter tree, so it survives
+  ``optax.masked``, ``MultiSteps``, ``apply_if_finite`` and sharding.
+
+  Attributes:
+    count: the number of updates taken, an int32 scalar.
+    energy: the EMAs :math:`q_l` of eq. (5), one per block, in the order of
+      :func:`cbp_optax.block_names`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
+    >>> cbp.equalize().init(params)
+    EqualizeState(count=Array(0, dtype=int32), energy=Array([0., 0.], dtype=float32))
+  """
 
   count: chex.Array  # shape=(), dtype=jnp.int32.
   energy: chex.Array  # shape=(num_blocks,): the EMAs q_l of eq. (5).
 
 
 class BlockStats(NamedTuple):
-  """Energy and scale of one block, as read by :func:`equalize_stats`."""
+  """Energy and scale of one block, as read by :func:`equalize_stats`.
+
+  Attributes:
+    energy: :math:`q_l`, eq. (5).
+    scale: the :math:`s_l` of eq. (6) that the next step applies.
+  """
 
   energy: chex.Array  # q_l, eq. (5).
   scale: chex.Array  # s_l the next step applies, eq. (6).

@@ -31,7 +31,22 @@ from cbp_optax import _checks
 
 
 class PreconditionState(NamedTuple):
-  """State of :func:`precondition`."""
+  """State of :func:`precondition`.
+
+  Attributes:
+    count: the number of updates taken, an int32 scalar.
+    mu: the first moment :math:`m` of eq. (12), like the parameters, in the
+      statistics dtype.
+    nu: the second moment :math:`v` of eq. (11), like the parameters, in the
+      statistics dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> state = cbp.precondition().init({'w': jnp.ones(2, jnp.bfloat16)})
+    >>> int(state.count), state.mu['w'].dtype, state.nu['w'].shape
+    (0, dtype('float32'), (2,))
+  """
 
   count: chex.Array  # shape=(), dtype=jnp.int32.
   mu: optax.Updates  # First moment m, in stats dtype.
