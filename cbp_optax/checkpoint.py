@@ -254,6 +254,34 @@ def _from_storable(like_leaf: Any, restored: Any) -> Any:
   return restored
 
 
+def _replicate_single_device_leaves(abstract: Any) -> Any:
+  """Places one-device leaves (counters) on the mesh the other leaves use.
+
+  A step counter created on one device beside parameters sharded on a mesh
+  would come back pinned to that device, and the next step on the mesh would
+  fail with incompatible devices; restored replicated on the mesh, it is
+  where a jitted step would have put it.
+  """
+  leaves = jax.tree.leaves(abstract)
+  meshes = {
+      leaf.sharding.mesh for leaf in leaves
+      if isinstance(getattr(leaf, 'sharding', None), jax.sharding.NamedSharding)
+      and leaf.sharding.mesh.size > 1
+  }
+  if len(meshes) != 1:
+    return abstract
+  replicated = jax.sharding.NamedSharding(
+      meshes.pop(), jax.sharding.PartitionSpec())
+
+  def place(leaf):
+    if isinstance(getattr(leaf, 'sharding', None),
+                  jax.sharding.SingleDeviceSharding):
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
+    return leaf
+
+  return jax.tree.map(place, abstract)
+
+
 def restore(directory: PathLike, like: Any) -> Any:
   """Reads the checkpoint in ``directory`` into the structure of ``like``.
 
@@ -272,6 +300,9 @@ def restore(directory: PathLike, like: Any) -> Any:
     CheckpointError: no checkpoint at ``directory``, or one that is empty,
       incomplete or damaged (unreadable metadata or data, or data that does
       not match its digest). Every message names ``directory``.
+
+  Leaves of ``like`` on one device (step counters) beside leaves sharded
+  on a mesh come back replicated on that mesh.
 
   Examples:
     Restore into a freshly initialized state of the same structure; a
@@ -313,7 +344,8 @@ def restore(directory: PathLike, like: Any) -> Any:
         '(a different model or optimizer configuration?):\n  '
         + '\n  '.join(mismatch)
     )
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  abstract = _replicate_single_device_leaves(
+      jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
   if with_digests:
     digest_meta = saved[_DIGESTS]
     abstract = {

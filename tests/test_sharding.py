@@ -547,3 +547,22 @@ def test_fsdp_rule_shards_largest_divisible_dimension():
       lambda s: s.spec,
       sharding.fsdp_sharding(shapes, mesh, 'data', min_size=100))
   assert specs == {'kernel': P(None, 'data'), 'bias': P(), 'scalar': P()}
+
+
+@needs_mesh
+def test_restore_places_one_device_counters_on_the_mesh(tmp_path):
+  from cbp_optax import checkpoint  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((DEVICES,), ('data',))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {
+      'params': jax.device_put(jnp.ones((DEVICES, 4)), jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec('data'))),
+      'step': jnp.zeros((), jnp.int32),  # one device, as nnx.Optimizer makes it
+  }
+  checkpoint.save(tmp_path / 'ckpt', state)
+  restored = checkpoint.restore(tmp_path / 'ckpt', state)
+  assert restored['step'].sharding.is_equivalent_to(replicated, 0)
+  assert restored['params'].sharding.is_equivalent_to(
+      state['params'].sharding, 2)
+  total = jax.jit(lambda s: s['params'].sum() + s['step'])(restored)
+  assert float(total) == DEVICES * 4
