@@ -64,7 +64,7 @@ def main():
   parser.add_argument('--seed', type=int, default=0, help='random seed')
   args = parser.parse_args()
 
-  data = datasets.find_mnist(args.data_dir)
+  data = datasets.find_mnist(args.data_dir, bundled=True)
   print(f'data: {data.source}')
   if not 1 <= args.batch_size <= len(data.train_labels):
     parser.error(f'--batch-size {args.batch_size} must be between 1 and the '

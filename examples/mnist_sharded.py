@@ -125,7 +125,7 @@ def main():
                       help='comma list from data, fsdp')
   args = parser.parse_args()
 
-  data = datasets.find_mnist(args.data_dir)
+  data = datasets.find_mnist(args.data_dir, bundled=True)
   print(f'data: {data.source}')
   devices = jax.device_count()
   # Auto axes: XLA's partitioner places the collectives (GSPMD).
