@@ -87,12 +87,12 @@ class Config:
   context: int = 128
   batch: int = 32
   dropout: float = 0.1
-  # 20 runs (3 rates + 2 more seeds, 4 arms) of 120 steps: ~25 min on 2 idle
-  # cores (~0.55 s a step, estimated from the process CPU time on a loaded
-  # machine).
-  steps: int = 120
-  eval_every: int = 12
-  eval_windows: int = 128
+  # 20 runs (3 rates + 2 more seeds, 4 arms) of 100 steps: 0.84 s a step at
+  # load 2-4 on 2 cores (benchmarks/run.py --archs Transformer), ~30 min with
+  # the evaluations; less on an idle machine.
+  steps: int = 100
+  eval_every: int = 10
+  eval_windows: int = 64
 
 
 QUICK = Config(depth=2, width=32, heads=2, context=32, batch=8, steps=12,
