@@ -13,15 +13,15 @@
 Example::
 
   model = MyModel(rngs=nnx.Rngs(0))
-  cbp_optax.nnx.center(model)          # every Linear / Conv / attention projection
+  cbp_optax.nnx.center(model)   # every Linear, Conv, attention projection
   optimizer = cbp_optax.nnx.Optimizer(
       model, cbp_optax.cbp(1e-3, stacked=cbp_optax.nnx.stacked_blocks(model)))
   step = cbp_optax.nnx.train_step(loss_fn)     # loss_fn(model, *batch)
   out = step(model, optimizer, images, labels)  # out.loss, out.skipped
 
 References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
+  Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+  of the Backward Pass with Convergence Guarantees,
   §4.2, eqs. (8)-(10), and Algorithm 1.
 """
 
@@ -40,16 +40,8 @@ from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
 __all__ = [
-    'CenterReport',
-    'Centered',
-    'CenteringMean',
-    'Optimizer',
-    'RecordedMean',
-    'StepOutput',
-    'center',
-    'stacked_blocks',
-    'train_step',
-    'transport',
+    'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedMean',
+    'StepOutput', 'center', 'stacked_blocks', 'train_step', 'transport',
 ]
 
 
@@ -121,7 +113,9 @@ def layer_spec(layer: nnx.Module) -> core.LayerSpec:
   return spec_of(layer)
 
 
-def _stacked_shape(layer: nnx.Module, spec: core.LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _stacked_shape(
+    layer: nnx.Module, spec: core.LayerSpec
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Shape and stack axes of ``mu`` for a layer that may already be stacked."""
   kernel_shape = tuple(layer.kernel.shape)
   axes = core.locate_stack_axes(kernel_shape, spec.kernel_shape)
@@ -133,7 +127,8 @@ def _stacked_shape(layer: nnx.Module, spec: core.LayerSpec) -> tuple[tuple[int, 
   shape = list(spec.mean_shape)
   for axis in axes:
     shape.insert(min(axis, len(shape)), kernel_shape[axis])
-  mean_axes = tuple(min(a, len(spec.mean_shape) + i) for i, a in enumerate(axes))
+  mean_axes = tuple(
+      min(a, len(spec.mean_shape) + i) for i, a in enumerate(axes))
   return tuple(shape), mean_axes
 
 
@@ -195,8 +190,8 @@ class Centered(nnx.Module):
     [2. 3.] True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
     §4.2, eqs. (8) and (9).
   """
 
@@ -329,8 +324,8 @@ def transport(
     True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
     eq. (10) and Algorithm 1, steps 10-11.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
@@ -374,7 +369,8 @@ def _has_own_params(module: nnx.Module) -> bool:
 
 def center(
     model: nnx.Module, *, where: core.Where = None,
-    mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None) -> CenterReport:
+    mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
+) -> CenterReport:
   """Centers every supported linear layer of a built model, in place.
 
   Each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Conv`` (exact types,
@@ -427,8 +423,8 @@ def center(
     True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
     §4.2, eq. (8).
   """
   centered, skipped = [], []
@@ -510,8 +506,8 @@ def stacked_blocks(
     >>> tx = cbp.cbp(1e-3, stacked=stacked)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
     eq. (7).
   """
   params = nnx.state(model, nnx.Param)
@@ -612,8 +608,8 @@ def train_step(
     [0.01 0.01 0.01]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
     Algorithm 1.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
