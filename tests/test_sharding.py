@@ -35,6 +35,7 @@ import cbp_optax as cbp
 from cbp_optax import linen as cbp_linen
 from cbp_optax import nnx as cbp_nnx
 from cbp_optax import sharding
+from tests import test_sharding_helpers as sharding_helpers
 
 DEVICES = 8
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -509,18 +510,7 @@ def test_unknown_mesh_axis_is_refused():
 
 
 def test_optimizer_sharding_follows_params_and_replicates_block_state():
-  mesh = jax.make_mesh((1,), ('data',), axis_types=(AxisType.Auto,))
-  params = {
-      'a': {'kernel': jnp.ones((4, 8)), 'bias': jnp.zeros(8)},
-      'b': {'kernel': jnp.ones((8, 2)), 'bias': jnp.zeros(2)},
-  }
-  param_sharding = {
-      'a': {'kernel': NamedSharding(mesh, P(None, 'data')),
-            'bias': NamedSharding(mesh, P('data'))},
-      'b': {'kernel': NamedSharding(mesh, P('data', None)),
-            'bias': NamedSharding(mesh, P())},
-  }
-  params = jax.device_put(params, param_sharding)
+  params, param_sharding = sharding_helpers._params(sharding_helpers._mesh())
   tx = cbp.cbp(1e-3, weight_decay=1e-4)
   derived = sharding.optimizer_sharding(tx, params)
   chex.assert_trees_all_equal_structs(derived, jax.eval_shape(tx.init, params))
