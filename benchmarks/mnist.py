@@ -6,11 +6,11 @@ below 0.10; with its per-iteration cost, CBP's time to that threshold was
 about 1.5x Adam's. Here both methods run the library's fused step
 (``cbp.linen.train_step``): Adam (``optax.adam``) on the plain MLP, full CBP
 (``cbp.cbp``) on the same MLP with every Dense ``Centered``; He-normal
-initialization as in the reproduction (``cbp_optax.reproduce.mnist``).
+initialization as in the reproduction (``cbp_optax_experiments.reproduce.mnist``).
 
 Protocol:
 
-* Data: ``cbp_optax.datasets.load_mnist(data_dir)``; its training split (the
+* Data: ``cbp_optax_experiments.datasets.load_mnist(data_dir)``; its training split (the
   full 60,000 images, or 8,000 of the real 10,000-image test set when only
   that is available, which the results say).
 * Each run: fresh initialization (seed), batches of 256 drawn from a
@@ -67,7 +67,7 @@ DEFAULT_DATA_DIR = os.path.expanduser(
 
 def load(data_dir: str):
   """``(images (N, 784) float32, labels int32, source)`` or a skip reason."""
-  from cbp_optax import datasets
+  from cbp_optax_experiments import datasets
   try:
     mnist = datasets.load_mnist(data_dir, download=False)
   except (datasets.DataError, OSError) as error:

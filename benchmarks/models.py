@@ -217,7 +217,7 @@ class NnxResNet8(nnx.Module):
 def nnx_model(arch: Arch, centered: bool, seed: int = 0) -> nnx.Module:
   rngs = nnx.Rngs(seed)
   if arch.kind == 'transformer':
-    from cbp_optax.reproduce import transformer  # pylint: disable=g-import-not-at-top
+    from cbp_optax_experiments.reproduce import transformer  # pylint: disable=g-import-not-at-top
     config = transformer.Config(context=TRANSFORMER_CONTEXT)
     model = transformer.TransformerLM(config, rngs)
     if centered:

@@ -8,9 +8,9 @@ import types
 import numpy as np
 import pytest
 
-from cbp_optax import cli
-from cbp_optax import datasets
-from cbp_optax.reproduce import cli as reproduce_cli
+from cbp_optax_experiments import cli
+from cbp_optax_experiments import datasets
+from cbp_optax_experiments.reproduce import cli as reproduce_cli
 
 TINY = ['--steps', '3', '--width', '8', '--depth', '1', '--batch-size', '16']
 
@@ -135,7 +135,7 @@ def fake_studies(monkeypatch):
   monkeypatch.setattr(reproduce_cli, '_prefer_fast_cpu_convolutions',
                       lambda: None)
   real_import = reproduce_cli.importlib.import_module
-  studies = {f'cbp_optax.reproduce.{module}'
+  studies = {f'cbp_optax_experiments.reproduce.{module}'
              for module in reproduce_cli.STUDIES.values()}
 
   def import_module(name, package=None):

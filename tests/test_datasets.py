@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 
-from cbp_optax import datasets
+from cbp_optax_experiments import datasets
 
 MNIST_DIR = (pathlib.Path(os.environ['CBP_OPTAX_MNIST']).expanduser()
              if os.environ.get('CBP_OPTAX_MNIST') else None)

@@ -17,14 +17,14 @@ import optax
 import pytest
 
 import cbp_optax as cbp
-from cbp_optax import datasets
-from cbp_optax.reproduce import cli
-from cbp_optax.reproduce import flow
-from cbp_optax.reproduce import gradient_flow
-from cbp_optax.reproduce import init_scale
-from cbp_optax.reproduce import normalization
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext
+from cbp_optax_experiments import datasets
+from cbp_optax_experiments.reproduce import cli
+from cbp_optax_experiments.reproduce import flow
+from cbp_optax_experiments.reproduce import gradient_flow
+from cbp_optax_experiments.reproduce import init_scale
+from cbp_optax_experiments.reproduce import normalization
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext
 
 
 def _mnist_missing():
@@ -114,7 +114,7 @@ def test_studies_are_registered_as_real_data_subcommands():
                        ('init-scale', 'init_scale')):
     assert cli.STUDIES[name] == module
     assert name in cli.REAL_DATA
-    study = importlib.import_module(f'cbp_optax.reproduce.{module}')
+    study = importlib.import_module(f'cbp_optax_experiments.reproduce.{module}')
     assert study.NAME == name and callable(study.run)
   assert 'gradient-flow' not in cli.selected(['synthetic'])
 

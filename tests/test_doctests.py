@@ -1,9 +1,9 @@
 """Runs the docstring examples of the core modules; any failing example fails.
 
-The modules are listed explicitly: the experiments (``cbp_optax.reproduce``)
-need matplotlib and are not part of the installed core. The public API listed
-in ``DOCUMENTED`` must carry an ``Examples:`` section with at least one
-checked example and, where it implements a piece of the method, a
+The modules are listed explicitly: the experiments
+(``cbp_optax_experiments``) need matplotlib and are not part of the core. The
+public API listed in ``DOCUMENTED`` must carry an ``Examples:`` section with at
+least one checked example and, where it implements a piece of the method, a
 ``References:`` section naming the paper.
 """
 

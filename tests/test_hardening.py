@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import cbp_optax as cbp
 from cbp_optax import checkpoint
-from cbp_optax import datasets
+from cbp_optax_experiments import datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -495,11 +495,11 @@ def test_offline_without_data_says_where_it_looked_and_what_to_do(
 
 
 def test_reproduce_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
-  from cbp_optax.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
+  from cbp_optax_experiments.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(reproduce_cli, '_prefer_fast_cpu_convolutions',
                       lambda: None)
   for name in [m for m in sys.modules if m.startswith('matplotlib')] + [
-      'cbp_optax.reproduce.plotting']:
+      'cbp_optax_experiments.reproduce.plotting']:
     monkeypatch.delitem(sys.modules, name, raising=False)
   monkeypatch.setitem(sys.modules, 'matplotlib', None)  # import fails
   with pytest.raises(SystemExit, match=r"pip install 'cbp-optax\[experiments\]'"):

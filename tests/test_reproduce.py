@@ -23,18 +23,18 @@ from scipy import stats as scipy_stats
 
 import cbp_optax as cbp
 
-from cbp_optax.reproduce import conditioning
-from cbp_optax.reproduce import depth_training
-from cbp_optax.reproduce import disparity
-from cbp_optax.reproduce import factorial
-from cbp_optax.reproduce import gradient_norms
-from cbp_optax.reproduce import head_to_head
-from cbp_optax.reproduce import protocol
-from cbp_optax.reproduce import quadratic
-from cbp_optax.reproduce import resnet
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext
+from cbp_optax_experiments.reproduce import conditioning
+from cbp_optax_experiments.reproduce import depth_training
+from cbp_optax_experiments.reproduce import disparity
+from cbp_optax_experiments.reproduce import factorial
+from cbp_optax_experiments.reproduce import gradient_norms
+from cbp_optax_experiments.reproduce import head_to_head
+from cbp_optax_experiments.reproduce import protocol
+from cbp_optax_experiments.reproduce import quadratic
+from cbp_optax_experiments.reproduce import resnet
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 slow = [pytest.mark.slow, pytest.mark.skipif(
@@ -243,7 +243,7 @@ def test_depth_training_quick(tmp_path):
 
 def test_cli_runs_a_study_and_writes_the_summary(tmp_path):
   done = subprocess.run(
-      [sys.executable, '-m', 'cbp_optax.cli', 'reproduce', 'quadratic',
+      [sys.executable, '-m', 'cbp_optax_experiments.cli', 'reproduce', 'quadratic',
        '--quick', '--no-progress', '--out', str(tmp_path)],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -280,7 +280,7 @@ def test_resnet_quick_runs_every_arm_and_labels_the_substitute(tmp_path):
 @slow[1]
 def test_real_data_and_timing_studies_quick(tmp_path, study):
   import importlib  # pylint: disable=g-import-not-at-top
-  module = importlib.import_module(f'cbp_optax.reproduce.{study}')
+  module = importlib.import_module(f'cbp_optax_experiments.reproduce.{study}')
   module.run(quick(tmp_path, study))
   outputs(tmp_path / study)
 

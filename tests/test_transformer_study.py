@@ -14,9 +14,9 @@ from flax import nnx
 
 import cbp_optax as cbp
 from cbp_optax import _step
-from cbp_optax.reproduce import cli
-from cbp_optax.reproduce import transformer as tf
-from cbp_optax.reproduce.context import StudyContext
+from cbp_optax_experiments.reproduce import cli
+from cbp_optax_experiments.reproduce import transformer as tf
+from cbp_optax_experiments.reproduce.context import StudyContext
 
 SMALL = tf.Config(depth=3, width=32, heads=2, context=16, batch=4,
                   dropout=0.1, steps=4, eval_every=2, eval_windows=8)

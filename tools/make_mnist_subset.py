@@ -1,4 +1,4 @@
-"""Builds ``cbp_optax/data/mnist_subset.npz``, the MNIST subset shipped with the package.
+"""Builds ``cbp_optax_experiments/data/mnist_subset.npz``, the MNIST subset shipped with the package.
 
 Usage::
 
@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from cbp_optax import datasets
+from cbp_optax_experiments import datasets
 
 TRAIN, TEST, SEED = 2000, 500, 0
 TARGET = (pathlib.Path(__file__).resolve().parents[1] / 'cbp_optax' / 'data'

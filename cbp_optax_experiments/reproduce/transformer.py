@@ -57,9 +57,9 @@ import tqdm
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'transformer'
 TITLE = 'Beyond the paper: byte-level transformer LM, CBP vs AdamW'
@@ -742,8 +742,8 @@ def run(ctx: StudyContext, data: Optional[pathlib.Path] = None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m cbp_optax.reproduce.transformer`` with the model flags."""
-  parser = argparse.ArgumentParser(prog='cbp_optax.reproduce.transformer',
+  """``python -m cbp_optax_experiments.reproduce.transformer`` with the model flags."""
+  parser = argparse.ArgumentParser(prog='cbp_optax_experiments.reproduce.transformer',
                                    description=TITLE)
   parser.add_argument('--out', type=pathlib.Path,
                       default=pathlib.Path('reproduction') / NAME)

@@ -17,9 +17,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tqdm
 
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
 
 
 @dataclasses.dataclass

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import head_to_head
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import protocol
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import head_to_head
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import protocol
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'factorial'
 TITLE = '§6.4 / Tables 7 and 8: common-base factorial and sensitivity'

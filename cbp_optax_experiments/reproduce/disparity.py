@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbp_optax.reproduce import gradient_norms
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import gradient_norms
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'disparity'
 TITLE = '§6.5 / Table 9, Figure 6: disparity vs depth in hetero tanh nets'

@@ -288,7 +288,7 @@ def load_bundled_mnist() -> Mnist:
   """The small real-MNIST subset shipped inside the package.
 
   2,000 training and 500 test images drawn from the MNIST test set (see
-  ``cbp_optax/data/README.md`` for how, and for the CC BY-SA 3.0 licence of
+  ``cbp_optax_experiments/data/README.md`` for how, and for the CC BY-SA 3.0 licence of
   MNIST by Yann LeCun, Corinna Cortes and Christopher J.C. Burges). Enough to
   try the command-line tools offline; not a benchmark.
 

@@ -20,10 +20,10 @@ import numpy as np
 
 import cbp_optax as cbp
 from cbp_optax import diagnostics
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'gradient-norms'
 TITLE = '§6.1 / Figure 2: per-layer gradient-block norms, raw vs M1'

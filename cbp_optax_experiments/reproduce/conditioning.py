@@ -20,9 +20,9 @@ import numpy as np
 import optax
 
 from cbp_optax import diagnostics
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'conditioning'
 TITLE = '§6.2 / Table 5, Figure 3: centering and the curvature factor'

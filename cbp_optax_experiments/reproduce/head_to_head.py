@@ -16,11 +16,11 @@ import numpy as np
 import optax
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import protocol
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import protocol
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'head-to-head'
 TITLE = '§6.3 / Table 6, Figure 4: head-to-head on the six-arm spiral'

@@ -4,8 +4,13 @@
 width 256, batch 256) with optax.adam, Adam + Center and full CBP side by side
 and prints a comparison table (``--out DIR`` also writes results.md,
 results.json and a loss-curve PNG). ``cbp-optax reproduce`` runs the paper's
-studies (``cbp_optax.reproduce``). ``cbp-optax --version``; every command has
-``--help`` listing each flag with its default.
+studies (``cbp_optax_experiments.reproduce``). ``cbp-optax --version``; every
+command has ``--help`` listing each flag with its default.
+
+``compare`` needs only numpy and JAX; its ``--out`` figure and ``reproduce``
+need the ``experiments`` extra (matplotlib, scipy, tqdm). When one of those is
+missing, the command exits with a one-line message naming the extra instead
+of a traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import optax
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax import datasets
+from cbp_optax_experiments import datasets
 from cbp_optax import nnx as cbp_nnx
 
 
@@ -242,9 +247,12 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
 
 def _reproduce(argv: Optional[Sequence[str]] = None) -> int:
   # Imported on use: the experiments are not needed by `compare`.
-  from cbp_optax.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
+  from cbp_optax_experiments.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
   return reproduce_cli.main(argv)
 
+
+# The top-level modules of the `experiments` extra (pyproject.toml).
+EXTRA_MODULES = ('matplotlib', 'scipy', 'tqdm')
 
 # Command -> (entry point taking the command's own arguments, one-line help).
 _COMMANDS: dict[str, tuple[Callable[[Optional[Sequence[str]]], int], str]] = {
@@ -296,7 +304,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if position:
     top.error(f'unrecognized arguments before the command: '
               f'{" ".join(argv[:position])}')
-  return _COMMANDS[args.command][0](argv[position + 1:])
+  try:
+    return _COMMANDS[args.command][0](argv[position + 1:])
+  except ImportError as e:
+    # A dependency of the experiments extra missing deeper than the commands'
+    # own checks: one line naming the extra, not a traceback.
+    missing = (e.name or '').partition('.')[0]
+    if missing not in EXTRA_MODULES:
+      raise
+    raise SystemExit(
+        f'cbp-optax {args.command} needs {missing}, which is not installed '
+        f"({e}). Install the extra: pip install 'cbp-optax[experiments]'"
+    ) from e
 
 
 if __name__ == '__main__':

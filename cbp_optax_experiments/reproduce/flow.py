@@ -21,7 +21,7 @@ import optax
 
 import cbp_optax as cbp
 from cbp_optax import diagnostics
-from cbp_optax.reproduce import training
+from cbp_optax_experiments.reproduce import training
 
 
 def depth_order(names: Sequence[str]) -> list[int]:

@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'quadratic'
 TITLE = '§6.5 / Figure 5: iterations to 1e-3 on the block quadratic'

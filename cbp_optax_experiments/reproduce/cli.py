@@ -103,21 +103,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     # import_module, not `from ... import`: it goes through sys.modules, so
     # a missing matplotlib is detected even after plotting was imported.
-    plotting = importlib.import_module('cbp_optax.reproduce.plotting')
-    import tqdm  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    plotting = importlib.import_module(
+        'cbp_optax_experiments.reproduce.plotting')
+    importlib.import_module('scipy.stats')
+    importlib.import_module('tqdm')
   except ImportError as e:
     raise SystemExit(
-        'cbp-optax reproduce needs matplotlib (its figures) and tqdm (progress '
-        f'bars) ({e}). '
+        'cbp-optax reproduce needs matplotlib (its figures), scipy (its '
+        f'statistics) and tqdm (progress bars) ({e}). '
         "Install the extra: pip install 'cbp-optax[experiments]'") from e
-  from cbp_optax.reproduce.context import StudyContext  # pylint: disable=g-import-not-at-top
+  from cbp_optax_experiments.reproduce.context import StudyContext  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
   names = selected(args.study)
   if args.download and any(name in REAL_DATA for name in names):
     _download_mnist(args.data_dir)
   for name in names:
-    module = importlib.import_module(f'cbp_optax.reproduce.{STUDIES[name]}')
+    module = importlib.import_module(
+        f'cbp_optax_experiments.reproduce.{STUDIES[name]}')
     ctx = StudyContext(out=args.out / name, seeds=args.seeds, quick=args.quick,
                        data_dir=args.data_dir, data=args.data,
                        progress=not args.no_progress)
@@ -148,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _download_mnist(data_dir: Optional[pathlib.Path]) -> None:
   """Fetches MNIST where the real-data studies will look for it."""
-  from cbp_optax import datasets  # pylint: disable=g-import-not-at-top
+  from cbp_optax_experiments import datasets  # pylint: disable=g-import-not-at-top
   try:
     print(f'data: {datasets.find_mnist(data_dir, download=True).source}',
           flush=True)

@@ -26,11 +26,11 @@ from scipy import stats as scipy_stats
 import tqdm
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import flow
-from cbp_optax.reproduce import mnist
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import flow
+from cbp_optax_experiments.reproduce import mnist
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'init-scale'
 TITLE = 'Diagnostics: initialization scale x depth, binary MNIST (SGD, AdamW, CBP)'

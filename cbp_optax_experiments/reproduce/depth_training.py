@@ -19,11 +19,11 @@ import optax
 import tqdm
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import disparity
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import protocol
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import disparity
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import protocol
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'depth-training'
 TITLE = '§6.5 / Figure 7: iterations to loss 0.20, SGD vs SGD + M1, by depth'

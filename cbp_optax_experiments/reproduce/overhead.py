@@ -22,10 +22,10 @@ import optax
 import tqdm
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import resnet
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import resnet
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'overhead'
 TITLE = '§5.6 / Table 4: per-iteration time of SGD, Adam and CBP'

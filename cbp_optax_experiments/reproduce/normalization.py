@@ -23,12 +23,12 @@ import optax
 import tqdm
 
 import cbp_optax as cbp
-from cbp_optax.reproduce import flow
-from cbp_optax.reproduce import mnist
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments.reproduce import flow
+from cbp_optax_experiments.reproduce import mnist
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'normalization'
 TITLE = 'Diagnostics: normalization vs centering at depth 12 on MNIST'

@@ -6,7 +6,7 @@ RGB input) against SGD + momentum, Adam, AdamW and AdamW on the
 batch-normalized twin. For CBP every ``nn.Conv`` and the classifier are wrapped
 in ``cbp_optax.linen.Centered`` (per-channel input means, bias transport).
 
-Data: CIFAR-10 from ``--data-dir`` in its binary format (``cbp_optax.datasets``).
+Data: CIFAR-10 from ``--data-dir`` in its binary format (``cbp_optax_experiments.datasets``).
 Offline, the same architecture runs on the real MNIST images zero-padded to
 32x32 (one input channel), and every output says so.
 """
@@ -26,11 +26,11 @@ import optax
 import tqdm
 
 import cbp_optax as cbp
-from cbp_optax import datasets
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import stats
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments import datasets
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'resnet'
 TITLE = '§6.6 / Table 11: ResNet-8, centered convolutions'

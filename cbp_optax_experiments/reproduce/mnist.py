@@ -10,7 +10,7 @@ accuracy and iterations to a smoothed training loss below 0.10.
 
 Data: the full MNIST when ``--data-dir`` (or a default directory) holds it;
 offline, the real 10,000-image test set split 8,000 / 2,000 by
-``cbp_optax.datasets`` (then 1,000 of the 8,000 are held out for validation),
+``cbp_optax_experiments.datasets`` (then 1,000 of the 8,000 are held out for validation),
 and the output says which.
 """
 
@@ -23,11 +23,11 @@ import optax
 import tqdm
 
 import cbp_optax as cbp
-from cbp_optax import datasets
-from cbp_optax.reproduce import plotting
-from cbp_optax.reproduce import protocol
-from cbp_optax.reproduce import training
-from cbp_optax.reproduce.context import StudyContext, StudyResult
+from cbp_optax_experiments import datasets
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import protocol
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
 
 NAME = 'mnist'
 TITLE = '§6.6 / Table 10: MNIST MLP (4 x 256), batch 256'

@@ -1,0 +1,120 @@
+"""The package layout of issue 14: the core never reaches into the experiments.
+
+``cbp_optax`` is the optimizer (jax, optax, flax, chex; orbax lazily for
+checkpoints). ``cbp_optax_experiments`` holds the reproduction suite, the
+``cbp-optax`` command and the dataset readers, and its plotting, statistics
+and progress bars need the ``experiments`` extra (matplotlib, scipy, tqdm).
+"""
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CORE = ROOT / 'cbp_optax'
+EXTRA = ('matplotlib', 'scipy', 'tqdm')
+CORE_MODULES = ('cbp_optax', 'cbp_optax.nnx', 'cbp_optax.linen',
+                'cbp_optax.diagnostics', 'cbp_optax.sharding',
+                'cbp_optax.launch')
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, '-c', code], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+
+
+def test_importing_the_core_loads_no_experiment_module_or_extra():
+  code = (f'import sys\nimport {", ".join(CORE_MODULES)}\n'
+          'import json\nprint(json.dumps(sorted(sys.modules)))')
+  result = run_python(code)
+  assert result.returncode == 0, result.stderr
+  loaded = json.loads(result.stdout.strip().splitlines()[-1])
+  leaked = [name for name in loaded
+            if name.partition('.')[0] in EXTRA + ('cbp_optax_experiments',)]
+  assert not leaked, f'importing the core loaded {leaked}'
+
+
+def test_no_core_file_names_the_experiments():
+  files = sorted(CORE.rglob('*.py'))
+  assert files
+  for path in files:
+    text = path.read_text()
+    assert 'cbp_optax_experiments' not in text, path
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        names = [node.module or '']
+      else:
+        continue
+      for name in names:
+        assert name.partition('.')[0] not in EXTRA, (path, name)
+
+
+def test_the_experiments_ship_as_their_own_package_with_the_data():
+  experiments = ROOT / 'cbp_optax_experiments'
+  for path in ('__init__.py', 'cli.py', 'datasets.py',
+               'reproduce/__init__.py', 'reproduce/__main__.py',
+               'data/mnist_subset.npz', 'data/README.md'):
+    assert (experiments / path).is_file(), path
+  for path in ('cli.py', 'datasets.py', 'reproduce', 'data'):
+    assert not (CORE / path).exists(), path
+  pyproject = (ROOT / 'pyproject.toml').read_text()
+  assert 'cbp-optax = "cbp_optax_experiments.cli:main"' in pyproject
+  assert '"cbp_optax_experiments*"' in pyproject
+
+
+@pytest.mark.parametrize('missing', EXTRA)
+def test_cli_names_the_extra_when_a_dependency_is_missing(missing):
+  # `reproduce` on a study that needs all three; the dependency is made
+  # unimportable before anything is loaded.
+  code = (
+      'import sys\n'
+      f'sys.modules[{missing!r}] = None\n'
+      'from cbp_optax_experiments import cli\n'
+      "from cbp_optax_experiments.reproduce import cli as reproduce_cli\n"
+      'reproduce_cli._prefer_fast_cpu_convolutions = lambda: None\n'
+      "sys.exit(cli.main(['reproduce', 'quadratic', '--quick', '--out', "
+      "'/nonexistent/never-written']))\n")
+  result = run_python(code)
+  assert result.returncode != 0
+  assert 'Traceback' not in result.stderr, result.stderr
+  message = result.stderr.strip().splitlines()
+  assert len(message) == 1, result.stderr
+  assert missing in message[0]
+  assert "pip install 'cbp-optax[experiments]'" in message[0]
+
+
+def test_cli_extra_check_covers_imports_deeper_than_the_commands(monkeypatch):
+  from cbp_optax_experiments import cli  # pylint: disable=g-import-not-at-top
+
+  def needs_scipy(argv):
+    del argv
+    import scipy.special  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    return 0
+
+  monkeypatch.setitem(sys.modules, 'scipy', None)
+  monkeypatch.setitem(cli._COMMANDS, 'compare',
+                      (needs_scipy, cli._COMMANDS['compare'][1]))
+  with pytest.raises(SystemExit, match=r"needs scipy.*pip install "
+                     r"'cbp-optax\[experiments\]'"):
+    cli.main(['compare'])
+
+
+def test_cli_lets_other_import_errors_through(monkeypatch):
+  from cbp_optax_experiments import cli  # pylint: disable=g-import-not-at-top
+
+  def needs_something_else(argv):
+    del argv
+    import not_a_real_module_cbp  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    return 0
+
+  monkeypatch.setitem(cli._COMMANDS, 'compare',
+                      (needs_something_else, cli._COMMANDS['compare'][1]))
+  with pytest.raises(ModuleNotFoundError, match='not_a_real_module_cbp'):
+    cli.main(['compare'])
