@@ -19,7 +19,11 @@ from cbp_optax import linen
 from cbp_optax import nnx
 from cbp_optax import sharding
 from cbp_optax.alias import cbp
+from cbp_optax.alias import cbp_transformer
 from cbp_optax.blocks import block_names
+from cbp_optax.blocks import kernel_blocks
+from cbp_optax.blocks import layer_blocks
+from cbp_optax.blocks import leaf_blocks
 from cbp_optax.equalize import BlockStats
 from cbp_optax.equalize import equalize
 from cbp_optax.equalize import equalize_stats
@@ -36,12 +40,16 @@ __all__ = (
     'block_names',
     'blocks',
     'cbp',
+    'cbp_transformer',
     'centering',
     'checkpoint',
     'diagnostics',
     'equalize',
     'equalize_stats',
+    'kernel_blocks',
     'launch',
+    'layer_blocks',
+    'leaf_blocks',
     'linen',
     'nnx',
     'precondition',

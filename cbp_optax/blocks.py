@@ -87,6 +87,66 @@ def default_block_key(path: KeyPath, leaf: Any) -> Hashable:
   return path[:-1] if len(path) > 1 else path
 
 
+def layer_blocks(path: KeyPath, leaf: Any) -> Hashable:
+  """``block_fn`` preset, the default: one M1 block per layer (eq. 7).
+
+  The leaves that share a parent path (a layer's kernel and bias) form one
+  block; this is Algorithm 1's grouping.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'dense': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)},
+    ...           'norm': {'scale': jnp.ones(2)}}
+    >>> cbp.block_names(params, block_fn=cbp.layer_blocks)
+    ('dense', 'norm')
+  """
+  return default_block_key(path, leaf)
+
+
+def leaf_blocks(path: KeyPath, leaf: Any) -> Hashable:
+  """``block_fn`` preset: one M1 block per parameter tensor.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'dense': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}}
+    >>> cbp.block_names(params, block_fn=cbp.leaf_blocks)
+    ('dense/bias', 'dense/kernel')
+  """
+  del leaf
+  return path
+
+
+def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
+  """``block_fn`` preset: M1 equalizes the weight matrices only.
+
+  Each leaf named ``kernel`` (the weight of every Flax linear, conv, einsum
+  and attention projection) is one block, per slice when stacked; every
+  other leaf (biases, normalization scales, embeddings) is left out of M1:
+  its update passes through with :math:`s = 1` and its energy is not part of
+  the target :math:`c` of eq. (6). Not Algorithm 1's grouping: the blocks
+  that eq. (7) pulls to one energy are then only the layers' matrices, whose
+  gradient energies are comparable, rather than also vectors and lookup
+  tables whose energies differ from them by orders of magnitude for reasons
+  that are not ill-conditioning (a LayerNorm gain, an embedding row seen once
+  per batch).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'dense': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)},
+    ...           'embed': {'embedding': jnp.ones((5, 2))},
+    ...           'norm': {'scale': jnp.ones(2)}}
+    >>> cbp.block_names(params, block_fn=cbp.kernel_blocks)
+    ('dense',)
+  """
+  del leaf
+  if path and key_name(path[-1]) == 'kernel':
+    return path[:-1] if len(path) > 1 else path
+  return None
+
+
 def block_layout(
     tree: Any,
     *,
@@ -98,7 +158,8 @@ def block_layout(
   Args:
     tree: parameters or gradients (arrays, or NNX Variables).
     block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys form
-      one block. Defaults to :func:`default_block_key`.
+      one block, and a leaf whose key is ``None`` is in no block (M1 leaves
+      it unscaled). Defaults to :func:`layer_blocks`.
     stacked: ``stacked(path, leaf) -> bool``; a leaf for which it returns True
       carries a leading layer axis (``nn.scan``, ``nnx.vmap`` layer stacks) and
       each slice along that axis is a block of its own.
@@ -139,6 +200,8 @@ def block_layout(
   for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
     path = strip_variable_suffix(path)
     key = key_fn(path, leaf)
+    if key is None:
+      continue
     stack = None
     if stacked is not None and stacked(path, leaf):
       shape = jnp.shape(leaf)

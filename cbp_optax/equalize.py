@@ -181,7 +181,8 @@ def _scale_leaves(
     group_scales: Sequence[chex.Array],
     out_dtypes: Sequence[Any],
 ) -> list[chex.Array]:
-  scaled = list(leaves)
+  # Leaves in no block (block_fn returned None) pass through with s = 1.
+  scaled = [leaf.astype(dtype) for leaf, dtype in zip(leaves, out_dtypes)]
   for leaf_ids, stack, scale in zip(
       layout.groups, layout.group_stacks, group_scales
   ):
@@ -283,10 +284,14 @@ def equalize(
     min_scale: lower clip :math:`s_{\min} > 0`.
     max_scale: upper clip :math:`s_{\max} \ge s_{\min}`.
     block_fn: ``block_fn(path, leaf) -> hashable`` groups leaves into blocks
-      (leaves with equal keys share a block). The default groups the leaves
-      that share a parent path, i.e. one block per layer (``Dense_0``'s kernel
-      and bias form block ``Dense_0``); NNX ``.value`` path suffixes are
-      ignored. ``lambda path, leaf: path`` gives one block per leaf.
+      (leaves with equal keys share a block; a leaf whose key is ``None`` is
+      in no block and passes through unscaled). The default,
+      :func:`cbp_optax.layer_blocks`, groups the leaves that share a parent
+      path, i.e. one block per layer (``Dense_0``'s kernel and bias form block
+      ``Dense_0``); NNX ``.value`` path suffixes are ignored. Presets:
+      :func:`cbp_optax.leaf_blocks` (one block per tensor) and
+      :func:`cbp_optax.kernel_blocks` (weight matrices only; not
+      Algorithm 1's grouping).
     stacked: ``stacked(path, leaf) -> bool`` declares leaves that carry a
       leading layer axis (``nn.scan`` / ``nnx.vmap`` layer stacks); each slice
       along that axis becomes its own block, as one block per layer intends.

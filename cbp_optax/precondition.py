@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import optax
 
 from cbp_optax import _checks
+from cbp_optax.blocks import StackedFn
+from cbp_optax.blocks import strip_variable_suffix
 
 
 class PreconditionState(NamedTuple):
@@ -96,6 +98,15 @@ def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
   )
 
 
+def _root_mean_square(v_hat: chex.Array, is_stacked: bool) -> chex.Array:
+  """``sqrt(mean(v_hat))`` over the leaf, or over each slice of a stack."""
+  if v_hat.ndim == 0:
+    return jnp.sqrt(v_hat)
+  axes = tuple(range(1, v_hat.ndim)) if is_stacked else None
+  rms = jnp.sqrt(jnp.mean(v_hat, axis=axes, keepdims=True))
+  return rms
+
+
 def _check_matches_state(updates: Any, state: PreconditionState) -> None:
   updates_def = jax.tree.structure(updates)
   state_def = jax.tree.structure(state.mu)
@@ -124,6 +135,8 @@ def precondition(
     *,
     stats_dtype: Optional[Any] = None,
     zero_moment_identity: bool = False,
+    relative_damping: float = 0.0,
+    stacked: Optional[StackedFn] = None,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
@@ -230,6 +243,11 @@ def precondition(
   _checks.check_positive('damping', damping)
   stats_dtype = _checks.check_stats_dtype(stats_dtype)
   _checks.check_bool('zero_moment_identity', zero_moment_identity)
+  _checks.check_nonnegative('relative_damping', relative_damping)
+  _checks.check_callable('stacked', stacked)
+  # A concrete 0 leaves the relative term out of the graph: the default is
+  # Algorithm 1's computation, op for op.
+  with_relative = _checks.concrete_float(relative_damping) != 0.0
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
@@ -249,12 +267,15 @@ def precondition(
     nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)
     mu_correction = 1.0 - b1 ** count_inc
 
-    def leaf_update(g, m, v, p):
+    def leaf_update(g, m, v, p, is_stacked):
       out_dtype = _checks.output_dtype(g, p)
       g_stats = jnp.asarray(g).astype(m.dtype)
       m_new = b1 * m + (1.0 - b1) * g_stats
       m_hat = m_new / mu_correction.astype(m.dtype)
-      denom = jnp.sqrt(v / nu_correction.astype(v.dtype)) + damping
+      v_hat = v / nu_correction.astype(v.dtype)
+      denom = jnp.sqrt(v_hat) + damping
+      if with_relative:
+        denom = denom + relative_damping * _root_mean_square(v_hat, is_stacked)
       step = jnp.where(first_step, m_hat, m_hat / denom)
       if zero_moment_identity:
         step = jnp.where(v == 0, m_hat, step)
@@ -262,17 +283,22 @@ def precondition(
       return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
               v_new.astype(v.dtype))
 
-    g_leaves, treedef = jax.tree.flatten(updates)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    g_leaves = [leaf for _, leaf in paths_and_leaves]
+    stacked_flags = [
+        stacked is not None and bool(stacked(strip_variable_suffix(path), g))
+        for path, g in paths_and_leaves
+    ]
     p_leaves = [None] * len(g_leaves)
     if params is not None:
       flat_params = jax.tree.leaves(params)
       if len(flat_params) == len(g_leaves):
         p_leaves = flat_params
     results = [
-        leaf_update(g, m, v, p)
-        for g, m, v, p in zip(
+        leaf_update(g, m, v, p, is_stacked)
+        for g, m, v, p, is_stacked in zip(
             g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
-            p_leaves,
+            p_leaves, stacked_flags,
         )
     ]
     steps, mu, nu = (

@@ -25,8 +25,15 @@ class CBPReference:
 
   def __init__(self, shapes, *, lr, b1=0.9, b2=0.999, damping=1e-3,
                rho=0.99, s_min=0.1, s_max=4.0, equalize=True,
-               precondition=True):
+               precondition=True, relative_damping=0.0, equalized=None):
+    """``relative_damping`` (delta) and ``equalized`` (which blocks M1 scales;
+    the others keep s = 1 and are not in the target c) are the opt-in
+    extensions: damping + delta * sqrt(mean(v_hat)) per array, and M1 over a
+    subset of the blocks."""
     self.lr, self.b1, self.b2, self.damping = lr, b1, b2, damping
+    self.relative_damping = relative_damping
+    self.equalized = (np.ones(len(shapes), bool) if equalized is None
+                      else np.asarray(equalized, bool))
     self.rho, self.s_min, self.s_max = rho, s_min, s_max
     self.equalize, self.precondition = equalize, precondition
     self.t = 0
@@ -41,7 +48,9 @@ class CBPReference:
     self.t += 1
     t = self.t
     if self.equalize:
-      s = scales_from_energy(self.q, t, self.s_min, self.s_max)   # step 3
+      s = np.ones(len(grads))
+      on = self.equalized
+      s[on] = scales_from_energy(self.q[on], t, self.s_min, self.s_max)  # 3
       energies = np.array([sum(np.sum(g.astype(np.float64) ** 2) for g in b)
                            for b in grads])
       self.q = self.rho * self.q + (1 - self.rho) * energies        # step 4
@@ -61,7 +70,9 @@ class CBPReference:
             p = np.ones_like(m)                                     # P_1 = I
           else:
             v_hat = self.v[l][i] / (1 - self.b2 ** (t - 1))         # step 7
-            p = 1.0 / (np.sqrt(v_hat) + self.damping)
+            damping = (self.damping + self.relative_damping
+                       * np.sqrt(np.mean(v_hat)))
+            p = 1.0 / (np.sqrt(v_hat) + damping)
           self.v[l][i] = (self.b2 * self.v[l][i]
                           + (1 - self.b2) * g_eq ** 2)              # step 9
         else:

@@ -1,0 +1,184 @@
+"""The opt-in extensions of Algorithm 1 against the float64 NumPy reference.
+
+``relative_damping`` (damping relative to each tensor's stored second-moment
+scale), ``block_fn`` presets that leave leaves out of M1, and the
+``cbp_transformer`` alias built from them. The defaults stay Algorithm 1:
+tests/test_reference.py checks those, unchanged.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cbp_optax as cbp
+from tests import numpy_reference as ref
+from tests.test_reference import CLIP
+from tests.test_reference import LR
+from tests.test_reference import REF_CLIP
+from tests.test_reference import run_both
+from tests.test_reference import SHAPES
+
+
+@pytest.mark.parametrize('damping', [1e-3, 1e-8])
+@pytest.mark.parametrize('b1', [0.9, 0.0])
+def test_relative_damping_matches_numpy_reference(damping, b1):
+  kw = dict(b1=b1, b2=0.99, damping=damping)
+  reference = ref.CBPReference(SHAPES, lr=LR, rho=0.9, relative_damping=0.3,
+                               **REF_CLIP, **kw)
+  worst, clip_low, clip_high = run_both(
+      lambda: cbp.cbp(LR, decay=0.9, relative_damping=0.3, **CLIP, **kw),
+      reference)
+  assert clip_low and clip_high
+  assert worst <= 1e-10, worst
+
+
+def test_relative_damping_changes_the_update():
+  # Guards the test above: with the term dropped, the reference disagrees.
+  reference = ref.CBPReference(SHAPES, lr=LR, rho=0.9, relative_damping=0.3,
+                               damping=1e-8, **REF_CLIP)
+  worst, _, _ = run_both(
+      lambda: cbp.cbp(LR, decay=0.9, damping=1e-8, **CLIP), reference)
+  assert worst > 1e-3, worst
+
+
+def _without_last_block(path, leaf):
+  del leaf
+  return None if path[0].key == 'layer3' else path[:-1]
+
+
+def test_block_left_out_of_m1_matches_numpy_reference():
+  reference = ref.CBPReference(SHAPES, lr=LR, rho=0.9,
+                               equalized=[True, True, True, False], **REF_CLIP)
+  worst, clip_low, clip_high = run_both(
+      lambda: cbp.cbp(LR, decay=0.9, block_fn=_without_last_block, **CLIP),
+      reference)
+  assert clip_low and clip_high
+  assert worst <= 1e-10, worst
+
+
+def test_left_out_leaf_passes_through_equalize_unscaled():
+  params = {'a': {'kernel': jnp.ones((2, 3)), 'bias': jnp.ones(3)},
+            'b': {'kernel': jnp.ones((3, 1)), 'bias': jnp.ones(1)},
+            'norm': {'scale': jnp.ones(3)}}
+  grads = {'a': {'kernel': jnp.full((2, 3), 1e-3), 'bias': jnp.full(3, 5.0)},
+           'b': {'kernel': jnp.full((3, 1), 10.0), 'bias': jnp.full(1, 7.0)},
+           'norm': {'scale': jnp.full(3, 1e4)}}
+  tx = cbp.equalize(decay=0.0, block_fn=cbp.kernel_blocks)
+  state = tx.init(params)
+  assert state.energy.shape == (2,)
+  for _ in range(3):
+    updates, state = tx.update(grads, state)
+  for name in ('a', 'b'):
+    chex.assert_trees_all_equal(updates[name]['bias'], grads[name]['bias'])
+  chex.assert_trees_all_equal(updates['norm'], grads['norm'])
+  # The kernels alone set the target: a's tiny kernel is boosted to the cap.
+  np.testing.assert_allclose(updates['a']['kernel'], 4.0 * 1e-3, rtol=1e-6)
+  stats = cbp.equalize_stats(state, params, block_fn=cbp.kernel_blocks)
+  assert list(stats) == ['a', 'b']
+
+
+def test_block_presets_name_their_blocks():
+  params = {'attn': {'query': {'kernel': jnp.ones((4, 2, 2)),
+                               'bias': jnp.ones((2, 2))}},
+            'embed': {'embedding': jnp.ones((8, 4))},
+            'norm': {'scale': jnp.ones(4), 'bias': jnp.ones(4)}}
+  assert cbp.block_names(params) == cbp.block_names(
+      params, block_fn=cbp.layer_blocks) == ('attn/query', 'embed', 'norm')
+  assert cbp.block_names(params, block_fn=cbp.leaf_blocks) == (
+      'attn/query/bias', 'attn/query/kernel', 'embed/embedding', 'norm/bias',
+      'norm/scale')
+  assert cbp.block_names(params, block_fn=cbp.kernel_blocks) == (
+      'attn/query',)
+
+
+def test_every_leaf_left_out_gives_the_identity():
+  params = {'w': jnp.arange(3.0)}
+  tx = cbp.equalize(block_fn=lambda path, leaf: None)
+  state = tx.init(params)
+  assert state.energy.shape == (0,)
+  updates, _ = tx.update(params, state)
+  chex.assert_trees_all_equal(updates, params)
+
+
+def test_relative_damping_is_per_slice_of_a_stacked_leaf():
+  rng = np.random.default_rng(0)
+  # Two layers whose gradients differ by 1e3: one r per slice, not per leaf.
+  slices = [rng.standard_normal((3, 4)) * s for s in (1e-3, 1.0)]
+  stacked_tree = {'layers': {'kernel': jnp.stack(slices)}}
+  separate = {f'layer{i}': {'kernel': jnp.asarray(x)}
+              for i, x in enumerate(slices)}
+  kw = dict(b1=0.0, damping=1e-8, relative_damping=1.0)
+  stacked_tx = cbp.precondition(stacked=lambda path, leaf: True, **kw)
+  separate_tx = cbp.precondition(**kw)
+  stacked_state = stacked_tx.init(stacked_tree)
+  separate_state = separate_tx.init(separate)
+  for t in range(3):
+    scale = 1.0 + t
+    stacked_g = jax.tree.map(lambda x: x * scale, stacked_tree)
+    separate_g = jax.tree.map(lambda x: x * scale, separate)
+    stacked_u, stacked_state = stacked_tx.update(stacked_g, stacked_state)
+    separate_u, separate_state = separate_tx.update(separate_g, separate_state)
+  for i in range(2):
+    np.testing.assert_allclose(stacked_u['layers']['kernel'][i],
+                               separate_u[f'layer{i}']['kernel'], rtol=1e-6)
+  # Without the stack declaration the small slice is damped by the large one.
+  whole_tx = cbp.precondition(**kw)
+  whole_state = whole_tx.init(stacked_tree)
+  for t in range(3):
+    whole_u, whole_state = whole_tx.update(
+        jax.tree.map(lambda x, t=t: x * (1.0 + t), stacked_tree), whole_state)
+  assert np.max(np.abs(whole_u['layers']['kernel'][0])) < 0.01 * np.max(
+      np.abs(separate_u['layer0']['kernel']))
+
+
+def test_relative_damping_keeps_lemma_1_bounds():
+  # b1 = 0: the update is P_t g_t, so P_t = update / g coordinatewise.
+  rng = np.random.default_rng(1)
+  damping, delta = 1e-3, 0.5
+  tx = cbp.precondition(b1=0.0, damping=damping, relative_damping=delta)
+  params = {'w': jnp.zeros(50)}
+  state = tx.init(params)
+  bound = 0.0
+  for _ in range(30):
+    g = rng.standard_normal(50) * np.exp(rng.uniform(-6, 2, 50))
+    bound = max(bound, np.max(np.abs(g)))
+    updates, state = tx.update({'w': jnp.asarray(g)}, state)
+    p = np.asarray(updates['w']) / g
+    assert np.all(p <= 1 / damping * (1 + 1e-5))
+    # |g| <= G for every gradient so far, hence v_hat <= G^2 and r <= G.
+    assert np.all(p >= 1 / ((1 + delta) * bound + damping) * (1 - 1e-5))
+
+
+def test_zero_relative_damping_is_algorithm_1_exactly():
+  params = {'w': jnp.linspace(-1.0, 1.0, 7)}
+  grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1))} for t in range(4)]
+  plain, explicit = cbp.cbp(1e-2), cbp.cbp(1e-2, relative_damping=0.0)
+  plain_state, explicit_state = plain.init(params), explicit.init(params)
+  for g in grads:
+    plain_u, plain_state = plain.update(g, plain_state, params)
+    explicit_u, explicit_state = explicit.update(g, explicit_state, params)
+    chex.assert_trees_all_equal(plain_u, explicit_u)
+
+
+@pytest.mark.parametrize('bad, error', [(-0.1, ValueError),
+                                        (True, TypeError),
+                                        ('0.1', TypeError),
+                                        (jnp.ones(2), ValueError),
+                                        (float('nan'), ValueError)])
+def test_bad_relative_damping_fails_at_construction(bad, error):
+  with pytest.raises(error, match='relative_damping'):
+    cbp.cbp(1e-2, relative_damping=bad)
+  with pytest.raises(error, match='relative_damping'):
+    cbp.precondition(relative_damping=bad)
+
+
+def test_relative_damping_can_be_injected():
+  tx = optax.inject_hyperparams(cbp.precondition)(relative_damping=0.1)
+  params = {'w': jnp.ones(3)}
+  state = tx.init(params)
+  for _ in range(2):
+    updates, state = jax.jit(tx.update)({'w': jnp.arange(1.0, 4.0)}, state)
+  assert np.all(np.isfinite(updates['w']))
