@@ -21,7 +21,7 @@ import optax
 from tqdm import tqdm
 
 import cbp_optax as cbp
-from cbp_optax import datasets
+from cbp_optax_experiments import datasets
 
 
 class CNN(nn.Module):
@@ -49,8 +49,8 @@ def main():
       description=__doc__.splitlines()[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument('--data-dir', default=None,
-                      help='MNIST IDX directory (default: $CBP_OPTAX_MNIST, '
-                      'then the user cache, downloading if allowed)')
+                      help='MNIST IDX directory; else $CBP_OPTAX_MNIST, '
+                      'then the user cache, downloading if allowed')
   parser.add_argument('--steps', type=int, default=250, help='training steps')
   parser.add_argument('--batch-size', type=int, default=32,
                       help='images per step')

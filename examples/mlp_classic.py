@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 import cbp_optax as cbp
-from cbp_optax import datasets
 from cbp_optax import diagnostics
+from cbp_optax_experiments import datasets
 
 N_TRAIN, N_TEST, HIDDEN = 6000, 2000, 128
 
@@ -114,11 +114,19 @@ def train(name, tx, centered, data, args):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--data-dir', default=None)
-  parser.add_argument('--epochs', type=int, default=5)
-  parser.add_argument('--batch-size', type=int, default=64)
-  parser.add_argument('--seed', type=int, default=0)
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument('--data-dir', default=None,
+                      help='MNIST IDX directory; else $CBP_OPTAX_MNIST, '
+                      'then the user cache, downloading there if missing, '
+                      'then the small subset bundled with the package')
+  parser.add_argument('--epochs', type=int, default=5,
+                      help='passes over the training set')
+  parser.add_argument('--batch-size', type=int, default=64,
+                      help='images per step')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='seed of the initialization and the batches')
   args = parser.parse_args()
   data = load(args.data_dir)
   print(f'data: {data[0]}; {len(data[2]):,} training / {len(data[4]):,} '

@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 import cbp_optax as cbp
-from cbp_optax import datasets
 from cbp_optax import sharding
+from cbp_optax_experiments import datasets
 
 
 class MLP(nn.Module):
@@ -115,14 +115,23 @@ def train(layout, mesh, data, args):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--data-dir', default=None)
-  parser.add_argument('--epochs', type=int, default=1)
-  parser.add_argument('--batch-size', type=int, default=256)
-  parser.add_argument('--learning-rate', type=float, default=3e-3)
-  parser.add_argument('--seed', type=int, default=0)
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument('--data-dir', default=None,
+                      help='MNIST IDX directory; else $CBP_OPTAX_MNIST, '
+                      'then the user cache, downloading there if missing, '
+                      'then the small subset bundled with the package')
+  parser.add_argument('--epochs', type=int, default=1,
+                      help='passes over the training set')
+  parser.add_argument('--batch-size', type=int, default=256,
+                      help='images per step')
+  parser.add_argument('--learning-rate', type=float, default=3e-3,
+                      help='learning rate of CBP')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='seed of the initialization and the batches')
   parser.add_argument('--layouts', default='data,fsdp',
-                      help='comma list from data, fsdp')
+                      help='comma-separated layouts to train, from data, fsdp')
   args = parser.parse_args()
 
   data = datasets.find_mnist(args.data_dir, bundled=True)

@@ -17,9 +17,9 @@ the run is the same computation whatever the number of processes, and the
 script prints the same final loss.
 
 Data: MNIST from ``--data-dir`` or the default directories
-(``cbp_optax.datasets.find_mnist``: ``$CBP_OPTAX_MNIST``, the user cache; no
-download unless ``--download``; else the small subset shipped with the
-package), or ``--synthetic`` for random digits-shaped data. Runs offline
+(``cbp_optax_experiments.datasets.find_mnist``: ``$CBP_OPTAX_MNIST``, the
+user cache; no download unless ``--download``; else the small subset shipped
+with the package), or ``--synthetic`` for random digits-shaped data. Runs offline
 either way. On a
 real cluster, start one worker per host with your scheduler instead and see
 docs/multihost.md.
@@ -38,21 +38,28 @@ _WORKER_FLAG = '--worker'
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument('--processes', type=int, default=2,
-                      help='worker processes to start (default 2)')
+                      help='worker processes to start')
   parser.add_argument('--devices', type=int, default=4,
                       help='simulated CPU devices in all, split evenly over '
-                      'the processes (default 4)')
+                      'the processes')
   parser.add_argument('--layout', choices=('data', 'fsdp'), default='data',
                       help='data parallel, or parameters/moments/means '
                       'sharded too (FSDP)')
-  parser.add_argument('--steps', type=int, default=100)
+  parser.add_argument('--steps', type=int, default=100,
+                      help='training steps')
   parser.add_argument('--batch-size', type=int, default=256,
                       help='global batch size (all processes together)')
-  parser.add_argument('--learning-rate', type=float, default=3e-3)
-  parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--data-dir', default=None)
+  parser.add_argument('--learning-rate', type=float, default=3e-3,
+                      help='learning rate of CBP')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='seed of the initialization and the batches')
+  parser.add_argument('--data-dir', default=None,
+                      help='MNIST IDX directory; else $CBP_OPTAX_MNIST, '
+                      'then the user cache, then the bundled subset')
   parser.add_argument('--download', action='store_true',
                       help='allow downloading MNIST if it is not found')
   parser.add_argument('--synthetic', action='store_true',
@@ -103,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
   from jax.sharding import PartitionSpec as P
 
   import cbp_optax as cbp
-  from cbp_optax import datasets
+  from cbp_optax_experiments import datasets
   from cbp_optax import sharding
 
   process = jax.process_index()

@@ -1,5 +1,6 @@
 """The runnable entry points: the examples and the ``cbp-optax compare`` job."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -32,7 +33,7 @@ def test_example_trains_on_real_mnist(script):
 
 @needs_mnist
 def test_compare_job_prints_a_table():
-  out = run('-m', 'cbp_optax.cli', 'compare', '--steps', '20', '--width',
+  out = run('-m', 'cbp_optax_experiments.cli', 'compare', '--steps', '20', '--width',
             '32', '--data-dir', str(MNIST_DIR))
   lines = [l for l in out.splitlines() if l.startswith('| ')]
   assert [l.split('|')[1].strip() for l in lines[1:]] == [
@@ -47,3 +48,44 @@ def test_one_call_centering_example_trains_the_unmodified_cnn(script):
   assert re.search(r'centered: .*Conv|centered: conv1', out), out
   accuracy = float(re.findall(r'test accuracy ([0-9.]+)', out)[-1])
   assert accuracy > 0.7, out
+
+
+def _parsers(path):
+  """(ArgumentParser call, [add_argument calls]) of one example, from source."""
+  tree = ast.parse(path.read_text())
+  parsers, arguments = [], []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+      if node.func.attr == 'ArgumentParser':
+        parsers.append(node)
+      elif node.func.attr == 'add_argument':
+        arguments.append(node)
+  return parsers, arguments
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / 'examples').glob('*.py'))
+
+
+@pytest.mark.parametrize('script', EXAMPLES)
+def test_every_example_flag_has_help_and_shows_its_default(script):
+  # From the source (no import of JAX): each parser shows defaults, each flag
+  # says what it does (issue 14).
+  parsers, arguments = _parsers(ROOT / 'examples' / script)
+  assert parsers and arguments, script
+  for parser in parsers:
+    formatter = {k.arg: k.value for k in parser.keywords}.get(
+        'formatter_class')
+    assert (isinstance(formatter, ast.Attribute) and
+            formatter.attr == 'ArgumentDefaultsHelpFormatter'), script
+  for argument in arguments:
+    flag = ast.unparse(argument.args[0])
+    helps = [k.value for k in argument.keywords if k.arg == 'help']
+    assert helps, f'{script}: {flag} has no help text'
+
+
+def test_example_help_lists_the_defaults():
+  out = ' '.join(run('examples/mnist_nnx.py', '--help').split())
+  for flag, default in [('--epochs', '3'), ('--batch-size', '256'),
+                        ('--learning-rate', '0.003'), ('--seed', '0')]:
+    assert re.search(re.escape(flag) + r' [A-Z_]+ [^()]*\(default: '
+                     + re.escape(default) + r'\)', out), (flag, out)
