@@ -11,6 +11,7 @@ damped preconditioned step.
 from __future__ import annotations
 
 import time
+from typing import Optional, Sequence
 
 import numpy as np
 import optax
@@ -120,13 +121,16 @@ def compare_leaders(by_name: dict, budget: int) -> tuple[dict, str]:
   return {'train_loss': loss._asdict(), 'iterations': iters._asdict()}, text
 
 
-def run(ctx: StudyContext) -> StudyResult:
+def run(ctx: StudyContext,
+        arms: Optional[Sequence[training.Method]] = None) -> StudyResult:
+  """Table 6 with ``arms`` (default: the paper's twelve, three when quick)."""
   start = time.perf_counter()
   seeds = list(range(ctx.seed_count(paper=10, quick=2)))
   depth, model_for, data, config, grid = spiral_setup(ctx)
-  arms = methods()
-  if ctx.quick:  # a smoke test: the reference, CBP and SGD
-    arms = [m for m in arms if m.name in QUICK_ARMS]
+  if arms is None:
+    arms = methods()
+    if ctx.quick:  # a smoke test: the reference, CBP and SGD
+      arms = [m for m in arms if m.name in QUICK_ARMS]
   outcomes = protocol.run_methods(arms, model_for, data, config, seeds,
                                   grid, THRESHOLD, progress=ctx.progress,
                                   description=NAME)

@@ -17,6 +17,7 @@ and the output says which.
 from __future__ import annotations
 
 import time
+from typing import Optional, Sequence
 
 import numpy as np
 import optax
@@ -74,15 +75,18 @@ def load(data_dir, quick: bool) -> training.Dataset:
                           'held out for validation')
 
 
-def run(ctx: StudyContext) -> StudyResult:
+def run(ctx: StudyContext,
+        arms: Optional[Sequence[training.Method]] = None) -> StudyResult:
+  """Table 10 with ``arms`` (default: the paper's six, two when quick)."""
   start = time.perf_counter()
   data = load(ctx.data_dir, ctx.quick)
   seeds = list(range(ctx.seed_count(paper=5, quick=2)))
   steps, eval_every = (40, 20) if ctx.quick else (STEPS, EVAL_EVERY)
   grid = (1e-3, 1e-2) if ctx.quick else GRID
-  arms = methods()
-  if ctx.quick:
-    arms = [m for m in arms if m.name in ('Adam', 'CBP (full)')]
+  if arms is None:
+    arms = methods()
+    if ctx.quick:
+      arms = [m for m in arms if m.name in ('Adam', 'CBP (full)')]
   final_config = training.TrainConfig(steps=steps, batch_size=BATCH,
                                       eval_every=eval_every)
   select_steps = steps // 4
