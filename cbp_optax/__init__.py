@@ -24,6 +24,7 @@ from cbp_optax.blocks import block_names
 from cbp_optax.blocks import kernel_blocks
 from cbp_optax.blocks import layer_blocks
 from cbp_optax.blocks import leaf_blocks
+from cbp_optax.blocks import no_blocks
 from cbp_optax.equalize import BlockStats
 from cbp_optax.equalize import equalize
 from cbp_optax.equalize import equalize_stats
@@ -52,6 +53,7 @@ __all__ = (
     'leaf_blocks',
     'linen',
     'nnx',
+    'no_blocks',
     'precondition',
     'sharding',
 )

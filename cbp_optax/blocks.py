@@ -118,6 +118,24 @@ def leaf_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return path
 
 
+def no_blocks(path: KeyPath, leaf: Any) -> Hashable:
+  r"""``block_fn`` preset: no leaf is in a block, so M1 is the identity.
+
+  :math:`S_t = I` at every step: the update is M3's alone (with M2 when the
+  model is centered). Not Algorithm 1; Lemma 1's bounds hold with
+  :math:`s_{\min} = s_{\max} = 1`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'dense': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}}
+    >>> cbp.block_names(params, block_fn=cbp.no_blocks)
+    ()
+  """
+  del path, leaf
+  return None
+
+
 def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset: M1 equalizes the weight matrices only.
 

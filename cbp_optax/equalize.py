@@ -289,9 +289,10 @@ def equalize(
       :func:`cbp_optax.layer_blocks`, groups the leaves that share a parent
       path, i.e. one block per layer (``Dense_0``'s kernel and bias form block
       ``Dense_0``); NNX ``.value`` path suffixes are ignored. Presets:
-      :func:`cbp_optax.leaf_blocks` (one block per tensor) and
-      :func:`cbp_optax.kernel_blocks` (weight matrices only; not
-      Algorithm 1's grouping).
+      :func:`cbp_optax.leaf_blocks` (one block per tensor),
+      :func:`cbp_optax.kernel_blocks` (weight matrices only) and
+      :func:`cbp_optax.no_blocks` (M1 off); the last two are not
+      Algorithm 1's grouping.
     stacked: ``stacked(path, leaf) -> bool`` declares leaves that carry a
       leading layer axis (``nn.scan`` / ``nnx.vmap`` layer stacks); each slice
       along that axis becomes its own block, as one block per layer intends.

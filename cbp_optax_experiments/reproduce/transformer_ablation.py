@@ -1,0 +1,403 @@
+"""Beyond the paper: which opt-in extension makes CBP match AdamW on a transformer.
+
+The test bed is the transformer study (``transformer.py``): a byte-level
+language model over the Python standard library's sources, pre-LN blocks
+stacked with ``nnx.vmap`` and run with ``nnx.scan``, warm-up + cosine, weight
+decay 0.1 on kernels, validation bits per byte. Every arm has its own
+learning-rate grid at seed 0 (extended by one point when the best rate is at
+an edge of it), then seeds 1.. at the chosen rate. Seeds pair the arms: the
+same seed gives every arm the same initialization, batches and dropout masks,
+so AdamW and each CBP variant are compared by a paired t-test over seeds.
+
+Arms (all CBP arms are full CBP, i.e. the model centered by
+``cbp_optax.nnx.center`` and ``cbp.cbp`` with one M1 block per layer slice,
+except "cbp_transformer, not centered", the optimizer side alone):
+
+* AdamW: ``optax.adamw`` (eps 1e-8), the reference.
+* CBP (Algorithm 1): ``cbp.cbp`` with its defaults.
+* + small damping: ``damping=1e-8`` alone (Adam's epsilon, no relative term).
+* + relative damping: ``damping=1e-8, relative_damping=0.03``.
+* + zero-moment identity: ``zero_moment_identity=True``.
+* + kernel blocks: ``block_fn=cbp.kernel_blocks`` (M1 on matrices only).
+* + M1 off: ``block_fn=cbp.no_blocks`` (S_t = I).
+* cbp_transformer: ``cbp.cbp_transformer``, the combination (small damping,
+  relative damping, zero-moment identity, M1 off).
+* cbp_transformer, not centered: the combination on the plain model (the
+  optimizer side alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import optax
+import tqdm
+
+import cbp_optax as cbp
+from cbp_optax_experiments.reproduce import head_to_head
+from cbp_optax_experiments.reproduce import mnist
+from cbp_optax_experiments.reproduce import plotting
+from cbp_optax_experiments.reproduce import stats
+from cbp_optax_experiments.reproduce import training
+from cbp_optax_experiments.reproduce import transformer as lm
+from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
+
+NAME = 'transformer-ablation'
+TITLE = ('Beyond the paper: opt-in extensions of CBP on a byte-level '
+         'transformer LM, against AdamW')
+REFERENCE = 'AdamW'
+
+# The transformer study's reduced run: 4 scanned layers, width 64, context 64,
+# 240 steps (237,184 parameters).
+CONFIG = lm.Config(depth=4, width=64, heads=4, context=64, batch=32,
+                   steps=240, eval_every=24, eval_windows=64)
+QUICK = lm.QUICK
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One arm: a name, whether the model is centered, the CBP keywords."""
+  name: str
+  centered: bool
+  cbp_kwargs: Optional[dict[str, Any]]  # None: AdamW.
+  grid: tuple[float, ...]
+  # train_run reads `arm.cbp` to decide whether M1 profiles are recorded.
+  cbp: bool = False
+
+
+def _cbp(name, centered=True, grid=(1e-2, 3e-2, 1e-1), **kwargs):
+  return Candidate(name, centered, kwargs, grid)
+
+
+CANDIDATES = (
+    Candidate('AdamW', False, None, (3e-3, 1e-2, 3e-2)),
+    _cbp('CBP (Algorithm 1)'),
+    _cbp('+ small damping', damping=1e-8, grid=(3e-3, 1e-2, 3e-2)),
+    _cbp('+ relative damping', damping=1e-8, relative_damping=0.03,
+         grid=(3e-3, 1e-2, 3e-2)),
+    _cbp('+ zero-moment identity', zero_moment_identity=True),
+    _cbp('+ kernel blocks', block_fn=cbp.kernel_blocks),
+    _cbp('+ M1 off', block_fn=cbp.no_blocks),
+    _cbp('cbp_transformer', transformer_alias=True, grid=(3e-3, 1e-2, 3e-2)),
+    _cbp('cbp_transformer, not centered', centered=False,
+         transformer_alias=True, grid=(3e-3, 1e-2, 3e-2)),
+)
+
+
+def make_tx(candidate: Candidate, model, steps: int):
+  """The arm's transform with a unit-peak schedule, then ``x peak``."""
+  lr = lm.schedule(1.0, steps)
+  if candidate.cbp_kwargs is None:
+    base = optax.adamw(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask)
+  else:
+    kwargs = dict(candidate.cbp_kwargs)
+    factory = (cbp.cbp_transformer if kwargs.pop('transformer_alias', False)
+               else cbp.cbp)
+    base = factory(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask,
+                   stacked=lm.stacked_for(model, candidate.centered), **kwargs)
+  return optax.chain(base, optax.inject_hyperparams(optax.scale)(
+      step_size=1.0))
+
+
+class Trainer:
+  """``lm.train_run``'s trainer: one transform and fused step per arm."""
+
+  def __init__(self, candidate: Candidate, config: lm.Config):
+    self.arm, self.config = candidate, config
+    self.tx = make_tx(candidate, lm.build_model(config, 0, candidate.centered),
+                      config.steps)
+    self.step = cbp.nnx.train_step(lm.lm_loss, mean_decay=lm.MEAN_DECAY)
+
+
+def _final(run: lm.Run) -> float:
+  return run.final_bpb if math.isfinite(run.final_bpb) else math.inf
+
+
+def _extend(grid: Sequence[float], best: int) -> Optional[float]:
+  """The next rate past the edge the best rate sits on (x 3), if it does."""
+  if len(grid) < 2:
+    return None
+  if best == len(grid) - 1:
+    return grid[-1] * (grid[-1] / grid[-2])
+  if best == 0:
+    return grid[0] / (grid[1] / grid[0])
+  return None
+
+
+def tune(trainer, corpus, val, grid, bar) -> dict[float, lm.Run]:
+  """Seed-0 runs over ``grid``, extended once past an edge that wins."""
+  runs: dict[float, lm.Run] = {}
+  rates = list(grid)
+  for extension in range(2):
+    for lr in rates:
+      if lr in runs:
+        continue
+      bar.set_postfix_str(f'{trainer.arm.name} lr {lr:g}')
+      runs[lr] = lm.train_run(trainer, corpus, lr, 0, val)
+      bar.update()
+    ordered = sorted(runs)
+    best = min(range(len(ordered)), key=lambda i: _final(runs[ordered[i]]))
+    extra = _extend(ordered, best) if extension == 0 else None
+    if extra is None:
+      break
+    bar.total += 1
+    rates = [extra]
+  return dict(sorted(runs.items()))
+
+
+def equal_time_bpb(run: lm.Run, seconds: float) -> float:
+  """Validation loss at ``seconds`` of training on the run's own clock.
+
+  The clock is the run's median step time x steps (load spikes on a shared
+  machine do not move it), interpolated linearly between evaluations; past
+  the run's end, its final loss.
+  """
+  clock = np.asarray(run.eval_steps, float) * run.step_seconds
+  values = np.asarray(run.val_bpb, float)
+  return float(np.interp(seconds, clock, values))
+
+
+def study(ctx: StudyContext, config: lm.Config,
+          candidates: Sequence[Candidate], seeds: int,
+          data: Optional[pathlib.Path]) -> StudyResult:
+  start = time.perf_counter()
+  corpus = lm.load_corpus(data, max_bytes=400_000 if ctx.quick else None)
+  val = lm.validation_windows(corpus, config)
+  total = sum(len(c.grid) + seeds - 1 for c in candidates)
+  bar = tqdm.tqdm(total=total, desc=NAME, unit='run', disable=not ctx.progress)
+  grids: dict[str, dict[float, lm.Run]] = {}
+  seed_runs: dict[str, list[lm.Run]] = {}
+  for candidate in candidates:
+    trainer = Trainer(candidate, config)
+    grids[candidate.name] = tune(trainer, corpus, val, candidate.grid, bar)
+    runs = grids[candidate.name]
+    chosen = min(runs, key=lambda lr: _final(runs[lr]))
+    seed_runs[candidate.name] = [runs[chosen]]
+    for seed in range(1, seeds):
+      bar.set_postfix_str(f'{candidate.name} seed {seed}')
+      seed_runs[candidate.name].append(
+          lm.train_run(trainer, corpus, chosen, seed, val))
+      bar.update()
+  bar.close()
+  summary, md = report(config, corpus, candidates, grids, seed_runs)
+  summary['seconds'] = time.perf_counter() - start
+  plotting.write_json(ctx.out / 'results.json', {
+      **summary,
+      'grid_runs': {a: {str(lr): dataclasses.asdict(r) for lr, r in g.items()}
+                    for a, g in grids.items()},
+      'seed_runs': {a: [dataclasses.asdict(r) for r in runs]
+                    for a, runs in seed_runs.items()}})
+  plotting.write_markdown(ctx.out / 'results.md', TITLE, md)
+  plot_curves(seed_runs, ctx.out / 'ablation_curves.png')
+  return StudyResult(NAME, summary, summary['seconds'])
+
+
+def report(config, corpus, candidates, grids, seed_runs):
+  reference = seed_runs[REFERENCE]
+  ref_final = [r.final_bpb for r in reference]
+  target = float(np.mean(ref_final))
+  ref_seconds = float(np.mean([r.steps * r.step_seconds for r in reference]))
+  ref_step = float(np.mean([r.step_seconds for r in reference]))
+  rows, per_arm = [], {}
+  for candidate in candidates:
+    runs = seed_runs[candidate.name]
+    finals = [r.final_bpb for r in runs]
+    reach = [lm.first_reach(r, target) for r in runs]
+    at_ref_time = [equal_time_bpb(r, ref_seconds) for r in runs]
+    test = (stats.paired_test(at_ref_time,
+                              [equal_time_bpb(r, ref_seconds)
+                               for r in reference])
+            if candidate.name != REFERENCE and len(runs) == len(reference)
+            and len(runs) > 1 else None)
+    per_arm[candidate.name] = {
+        'lr': runs[0].lr, 'final_bpb': finals,
+        'bpb_at_adamw_time': at_ref_time,
+        'steps_to_target': [s for s, _ in reach],
+        'seconds_to_target': [s for _, s in reach],
+        'reached': sum(math.isfinite(s) for s, _ in reach),
+        'step_ratio': float(np.mean([r.step_seconds for r in runs]) / ref_step),
+        'paired_t_pvalue': None if test is None else test.t_pvalue,
+        'mean_difference': None if test is None else test.mean_difference,
+        'options': {k: getattr(v, '__name__', v)
+                    for k, v in (candidate.cbp_kwargs or {}).items()},
+    }
+    p = per_arm[candidate.name]
+    rows.append([
+        candidate.name, 'yes' if candidate.centered else 'no',
+        f'{p["lr"]:g}', lm._fmt(finals), lm._fmt(at_ref_time),
+        '' if test is None else f'{test.mean_difference:+.3f}',
+        '' if test is None else stats.format_pvalue(test.t_pvalue),
+        f'{lm._fmt(p["steps_to_target"], 0)} ({p["reached"]}/{len(runs)})',
+        lm._fmt(p['seconds_to_target'], 1), f'{p["step_ratio"]:.2f}'])
+  table = plotting.markdown_table(
+      ['arm', 'centered', 'peak lr', 'final val bits/byte',
+       'at AdamW\'s wall-clock', 'diff. vs AdamW', 'paired t p',
+       'steps to AdamW\'s final (reached)', 'seconds to it',
+       'step time / AdamW'], rows)
+  rates = sorted({lr for g in grids.values() for lr in g})
+  grid_table = plotting.markdown_table(
+      ['arm'] + [f'{lr:g}' for lr in rates],
+      [[name] + [(f'{g[lr].final_bpb:.3f}' if math.isfinite(g[lr].final_bpb)
+                  else 'diverged') if lr in g else '' for lr in rates]
+       for name, g in grids.items()])
+  info = corpus.info
+  setup = (
+      f'Data: {info["source"]} (Python {info["python"]}); '
+      f'{info["train_bytes"]:,} training bytes, {info["validation_bytes"]:,} '
+      f'validation bytes. Model: {config.depth} layers, width {config.width}, '
+      f'{config.heads} heads, context {config.context}, batch {config.batch}, '
+      f'{config.steps} steps, dropout {config.dropout}. Each arm: its own '
+      f'grid at seed 0 (extended past a winning edge), then '
+      f'{len(reference)} seeds at the chosen rate; seeds pair the arms. '
+      f'Target: AdamW\'s mean final validation loss, {target:.4f} bits/byte. '
+      f'"At AdamW\'s wall-clock": each run\'s validation curve at AdamW\'s '
+      f'mean training time ({ref_seconds:.1f} s), on the run\'s own clock '
+      f'(median step time x steps); the paired t-test (two-sided, by seed) is '
+      f'on that number.')
+  summary = {'config': dataclasses.asdict(config), 'corpus': info,
+             'target_bpb': target, 'adamw_seconds': ref_seconds,
+             'per_arm': per_arm}
+  md = [setup, table, '## Learning-rate grids (final validation bits/byte, '
+        'seed 0)', grid_table, '![curves](ablation_curves.png)']
+  return summary, md
+
+
+def plot_curves(seed_runs, path):
+  fig, axes = plotting.new_axes(1, 1)
+  ax = axes[0] if isinstance(axes, (list, tuple, np.ndarray)) else axes
+  for name, runs in seed_runs.items():
+    steps = np.asarray(runs[0].eval_steps)
+    plotting.band(ax, steps, np.array([r.val_bpb for r in runs]), name)
+  ax.set_xlabel('step')
+  ax.set_ylabel('validation bits / byte')
+  finite = [v for r in seed_runs.values() for x in r for v in x.val_bpb[2:]
+            if math.isfinite(v)]
+  if finite:
+    ax.set_ylim(min(finite) - 0.05, min(max(finite), 6.0))
+  ax.legend(fontsize=6)
+  plotting.save(fig, path)
+
+
+# ----------------------------------------------------------------------------
+# The same candidates where the paper's CBP already does well
+
+
+def paper_arms() -> list[training.Method]:
+  """Adam, the paper's full CBP, and each candidate on the centered MLP."""
+  def variant(**kwargs):
+    return lambda lr: cbp.cbp(lr, **kwargs)
+  return [
+      training.Method('Adam', optax.adam),
+      training.Method('CBP (full)', cbp.cbp, centered=True,
+                      recipe=training.factorial_recipe(True, True)),
+      training.Method('+ relative damping', variant(
+          damping=1e-8, relative_damping=0.03), centered=True),
+      training.Method('+ M1 off', variant(block_fn=cbp.no_blocks),
+                      centered=True),
+      training.Method('+ zero-moment identity', variant(
+          zero_moment_identity=True), centered=True),
+      training.Method('cbp_transformer', cbp.cbp_transformer, centered=True),
+  ]
+
+
+def paper_checks(ctx: StudyContext, studies=('head-to-head', 'mnist')
+                 ) -> dict[str, StudyResult]:
+  """Table 6 (spiral) and Table 10 (MNIST) rerun with the candidates, each
+  study's own protocol (grid, seeds, budget), into ``<out>/<study>``."""
+  runners = {'head-to-head': head_to_head.run, 'mnist': mnist.run}
+  results = {}
+  for name in studies:
+    sub = dataclasses.replace(ctx, out=ctx.out / name)
+    sub.out.mkdir(parents=True, exist_ok=True)
+    results[name] = runners[name](sub, arms=paper_arms())
+  return results
+
+
+def select(names: Optional[Sequence[str]]) -> tuple[Candidate, ...]:
+  if not names:
+    return CANDIDATES
+  known = {c.name: c for c in CANDIDATES}
+  missing = [n for n in names if n not in known]
+  if missing:
+    raise ValueError(f'unknown arms {missing}; known: {list(known)}')
+  chosen = [known[n] for n in names]
+  if REFERENCE not in names:
+    chosen.insert(0, known[REFERENCE])
+  return tuple(chosen)
+
+
+def run(ctx: StudyContext, data: Optional[pathlib.Path] = None,
+        config: Optional[lm.Config] = None,
+        arms: Optional[Sequence[str]] = None,
+        grid_override: Optional[Callable[[Candidate], tuple]] = None,
+        ) -> StudyResult:
+  data = data if data is not None else getattr(ctx, 'data', None)
+  if config is None:
+    config = QUICK if ctx.quick else CONFIG
+  candidates = select(arms)
+  if ctx.quick:
+    candidates = tuple(dataclasses.replace(c, grid=c.grid[1:2])
+                       for c in candidates)
+  if grid_override is not None:
+    candidates = tuple(dataclasses.replace(c, grid=grid_override(c))
+                       for c in candidates)
+  seeds = ctx.seed_count(paper=3, quick=2)
+  return study(ctx, config, candidates, seeds, data)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m cbp_optax_experiments.reproduce.transformer_ablation``."""
+  parser = argparse.ArgumentParser(
+      prog='cbp_optax_experiments.reproduce.transformer_ablation',
+      description=TITLE,
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument('--out', type=pathlib.Path,
+                      default=pathlib.Path('reproduction') / NAME,
+                      help='output folder (results.md, results.json, PNG)')
+  parser.add_argument('--data', type=pathlib.Path, default=None,
+                      help='a text file or a directory of text files '
+                      '(default: the Python standard library)')
+  parser.add_argument('--quick', action='store_true',
+                      help='tiny model, one rate per arm: a smoke test')
+  parser.add_argument('--seeds', type=int, default=None,
+                      help='seeds at the chosen rate (default 3; quick 2)')
+  parser.add_argument('--arms', default=None,
+                      help='comma-separated arm names (AdamW is always run); '
+                      f'known: {", ".join(c.name for c in CANDIDATES)}')
+  parser.add_argument('--steps', type=int, default=None,
+                      help=f'training steps per run (default {CONFIG.steps})')
+  parser.add_argument('--no-progress', action='store_true',
+                      help='hide the progress bar')
+  parser.add_argument('--paper-checks', default=None,
+                      help='instead of the transformer: rerun these paper '
+                      'studies (comma-separated: head-to-head, mnist) with '
+                      'Adam, the paper\'s CBP and the candidates')
+  parser.add_argument('--data-dir', type=pathlib.Path, default=None,
+                      help='MNIST for --paper-checks mnist (default: '
+                      '$CBP_OPTAX_MNIST, the cache, or the bundled subset)')
+  args = parser.parse_args(argv)
+  config = QUICK if args.quick else CONFIG
+  if args.steps is not None:
+    config = dataclasses.replace(config, steps=args.steps)
+  ctx = StudyContext(out=args.out, seeds=args.seeds, quick=args.quick,
+                     data_dir=args.data_dir, progress=not args.no_progress)
+  if args.paper_checks:
+    studies = [n.strip() for n in args.paper_checks.split(',')]
+    for name, result in paper_checks(ctx, studies).items():
+      print(f'{name}: {result.seconds:.1f} s -> {args.out / name}')
+    return 0
+  arms = [a.strip() for a in args.arms.split(',')] if args.arms else None
+  result = run(ctx, args.data, config, arms)
+  print(f'{NAME}: {result.seconds:.1f} s -> {args.out}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
