@@ -34,6 +34,7 @@ STUDIES = {
     'normalization': 'normalization',     # diagnostics: depth 12, MNIST
     'init-scale': 'init_scale',           # diagnostics: alpha x depth, MNIST
     'transformer': 'transformer',         # beyond the paper: byte-level LM
+    'transformer-ablation': 'transformer_ablation',  # #17: CBP vs AdamW
 }
 REAL_DATA = ('mnist', 'resnet', 'gradient-flow', 'normalization',
              'init-scale')

@@ -59,6 +59,8 @@ REFERENCE = 'AdamW'
 CONFIG = lm.Config(depth=4, width=64, heads=4, context=64, batch=32,
                    steps=240, eval_every=24, eval_windows=64)
 QUICK = lm.QUICK
+# --quick: a smoke test of the reference, Algorithm 1 and the alias.
+QUICK_ARMS = ('AdamW', 'CBP (Algorithm 1)', 'cbp_transformer')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +154,14 @@ def tune(trainer, corpus, val, grid, bar) -> dict[float, lm.Run]:
   return dict(sorted(runs.items()))
 
 
+def options(candidate: Candidate) -> dict[str, Any]:
+  """The CBP keywords an arm changes from ``cbp.cbp``'s defaults."""
+  kwargs = dict(candidate.cbp_kwargs or {})
+  if kwargs.pop('transformer_alias', False):
+    kwargs = {**cbp.alias.TRANSFORMER_DEFAULTS, **kwargs}
+  return {k: getattr(v, '__name__', v) for k, v in kwargs.items()}
+
+
 def equal_time_bpb(run: lm.Run, seconds: float) -> float:
   """Validation loss at ``seconds`` of training on the run's own clock.
 
@@ -225,8 +235,7 @@ def report(config, corpus, candidates, grids, seed_runs):
         'step_ratio': float(np.mean([r.step_seconds for r in runs]) / ref_step),
         'paired_t_pvalue': None if test is None else test.t_pvalue,
         'mean_difference': None if test is None else test.mean_difference,
-        'options': {k: getattr(v, '__name__', v)
-                    for k, v in (candidate.cbp_kwargs or {}).items()},
+        'options': options(candidate),
     }
     p = per_arm[candidate.name]
     rows.append([
@@ -341,6 +350,8 @@ def run(ctx: StudyContext, data: Optional[pathlib.Path] = None,
   data = data if data is not None else getattr(ctx, 'data', None)
   if config is None:
     config = QUICK if ctx.quick else CONFIG
+  if ctx.quick and arms is None:
+    arms = QUICK_ARMS
   candidates = select(arms)
   if ctx.quick:
     candidates = tuple(dataclasses.replace(c, grid=c.grid[1:2])
