@@ -103,8 +103,7 @@ def _root_mean_square(v_hat: chex.Array, is_stacked: bool) -> chex.Array:
   if v_hat.ndim == 0:
     return jnp.sqrt(v_hat)
   axes = tuple(range(1, v_hat.ndim)) if is_stacked else None
-  rms = jnp.sqrt(jnp.mean(v_hat, axis=axes, keepdims=True))
-  return rms
+  return jnp.sqrt(jnp.mean(v_hat, axis=axes, keepdims=True))
 
 
 def _check_matches_state(updates: Any, state: PreconditionState) -> None:
