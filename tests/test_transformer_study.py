@@ -203,6 +203,8 @@ def test_ablation_quick_pairs_seeds_and_reports_each_arm(tmp_path):
   np.testing.assert_allclose(first['AdamW'], first['cbp_transformer'],
                              rtol=1e-5)
   assert per_arm['cbp_transformer']['options']['block_fn'] == 'no_blocks'
+  assert per_arm['AdamW']['step_ratio'] > 0
+  assert 0.2 < per_arm['cbp_transformer']['step_ratio'] < 5.0
   table = (out / 'results.md').read_text()
   assert all(f'| {name} |' in table for name in per_arm)
 

@@ -36,9 +36,12 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import tqdm
+from flax import nnx
 
 import cbp_optax as cbp
 from cbp_optax_experiments.reproduce import head_to_head
@@ -162,16 +165,38 @@ def options(candidate: Candidate) -> dict[str, Any]:
   return {k: getattr(v, '__name__', v) for k, v in kwargs.items()}
 
 
-def equal_time_bpb(run: lm.Run, seconds: float) -> float:
-  """Validation loss at ``seconds`` of training on the run's own clock.
+def equal_time_bpb(run: lm.Run, steps: float) -> float:
+  """Validation loss after ``steps`` steps (linear between evaluations; the
+  final loss past the run's end)."""
+  return float(np.interp(steps, np.asarray(run.eval_steps, float),
+                         np.asarray(run.val_bpb, float)))
 
-  The clock is the run's median step time x steps (load spikes on a shared
-  machine do not move it), interpolated linearly between evaluations; past
-  the run's end, its final loss.
+
+def interleaved_step_ratio(trainer: Trainer, reference: Trainer,
+                           corpus: lm.Corpus, steps: int = 20) -> float:
+  """Median step time of ``trainer`` over ``reference``'s, the two stepped
+  alternately on the same batches, so machine load affects both alike.
+
+  The runs themselves are timed one after the other; on a shared machine
+  their own clocks also measure the load when they ran.
   """
-  clock = np.asarray(run.eval_steps, float) * run.step_seconds
-  values = np.asarray(run.val_bpb, float)
-  return float(np.interp(seconds, clock, values))
+  config = trainer.config
+  starts = lm.training_batches(corpus, config, 0, steps + 1)
+  setups = []
+  for t in (trainer, reference):
+    model = lm.build_model(config, 0, t.arm.centered)
+    optimizer = cbp.nnx.Optimizer(model, t.tx)
+    lm.set_peak(optimizer, 1e-3)
+    setups.append((t.step, model, optimizer, nnx.Rngs(dropout=0)))
+  seconds = [[], []]
+  for i in range(steps + 1):
+    batch = jnp.asarray(lm.windows(corpus.train, starts[i], config.context + 1))
+    for k, (step, model, optimizer, rngs) in enumerate(setups):
+      begin = time.perf_counter()
+      jax.block_until_ready(step(model, optimizer, batch, rngs).loss)
+      if i > 0:  # step 0 may compile
+        seconds[k].append(time.perf_counter() - begin)
+  return float(np.median(seconds[0]) / np.median(seconds[1]))
 
 
 def study(ctx: StudyContext, config: lm.Config,
@@ -184,8 +209,9 @@ def study(ctx: StudyContext, config: lm.Config,
   bar = tqdm.tqdm(total=total, desc=NAME, unit='run', disable=not ctx.progress)
   grids: dict[str, dict[float, lm.Run]] = {}
   seed_runs: dict[str, list[lm.Run]] = {}
+  trainers: dict[str, Trainer] = {}
   for candidate in candidates:
-    trainer = Trainer(candidate, config)
+    trainer = trainers[candidate.name] = Trainer(candidate, config)
     grids[candidate.name] = tune(trainer, corpus, val, candidate.grid, bar)
     runs = grids[candidate.name]
     chosen = min(runs, key=lambda lr: _final(runs[lr]))
@@ -196,7 +222,9 @@ def study(ctx: StudyContext, config: lm.Config,
           lm.train_run(trainer, corpus, chosen, seed, val))
       bar.update()
   bar.close()
-  summary, md = report(config, corpus, candidates, grids, seed_runs)
+  cost = {name: interleaved_step_ratio(t, trainers[REFERENCE], corpus)
+          for name, t in trainers.items()}
+  summary, md = report(config, corpus, candidates, grids, seed_runs, cost)
   summary['seconds'] = time.perf_counter() - start
   plotting.write_json(ctx.out / 'results.json', {
       **summary,
@@ -209,30 +237,33 @@ def study(ctx: StudyContext, config: lm.Config,
   return StudyResult(NAME, summary, summary['seconds'])
 
 
-def report(config, corpus, candidates, grids, seed_runs):
+def report(config, corpus, candidates, grids, seed_runs, cost):
+  """Tables and summary. ``cost``: each arm's step time over AdamW's,
+  measured interleaved (:func:`interleaved_step_ratio`)."""
   reference = seed_runs[REFERENCE]
-  ref_final = [r.final_bpb for r in reference]
-  target = float(np.mean(ref_final))
-  ref_seconds = float(np.mean([r.steps * r.step_seconds for r in reference]))
-  ref_step = float(np.mean([r.step_seconds for r in reference]))
+  target = float(np.mean([r.final_bpb for r in reference]))
+  ref_steps = reference[0].steps
+  ref_step_seconds = float(np.median([r.step_seconds for r in reference]))
   rows, per_arm = [], {}
   for candidate in candidates:
     runs = seed_runs[candidate.name]
-    finals = [r.final_bpb for r in runs]
-    reach = [lm.first_reach(r, target) for r in runs]
-    at_ref_time = [equal_time_bpb(r, ref_seconds) for r in runs]
-    test = (stats.paired_test(at_ref_time,
-                              [equal_time_bpb(r, ref_seconds)
-                               for r in reference])
+    ratio = cost[candidate.name]
+    # AdamW's wall-clock buys this arm ref_steps / ratio steps.
+    at_ref_time = [equal_time_bpb(r, ref_steps / ratio) for r in runs]
+    ref_at_time = [equal_time_bpb(r, ref_steps) for r in reference]
+    test = (stats.paired_test(at_ref_time, ref_at_time)
             if candidate.name != REFERENCE and len(runs) == len(reference)
             and len(runs) > 1 else None)
+    steps_to = [lm.first_reach(r, target)[0] for r in runs]
     per_arm[candidate.name] = {
-        'lr': runs[0].lr, 'final_bpb': finals,
+        'lr': runs[0].lr, 'final_bpb': [r.final_bpb for r in runs],
         'bpb_at_adamw_time': at_ref_time,
-        'steps_to_target': [s for s, _ in reach],
-        'seconds_to_target': [s for _, s in reach],
-        'reached': sum(math.isfinite(s) for s, _ in reach),
-        'step_ratio': float(np.mean([r.step_seconds for r in runs]) / ref_step),
+        'steps_to_target': steps_to,
+        # In AdamW step times: load-free wall-clock to AdamW's final loss.
+        'adamw_seconds_to_target': [s * ratio * ref_step_seconds
+                                    for s in steps_to],
+        'reached': sum(math.isfinite(s) for s in steps_to),
+        'step_ratio': ratio,
         'paired_t_pvalue': None if test is None else test.t_pvalue,
         'mean_difference': None if test is None else test.mean_difference,
         'options': options(candidate),
@@ -240,16 +271,16 @@ def report(config, corpus, candidates, grids, seed_runs):
     p = per_arm[candidate.name]
     rows.append([
         candidate.name, 'yes' if candidate.centered else 'no',
-        f'{p["lr"]:g}', lm._fmt(finals), lm._fmt(at_ref_time),
+        f'{p["lr"]:g}', lm._fmt(p['final_bpb']), lm._fmt(at_ref_time),
         '' if test is None else f'{test.mean_difference:+.3f}',
         '' if test is None else stats.format_pvalue(test.t_pvalue),
-        f'{lm._fmt(p["steps_to_target"], 0)} ({p["reached"]}/{len(runs)})',
-        lm._fmt(p['seconds_to_target'], 1), f'{p["step_ratio"]:.2f}'])
+        f'{lm._fmt(steps_to, 0)} ({p["reached"]}/{len(runs)})',
+        lm._fmt(p['adamw_seconds_to_target'], 1), f'{ratio:.2f}'])
   table = plotting.markdown_table(
       ['arm', 'centered', 'peak lr', 'final val bits/byte',
        'at AdamW\'s wall-clock', 'diff. vs AdamW', 'paired t p',
        'steps to AdamW\'s final (reached)', 'seconds to it',
-       'step time / AdamW'], rows)
+       'step time / AdamW (interleaved)'], rows)
   rates = sorted({lr for g in grids.values() for lr in g})
   grid_table = plotting.markdown_table(
       ['arm'] + [f'{lr:g}' for lr in rates],
@@ -266,12 +297,15 @@ def report(config, corpus, candidates, grids, seed_runs):
       f'grid at seed 0 (extended past a winning edge), then '
       f'{len(reference)} seeds at the chosen rate; seeds pair the arms. '
       f'Target: AdamW\'s mean final validation loss, {target:.4f} bits/byte. '
-      f'"At AdamW\'s wall-clock": each run\'s validation curve at AdamW\'s '
-      f'mean training time ({ref_seconds:.1f} s), on the run\'s own clock '
-      f'(median step time x steps); the paired t-test (two-sided, by seed) is '
-      f'on that number.')
+      f'Step cost: each arm\'s step time over AdamW\'s, the two stepped '
+      f'alternately in one process (load affects both alike). "At AdamW\'s '
+      f'wall-clock": the validation curve after {ref_steps} / (step cost) '
+      f'steps, i.e. after AdamW\'s training time; the paired t-test '
+      f'(two-sided, by seed) is on that number. "Seconds to it": steps to '
+      f'AdamW\'s final loss x step cost x AdamW\'s median step '
+      f'({ref_step_seconds * 1e3:.0f} ms).')
   summary = {'config': dataclasses.asdict(config), 'corpus': info,
-             'target_bpb': target, 'adamw_seconds': ref_seconds,
+             'target_bpb': target, 'adamw_step_seconds': ref_step_seconds,
              'per_arm': per_arm}
   md = [setup, table, '## Learning-rate grids (final validation bits/byte, '
         'seed 0)', grid_table, '![curves](ablation_curves.png)']
