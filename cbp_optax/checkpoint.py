@@ -71,7 +71,13 @@ def _is_key(leaf: Any) -> bool:
 
 def _storable(leaf: Any) -> Any:
   # Typed keys have no NumPy dtype; their uint32 key data does.
-  return jax.random.key_data(leaf) if _is_key(leaf) else jnp.asarray(leaf)
+  if _is_key(leaf):
+    return jax.random.key_data(leaf)
+  array = jnp.asarray(leaf)
+  # orbax refuses zero-size arrays (M1's energies when no leaf is in a block,
+  # e.g. cbp_transformer or an empty tree). They hold no data: stored as an
+  # empty node, they are rebuilt from `like` at restore.
+  return {} if array.size == 0 else array
 
 
 def _raw_state_dict(tree: Any) -> Any:
@@ -251,6 +257,8 @@ def _from_storable(like_leaf: Any, restored: Any) -> Any:
     return jax.random.wrap_key_data(
         restored, impl=jax.random.key_impl(like_leaf)
     )
+  if _is_empty_node(restored):  # a zero-size array, see _storable
+    return jnp.zeros(jnp.shape(like_leaf), jnp.result_type(like_leaf))
   return restored
 
 
