@@ -181,8 +181,7 @@ def _scale_leaves(
     group_scales: Sequence[chex.Array],
     out_dtypes: Sequence[Any],
 ) -> list[chex.Array]:
-  # Leaves in no block (block_fn returned None) pass through with s = 1.
-  scaled = [leaf.astype(dtype) for leaf, dtype in zip(leaves, out_dtypes)]
+  scaled: list[Optional[chex.Array]] = [None] * len(leaves)
   for leaf_ids, stack, scale in zip(
       layout.groups, layout.group_stacks, group_scales
   ):
@@ -193,7 +192,11 @@ def _scale_leaves(
         leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
       scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(
           out_dtypes[i])
-  return scaled
+  # Leaves in no block (block_fn returned None) pass through with s = 1.
+  return [
+      leaf.astype(dtype) if out is None else out
+      for leaf, dtype, out in zip(leaves, out_dtypes, scaled)
+  ]
 
 
 def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:

@@ -285,7 +285,8 @@ def precondition(
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     g_leaves = [leaf for _, leaf in paths_and_leaves]
     stacked_flags = [
-        stacked is not None and bool(stacked(strip_variable_suffix(path), g))
+        with_relative and stacked is not None
+        and bool(stacked(strip_variable_suffix(path), g))
         for path, g in paths_and_leaves
     ]
     p_leaves = [None] * len(g_leaves)
