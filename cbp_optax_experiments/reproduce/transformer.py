@@ -344,6 +344,11 @@ def make_tx(arm: Arm, model: nnx.Module, steps: int):
                    stacked=stacked_for(model, arm.centered))
   else:
     base = optax.adamw(lr, weight_decay=WEIGHT_DECAY, mask=decay_mask)
+  return peak_scaled(base)
+
+
+def peak_scaled(base: optax.GradientTransformation):
+  """``base`` (built with a unit-peak schedule), then ``x peak`` (set_peak)."""
   return optax.chain(base, optax.inject_hyperparams(optax.scale)(
       step_size=1.0))
 
@@ -356,9 +361,11 @@ def set_peak(optimizer, peak: float) -> None:
 class Trainer:
   """One transform and one fused step per arm, shared by its runs."""
 
-  def __init__(self, arm: Arm, config: Config):
+  def __init__(self, arm: Any, config: Config, tx_factory=None):
+    """``tx_factory(arm, model, steps)``: the arm's transform (make_tx)."""
     self.arm, self.config = arm, config
-    self.tx = make_tx(arm, build_model(config, 0, arm.centered), config.steps)
+    self.tx = (tx_factory or make_tx)(
+        arm, build_model(config, 0, arm.centered), config.steps)
     self.step = cbp.nnx.train_step(lm_loss, mean_decay=MEAN_DECAY)
 
 

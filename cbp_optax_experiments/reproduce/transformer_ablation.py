@@ -107,18 +107,7 @@ def make_tx(candidate: Candidate, model, steps: int):
                else cbp.cbp)
     base = factory(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask,
                    stacked=lm.stacked_for(model, candidate.centered), **kwargs)
-  return optax.chain(base, optax.inject_hyperparams(optax.scale)(
-      step_size=1.0))
-
-
-class Trainer:
-  """``lm.train_run``'s trainer: one transform and fused step per arm."""
-
-  def __init__(self, candidate: Candidate, config: lm.Config):
-    self.arm, self.config = candidate, config
-    self.tx = make_tx(candidate, lm.build_model(config, 0, candidate.centered),
-                      config.steps)
-    self.step = cbp.nnx.train_step(lm.lm_loss, mean_decay=lm.MEAN_DECAY)
+  return lm.peak_scaled(base)
 
 
 def _final(run: lm.Run) -> float:
@@ -172,7 +161,7 @@ def equal_time_bpb(run: lm.Run, steps: float) -> float:
                          np.asarray(run.val_bpb, float)))
 
 
-def interleaved_step_ratio(trainer: Trainer, reference: Trainer,
+def interleaved_step_ratio(trainer: lm.Trainer, reference: lm.Trainer,
                            corpus: lm.Corpus, steps: int = 20) -> float:
   """Median step time of ``trainer`` over ``reference``'s, the two stepped
   alternately on the same batches, so machine load affects both alike.
@@ -209,9 +198,10 @@ def study(ctx: StudyContext, config: lm.Config,
   bar = tqdm.tqdm(total=total, desc=NAME, unit='run', disable=not ctx.progress)
   grids: dict[str, dict[float, lm.Run]] = {}
   seed_runs: dict[str, list[lm.Run]] = {}
-  trainers: dict[str, Trainer] = {}
+  trainers: dict[str, lm.Trainer] = {}
   for candidate in candidates:
-    trainer = trainers[candidate.name] = Trainer(candidate, config)
+    trainer = trainers[candidate.name] = lm.Trainer(candidate, config,
+                                                   tx_factory=make_tx)
     grids[candidate.name] = tune(trainer, corpus, val, candidate.grid, bar)
     runs = grids[candidate.name]
     chosen = min(runs, key=lambda lr: _final(runs[lr]))
