@@ -32,10 +32,16 @@ Example (NNX)::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
+import math
 import os
 import pathlib
-from typing import Any, Union
+import shutil
+import threading
+from typing import Any, Optional, Union
 
 import flax.serialization
 import jax
@@ -43,7 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from cbp_optax import _checks
 from cbp_optax.blocks import path_name
 
 PathLike = Union[str, os.PathLike]
@@ -69,10 +77,28 @@ def _is_key(leaf: Any) -> bool:
   )
 
 
+def _is_abstract(leaf: Any) -> bool:
+  return isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def _key_impl(leaf: Any) -> Any:
+  if not _is_abstract(leaf):
+    return jax.random.key_impl(leaf)
+  impl = []
+  jax.eval_shape(lambda key: impl.append(jax.random.key_impl(key)), leaf)
+  return impl[0]
+
+
 def _storable(leaf: Any) -> Any:
   # Typed keys have no NumPy dtype; their uint32 key data does.
   if _is_key(leaf):
+    if _is_abstract(leaf):
+      return jax.eval_shape(jax.random.key_data, leaf)
     return jax.random.key_data(leaf)
+  if _is_abstract(leaf):
+    # An abstract target (jax.eval_shape, nnx.eval_shape): shape, dtype and
+    # sharding are all restore needs.
+    return {} if math.prod(leaf.shape) == 0 else leaf
   array = jnp.asarray(leaf)
   # orbax refuses zero-size arrays (M1's energies when no leaf is in a block,
   # e.g. cbp_transformer or an empty tree). They hold no data: stored as an
@@ -155,13 +181,129 @@ def _digests(state_dict: Any) -> np.ndarray:
   return np.stack([_digest(leaf) for leaf in leaves])
 
 
+class CheckpointBusyError(CheckpointError):
+  """Another save to the same checkpoint directory is in progress."""
+
+
+# orbax's checkpointers share process-wide state (the OCDBT writer, the
+# temporary-folder handling): two saves or restores in threads of one process
+# corrupt each other even for different directories. One at a time per
+# process; different processes write different directories in parallel.
+_ORBAX_LOCK = threading.RLock()
+
+
+def _sibling(directory: pathlib.Path, role: str) -> pathlib.Path:
+  """``<parent>/.<name>.cbp-<role>``: a hidden file beside the checkpoint."""
+  return directory.parent / f'.{directory.name}.cbp-{role}'
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path, *, shared: bool, wait: bool):
+  """``flock`` on ``path``: released when the holder ends, even if killed.
+
+  Per open file, so it excludes threads of one process as well as other
+  processes. Yields False when ``wait`` is False and another holds it.
+  """
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    try:
+      fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+      yield False
+      return
+    try:
+      yield True
+    finally:
+      fcntl.flock(fd, fcntl.LOCK_UN)
+  finally:
+    os.close(fd)
+
+
+def _is_primary() -> bool:
+  return jax.process_index() == 0
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f'cbp_optax.checkpoint.{name}')
+
+
+def _complete(path: pathlib.Path) -> bool:
+  # orbax writes into `<path>.orbax-checkpoint-tmp...` and renames it to
+  # `<path>` once every file is written: a folder at `<path>` is complete.
+  return path.is_dir()
+
+
+def _interrupted_swap(directory: pathlib.Path) -> Optional[pathlib.Path]:
+  """The checkpoint to use when a save was killed between its two renames.
+
+  Then ``<name>`` is missing and ``.<name>.cbp-old`` exists; the new
+  checkpoint was complete before the first rename, so it is the newest
+  complete one (the old one where it is gone too).
+  """
+  old = _sibling(directory, 'old')
+  if directory.exists() or not old.is_dir():
+    return None
+  new = _sibling(directory, 'new')
+  return new if _complete(new) else old
+
+
+def _recover(directory: pathlib.Path) -> None:
+  """Finishes the swap of a save that was killed (writer lock held).
+
+  A save writes the new checkpoint to ``.<name>.cbp-new``, renames the old
+  one to ``.<name>.cbp-old``, the new one to ``<name>``, then deletes the old
+  one. Killed between the renames, ``<name>`` is missing: the newest
+  complete checkpoint is moved back into place. Leftovers of an unfinished
+  write are deleted.
+  """
+  interrupted = _interrupted_swap(directory)
+  if interrupted is not None:
+    os.rename(interrupted, directory)
+  new, old = _sibling(directory, 'new'), _sibling(directory, 'old')
+  for leftover in (old, new, *directory.parent.glob(
+      f'{glob.escape(new.name)}.orbax-checkpoint-tmp*')):
+    if leftover.is_dir():
+      shutil.rmtree(leftover)
+    elif leftover.exists():
+      leftover.unlink()
+
+
+def _swap_in(directory: pathlib.Path, new: pathlib.Path) -> None:
+  """Puts the complete checkpoint ``new`` at ``directory`` (writer lock held).
+
+  The old checkpoint is kept until the new one is in place; readers wait
+  while the two renames run, so a restore sees the old or the new one.
+  """
+  old = _sibling(directory, 'old')
+  with _file_lock(_sibling(directory, 'swap'), shared=False, wait=True):
+    if directory.exists():
+      os.rename(directory, old)
+    os.rename(new, directory)
+  if old.exists():
+    shutil.rmtree(old)
+
+
 def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Path:
   """Writes ``state`` to ``directory`` (a new folder; ``force`` replaces it).
 
-  Blocks until the checkpoint is complete on disk; orbax writes to a
-  temporary folder and renames it, so an interrupted save never leaves a
-  half-written checkpoint under ``directory``. Each array is stored with its
-  SHA-256 digest, which :func:`restore` verifies.
+  Blocks until the checkpoint is complete on disk. The checkpoint is written
+  beside ``directory`` (``.<name>.cbp-new``) and moved into place only once
+  complete; with ``force`` the previous checkpoint stays until then. A save
+  killed at any point leaves the previous checkpoint or the new one, each
+  complete, which :func:`restore` reads (and the next save tidies up). Each
+  array is stored with its SHA-256 digest, which :func:`restore` verifies.
+
+  One save at a time per checkpoint: a second writer to the same
+  ``directory`` (another thread or process) gets a
+  :class:`CheckpointBusyError` at once, while saves to different
+  directories run side by side (within one process, one after the other:
+  orbax's writers share state). The lock is ``flock`` on the hidden file
+  ``.<name>.cbp-lock`` beside the checkpoint; it is released when its
+  holder ends, even if killed. In a multi-process run every process calls
+  ``save``, and the first process does the file operations.
 
   Args:
     directory: the checkpoint folder; it must not exist unless ``force``.
@@ -171,6 +313,10 @@ def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Pat
 
   Returns:
     The absolute path of the checkpoint.
+
+  Raises:
+    CheckpointError: ``directory`` exists and ``force`` is False.
+    CheckpointBusyError: another save to ``directory`` is in progress.
 
   Examples:
     A whole CBP optimizer state (M1 energies, M3 moments, step counters):
@@ -189,15 +335,38 @@ def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Pat
     'step_1'
     >>> import shutil; shutil.rmtree(path.parent)
   """
+  _checks.check_bool('force', force)
   directory = pathlib.Path(directory).absolute()
   state_dict = _as_state_dict(state)
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(
-      directory,
-      {_STATE: state_dict, _DIGESTS: _digests(state_dict)},
-      force=force,
-  )
-  checkpointer.wait_until_finished()
+  digests = _digests(state_dict)
+  primary = _is_primary()
+  lock = (_file_lock(_sibling(directory, 'lock'), shared=False, wait=False)
+          if primary else contextlib.nullcontext(True))
+  with _ORBAX_LOCK, lock as acquired:
+    if not acquired:
+      raise CheckpointBusyError(
+          f'Cannot save to {directory}: another save to it is in progress '
+          f'(it holds {_sibling(directory, "lock")}). Save to another '
+          'directory, or wait for that save to finish.'
+      )
+    if primary:
+      _recover(directory)
+      if directory.exists() and not force:
+        raise CheckpointError(
+            f'Cannot save to {directory}: it exists. Pass force=True to '
+            'replace it (the old checkpoint is kept until the new one is '
+            'complete), or save to a new directory.'
+        )
+    _sync('save_start')
+    new = _sibling(directory, 'new')
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(new, {_STATE: state_dict, _DIGESTS: digests},
+                      force=True)
+    checkpointer.wait_until_finished()
+    _sync('save_written')
+    if primary:
+      _swap_in(directory, new)
+    _sync('save_done')
   return directory
 
 
@@ -254,10 +423,10 @@ def _verify(directory: pathlib.Path, restored: Any, digests: Any) -> None:
 
 def _from_storable(like_leaf: Any, restored: Any) -> Any:
   if _is_key(like_leaf):
-    return jax.random.wrap_key_data(
-        restored, impl=jax.random.key_impl(like_leaf)
-    )
+    return jax.random.wrap_key_data(restored, impl=_key_impl(like_leaf))
   if _is_empty_node(restored):  # a zero-size array, see _storable
+    if _is_abstract(like_leaf):
+      return jnp.zeros(like_leaf.shape, like_leaf.dtype)
     return jnp.zeros(jnp.shape(like_leaf), jnp.result_type(like_leaf))
   return restored
 
@@ -288,6 +457,42 @@ def _replicate_single_device_leaves(abstract: Any) -> Any:
     return leaf
 
   return jax.tree.map(place, abstract)
+
+
+def _read(source: pathlib.Path, directory: pathlib.Path, target: Any):
+  """Reads the checkpoint at ``source`` into ``target``'s structure;
+  messages name ``directory`` (``source`` is it, or what a killed save left
+  beside it)."""
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    saved = _saved_tree(checkpointer, source)
+  except CheckpointError as e:
+    raise CheckpointError(str(e).replace(str(source), str(directory))) from e
+  with_digests = isinstance(saved, dict) and set(saved) == {_STATE, _DIGESTS}
+  saved_state = saved[_STATE] if with_digests else saved
+  mismatch = differences(saved_state, target)
+  if mismatch:
+    raise CheckpointMismatchError(
+        f'Checkpoint {directory} does not match the state to restore into '
+        '(a different model or optimizer configuration?):\n  '
+        + '\n  '.join(mismatch)
+    )
+  abstract = _replicate_single_device_leaves(
+      jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
+  if with_digests:
+    digest_meta = saved[_DIGESTS]
+    abstract = {
+        _STATE: abstract,
+        _DIGESTS: jax.ShapeDtypeStruct(tuple(digest_meta.shape), np.uint8),
+    }
+  try:
+    restored = checkpointer.restore(source, abstract)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f'Checkpoint {directory} is damaged: its data cannot be read '
+        f'({type(e).__name__}: {str(e)[:300]}).'
+    ) from e
+  return restored, with_digests
 
 
 def restore(directory: PathLike, like: Any) -> Any:
@@ -341,32 +546,14 @@ def restore(directory: PathLike, like: Any) -> Any:
   directory = pathlib.Path(directory).absolute()
   raw_like = _raw_state_dict(like)
   target = jax.tree.map(_storable, raw_like)
-  checkpointer = ocp.StandardCheckpointer()
-  saved = _saved_tree(checkpointer, directory)
-  with_digests = isinstance(saved, dict) and set(saved) == {_STATE, _DIGESTS}
-  saved_state = saved[_STATE] if with_digests else saved
-  mismatch = differences(saved_state, target)
-  if mismatch:
-    raise CheckpointMismatchError(
-        f'Checkpoint {directory} does not match the state to restore into '
-        '(a different model or optimizer configuration?):\n  '
-        + '\n  '.join(mismatch)
-    )
-  abstract = _replicate_single_device_leaves(
-      jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
-  if with_digests:
-    digest_meta = saved[_DIGESTS]
-    abstract = {
-        _STATE: abstract,
-        _DIGESTS: jax.ShapeDtypeStruct(tuple(digest_meta.shape), np.uint8),
-    }
-  try:
-    restored = checkpointer.restore(directory, abstract)
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(
-        f'Checkpoint {directory} is damaged: its data cannot be read '
-        f'({type(e).__name__}: {str(e)[:300]}).'
-    ) from e
+  swap = _sibling(directory, 'swap')
+  # Wait while a save swaps this checkpoint in (its two renames): the
+  # lock file exists once a save has run here.
+  lock = (_file_lock(swap, shared=True, wait=True) if swap.exists()
+          else contextlib.nullcontext(True))
+  with _ORBAX_LOCK, lock:
+    source = _interrupted_swap(directory) or directory
+    restored, with_digests = _read(source, directory, target)
   if with_digests:
     _verify(directory, restored[_STATE], restored[_DIGESTS])
     restored = restored[_STATE]
