@@ -136,6 +136,23 @@ def check_decay(name: str, value: Any) -> None:
   check_in_range(name, value, 0.0, 1.0)
 
 
+def check_mean_decay(value: Any) -> None:
+  """M2's mean EMA decay: one number in ``[0, 1)``, a tracer of one, no
+  schedule (no optax factory takes it, so inject_hyperparams cannot)."""
+  if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
+    raise TypeError(
+        f'mean_decay must be a number in [0, 1), got the callable {value!r}. '
+        'The centering means take one decay per transport; cbp.cbp has no '
+        'mean_decay, so optax.inject_hyperparams cannot schedule it. To '
+        'schedule it, run the transport yourself after the optimizer update '
+        'with this step\'s value: cbp.nnx.transport(model, '
+        'mean_decay=schedule(step)) or cbp.linen.transport(params, '
+        'centering, mean_decay=schedule(step)); inside jit a traced value '
+        'is accepted.'
+    )
+  check_decay('mean_decay', value)
+
+
 def check_positive(name: str, value: Any) -> None:
   check_in_range(name, value, 0.0, math.inf, low_inclusive=False)
 

@@ -53,7 +53,7 @@ def mean_decay_argument(mean_decay: Any, decay: Any, where: str) -> Any:
         "means is now called mean_decay (decay is M1's energy EMA in "
         'cbp.cbp).', DeprecationWarning, stacklevel=3)
     mean_decay = decay
-  _checks.check_decay('mean_decay', mean_decay)
+  _checks.check_mean_decay(mean_decay)
   return mean_decay
 
 

@@ -55,6 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cbp_optax import _checks
+
 Shape = tuple[int, ...]
 DENSE, CONV = 'dense', 'conv'
 
@@ -142,6 +144,38 @@ def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> Type
 Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
 
 
+def check_where(where: Any) -> Where:
+  """``center``'s ``where`` as None, a type, a tuple of types or a callable.
+
+  A list of types is taken as a tuple; anything else (a path string, a
+  tuple mixing types and strings, an empty tuple) is refused.
+
+  Raises:
+    TypeError: ``where`` is none of those.
+  """
+  if where is None or isinstance(where, type):
+    return where
+  if isinstance(where, (list, tuple)):
+    if where and all(isinstance(t, type) for t in where):
+      return tuple(where)
+    bad = [t for t in where if not isinstance(t, type)]
+    raise TypeError(
+        'where must be None, a layer type, a tuple of layer types, or a '
+        f'predicate where(path, layer) -> bool; got {where!r}'
+        + (f', whose {bad[0]!r} is not a type' if bad else ' (empty)')
+        + ". To select layers by path, pass e.g. where=lambda path, layer: "
+        "path.startswith('encoder')."
+    )
+  if callable(where):
+    return where
+  raise TypeError(
+      'where must be None, a layer type, a tuple of layer types, or a '
+      f'predicate where(path, layer) -> bool; got the '
+      f'{type(where).__name__} {where!r}. To select layers by path, pass '
+      f'e.g. where=lambda path, layer: path.startswith({where!r}).'
+  )
+
+
 def selected(where: Where, path: str, layer: Any) -> bool:
   """Whether ``center(..., where=where)`` centers ``layer`` at ``path``.
 
@@ -153,6 +187,29 @@ def selected(where: Where, path: str, layer: Any) -> bool:
   if isinstance(where, (type, tuple)):
     return isinstance(layer, where)
   return bool(where(path, layer))
+
+
+def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
+  """The dtype of ``mu``: ``requested``, else the layer's ``param_dtype``.
+
+  Raises:
+    TypeError: not a real floating-point dtype (an integer ``mu`` would
+      truncate the mean).
+  """
+  value = param_dtype if requested is None else requested
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise TypeError(
+        f'mean_dtype must be a floating-point dtype, got {value!r}.') from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        'mean_dtype must be a real floating-point dtype (float32, bfloat16, '
+        f'...), got {dtype}'
+        + ('' if requested is not None else " (the layer's param_dtype)")
+        + ': the mean of the inputs is not an integer.'
+    )
+  return dtype
 
 
 def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
@@ -214,13 +271,21 @@ def batch_mean(
 
 
 def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Array:
-  """``inputs - mu`` with ``mu`` laid along the feature axes."""
+  """``inputs - mu`` with ``mu`` laid along the feature axes.
+
+  In the inputs' dtype when it is a float one; integer or boolean inputs
+  (token ids, uint8 pixels) are centered in ``mu``'s float dtype, as the
+  layer would promote them: in theirs ``mu`` would be truncated and the
+  difference wrap around.
+  """
   axes = feature_axes(spec, inputs.ndim)
   shape = [1] * inputs.ndim
   for axis in axes:
     shape[axis] = inputs.shape[axis]
   dtype = jnp.result_type(inputs)
-  return inputs - jnp.reshape(mean, shape).astype(dtype)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    dtype = jnp.result_type(mean)
+  return inputs.astype(dtype) - jnp.reshape(mean, shape).astype(dtype)
 
 
 def _dense_shift(kernel: jax.Array, delta: jax.Array) -> jax.Array:
@@ -365,7 +430,7 @@ def transport(
     bias: its bias, with the same stack axes.
     mean: ``mu``, with the same stack sizes.
     recorded: the batch mean recorded by the last forward pass.
-    decay: the EMA decay of ``mu``.
+    decay: the EMA decay of ``mu``, in ``[0, 1)`` (or a tracer).
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows;
       found from the shapes otherwise.
@@ -396,6 +461,7 @@ def transport(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.2 (eqs. 8-10) and Algorithm 1, steps 10-11.
   """
+  _checks.check_mean_decay(decay)
   mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
   kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
   bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)

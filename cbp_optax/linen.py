@@ -219,6 +219,7 @@ class Centered(nn.Module):
 
   def __post_init__(self):
     check_layer(self.layer)
+    core.mean_dtype(self.mean_dtype, self.layer.param_dtype)
     super().__post_init__()
 
   @nn.compact
@@ -242,7 +243,7 @@ class Centered(nn.Module):
         getattr(layer, 'mask', None),
         inputs,
         use_running_average=use_running_average,
-        mean_dtype=self.mean_dtype or layer.param_dtype,
+        mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
         axis_name=self.axis_name,
     )
 
@@ -280,7 +281,7 @@ class CenteredModel(NamedTuple):
         getattr(module, 'mask', None),
         inputs,
         use_running_average=False,
-        mean_dtype=self.mean_dtype or module.param_dtype,
+        mean_dtype=core.mean_dtype(self.mean_dtype, module.param_dtype),
         axis_name=self.axis_name,
     )
 
@@ -376,7 +377,9 @@ def center(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.2, eq. (8).
   """
-  return CenteredModel(module, where, mean_dtype, axis_name)
+  if mean_dtype is not None:
+    core.mean_dtype(mean_dtype, None)
+  return CenteredModel(module, core.check_where(where), mean_dtype, axis_name)
 
 
 def _is_entry(tree: Any) -> bool:

@@ -205,7 +205,7 @@ class Centered(nnx.Module):
   ):
     spec = layer_spec(layer)
     shape, stack_axes = _stacked_shape(layer, spec)
-    dtype = mean_dtype or layer.param_dtype
+    dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
     self.layer = layer
     self.spec = spec
     self.use_running_average = use_running_average
@@ -240,6 +240,27 @@ class Centered(nnx.Module):
     kernel = self.layer.kernel[...]
     mask = getattr(self.layer, 'mask', None)
     return kernel if mask is None else kernel * mask
+
+  @property
+  def kernel(self) -> nnx.Param:
+    """The wrapped layer's kernel (shared: the centered layer's ``W``)."""
+    return self.layer.kernel
+
+  @property
+  def bias(self) -> jax.Array:
+    """The bias of the uncentered layer this one equals: ``b~ - W mu``.
+
+    For modules that read a layer's parameters instead of calling it (a
+    LoRA adapter computing ``x @ base.kernel + base.bias``): with these,
+    ``x @ kernel + bias`` is the centered layer's output, before and after
+    every transport. Read-only; the trained bias ``b~`` is
+    ``layer.bias``. (Such a module never calls the layer, so no batch mean
+    is recorded and ``mu`` stays where it is.)
+    """
+    correction = core.mean_correction(self.spec, self._kernel(),
+                                      self.mean[...])
+    bias = self.layer.bias[...]
+    return bias - correction.astype(bias.dtype)
 
   def transport(self, mean_decay: Any = 0.99) -> None:
     """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
@@ -367,6 +388,46 @@ def _has_own_params(module: nnx.Module) -> bool:
   return any(isinstance(v, nnx.Param) for v in vars(module).values())
 
 
+def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
+  """Every path to every module, by ``id``: a module reachable by two paths
+  (one layer at two call sites, two attributes naming it) has two."""
+  paths: dict[int, list[str]] = {}
+
+  def walk(node, path, above):
+    if isinstance(node, nnx.Module):
+      paths.setdefault(id(node), []).append(_path_str(path))
+    if id(node) in above:
+      return
+    above = above | {id(node)}
+    if isinstance(node, (list, tuple)):
+      children = enumerate(node)
+    elif isinstance(node, dict):
+      children = node.items()
+    elif graphlib.get_node_impl(node) is not None:
+      children = graphlib.get_node_impl(node).node_dict(node).items()
+    else:  # a Variable, an array
+      return
+    for key, child in children:
+      if not (isinstance(key, str) and key.startswith('_pytree__')):
+        walk(child, path + (key,), above)
+
+  walk(model, (), frozenset())
+  return paths
+
+
+def _check_not_shared(paths: list[str]) -> None:
+  if len(paths) > 1:
+    raise ValueError(
+        f'center: one layer is reachable at {" and ".join(map(repr, paths))} '
+        '(the same module object at two call sites or under two names). A '
+        'shared layer sees two input distributions, and wrapping it at one '
+        'path would leave the other path uncentered while the transport '
+        'moves the shared bias, changing the function. Give each call site '
+        'its own layer, or leave this one out with where=(e.g. where=lambda '
+        f'path, layer: path not in {paths!r}).'
+    )
+
+
 def center(
     model: nnx.Module, *, where: core.Where = None,
     mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
@@ -427,9 +488,13 @@ def center(
     of the Backward Pass with Convergence Guarantees,
     §4.2, eq. (8).
   """
+  where = core.check_where(where)
+  if mean_dtype is not None:
+    core.mean_dtype(mean_dtype, None)
   centered, skipped = [], []
   inside_centered = set()
   modules = list(nnx.iter_modules(model))
+  all_paths = _module_paths(model)
   for path, module in modules:
     if isinstance(module, Centered):
       inside_centered.add(tuple(path) + ('layer',))
@@ -447,6 +512,7 @@ def center(
     except (TypeError, ValueError) as error:
       skipped.append((name, str(error)))
       continue
+    _check_not_shared(all_paths.get(id(module), [name]))
     if not path:
       raise ValueError(
           'center: the model itself is a linear layer and cannot be replaced '
@@ -544,6 +610,16 @@ def _check_training_mode(model: nnx.Module) -> None:
     )
 
 
+def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
+  if 0 not in params:
+    raise ValueError(
+        'train_step: the model has no variable the optimizer trains (its '
+        f'wrt filter is {optimizer.wrt!r}); there are no gradients to take. '
+        'Give the model parameters (nnx.Param), or build the optimizer with '
+        'wrt= naming the variables to train.'
+    )
+
+
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
     donate: bool = True, decay: Any = None,
@@ -622,6 +698,7 @@ def train_step(
     # differentiate the model's own parameters only: their paths are those
     # the optimizer was initialized with.
     graphdef, params, rest = nnx.split((model, nodes), optimizer.wrt, ...)
+    _check_has_params(params, optimizer)
     node_params = {k: v for k, v in params.items() if k != 0}
     rest = nnx.as_pure(rest)
 

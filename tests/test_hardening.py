@@ -698,3 +698,187 @@ def test_restore_into_an_abstract_target(tmp_path):
                                                          rngs=nnx.Rngs(1))))
   restored = checkpoint.restore(tmp_path / 'm', abstract)
   chex.assert_trees_all_equal(restored['kernel'][...], model.kernel[...])
+
+
+# --- issue 24, items 3, 4, 6, 9, 10, 11, 15: centering -------------------------
+
+
+def test_center_refuses_a_layer_shared_by_two_paths():
+  # Item 3: only layers/0 was wrapped; after a transport the output moved.
+  lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+  model = nnx.Sequential(lin, jnp.tanh, lin)
+  with pytest.raises(ValueError, match="'layers/0' and 'layers/2'.*shared"):
+    cbp.nnx.center(model)
+  assert type(model.layers[0]) is nnx.Linear  # nothing was changed
+
+  class TwoNames(nnx.Module):
+
+    def __init__(self):
+      self.a = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+      self.b = self.a
+      self.c = nnx.Linear(3, 3, rngs=nnx.Rngs(1))
+
+  with pytest.raises(ValueError, match="'a' and 'b'"):
+    cbp.nnx.center(TwoNames())
+  report = cbp.nnx.center(TwoNames(), where=lambda path, _: path == 'c')
+  assert report.centered == ['c']
+
+
+def test_linen_layer_called_twice_keeps_the_function():
+  # Linen: one module, one mean, both calls subtract it, so the transport
+  # keeps both exact.
+  import flax.linen as nn
+
+  class Twice(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.Dense(3)
+      return dense(jnp.tanh(dense(x)))
+
+  model = cbp.linen.center(Twice())
+  x = jax.random.normal(jax.random.key(0), (8, 3)) + 1.0
+  variables = model.init(jax.random.key(1), x)
+  y, changed = model.apply(variables, x, mutable=['centering'])
+  params, centering = cbp.linen.transport(variables['params'],
+                                          changed['centering'], 0.0)
+  y_new = model.apply({'params': params, 'centering': centering}, x)
+  np.testing.assert_allclose(y_new, y, atol=1e-5)
+
+
+@pytest.mark.parametrize('dtype', [jnp.int32, jnp.uint8])
+def test_integer_inputs_are_centered_in_a_float_dtype(dtype):
+  # Item 4: the mean was cast to the input dtype: after a transport the
+  # output moved by 0.73 (int32) and 239 (uint8, wrap-around).
+  import flax.linen as nn
+  x = jnp.array([[1, 200, 3], [250, 5, 100], [7, 9, 11]], dtype)
+  model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+  cbp.nnx.center(model)
+  before = model(x)
+  cbp.nnx.transport(model, mean_decay=0.0)
+  np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-3)
+  linen = cbp.linen.center(nn.Dense(2))
+  variables = linen.init(jax.random.key(0), x)
+  before, changed = linen.apply(variables, x, mutable=['centering'])
+  params, centering = cbp.linen.transport(
+      variables['params'], changed['centering'], 0.0)
+  after = linen.apply({'params': params, 'centering': centering}, x)
+  np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-3)
+
+
+def test_integer_mean_dtype_is_refused():
+  import flax.linen as nn
+  with pytest.raises(TypeError, match='mean_dtype must be a real floating'):
+    cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), mean_dtype=jnp.int32)
+  with pytest.raises(TypeError, match='mean_dtype must be a real floating'):
+    cbp.nnx.center(nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))),
+                   mean_dtype='int8')
+  with pytest.raises(TypeError, match='mean_dtype must be a real floating'):
+    cbp.linen.center(nn.Dense(2), mean_dtype=jnp.uint8)
+
+
+@pytest.mark.parametrize('value, error, match', [
+    (float('nan'), ValueError, r'mean_decay must lie in \[0.0, 1.0\), got nan'),
+    (5.0, ValueError, r'mean_decay must lie in \[0.0, 1.0\), got 5.0'),
+    (True, TypeError, 'mean_decay must be a number, got the bool'),
+    (optax.constant_schedule(0.9), TypeError,
+     'cbp.cbp has no mean_decay.*mean_decay=schedule\\(step\\)'),
+])
+def test_every_transport_path_validates_mean_decay(value, error, match):
+  # Items 6 and 15: Centered.transport(nan) made the mean and bias NaN, 5.0
+  # and True were accepted, a schedule failed with "unsupported operand
+  # type(s) for *: 'function'"; train_step(mean_decay=schedule) named a
+  # mean_decay of cbp.cbp that does not exist.
+  import flax.linen as nn
+  layer = cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  with pytest.raises(error, match=match):
+    layer.transport(value)
+  with pytest.raises(error, match=match):
+    cbp.nnx.transport(nnx.Sequential(layer), value)
+  with pytest.raises(error, match=match):
+    cbp.nnx.train_step(lambda m, x: 0.0, mean_decay=value)
+  with pytest.raises(error, match=match):
+    cbp.linen.train_step(lambda apply, x: 0.0, mean_decay=value)
+  variables = cbp.linen.center(nn.Dense(2)).init(jax.random.key(0),
+                                                 jnp.ones((1, 2)))
+  with pytest.raises(error, match=match):
+    cbp.linen.transport(variables['params'], variables['centering'], value)
+  spec = cbp.centering.dense_spec(-1, (2,), (2,))
+  with pytest.raises(error, match=match):
+    cbp.centering.transport(spec, jnp.ones((2, 2)), jnp.zeros(2),
+                            jnp.zeros(2), jnp.ones(2), value)
+  chex.assert_trees_all_equal(layer.mean[...], jnp.zeros(2))
+
+
+def test_traced_mean_decay_is_accepted():
+  layer = cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  layer(jnp.ones((3, 2)))
+
+  @nnx.jit
+  def transport(layer, decay):
+    layer.transport(decay)
+
+  transport(layer, jnp.asarray(0.5))
+  chex.assert_trees_all_close(layer.mean[...], jnp.full(2, 0.5))
+
+
+def test_train_step_on_a_model_without_parameters_says_so():
+  # Item 9: KeyError: 0.
+  class NoParams(nnx.Module):
+
+    def __call__(self, x):
+      return jnp.sum(x)
+
+  model = NoParams()
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  step = cbp.nnx.train_step(lambda m, x: m(x))
+  with pytest.raises(ValueError, match='no variable the optimizer trains'):
+    step(model, optimizer, jnp.ones(3))
+
+
+@pytest.mark.parametrize('where, match', [
+    ('a', "got the str 'a'.*path.startswith\\('a'\\)"),
+    (['a'], "got \\['a'\\], whose 'a' is not a type"),
+    ((nnx.Linear, 'b'), "whose 'b' is not a type"),
+    ((), 'empty'),
+    (3, 'got the int 3'),
+])
+def test_bad_where_is_refused_in_nnx_and_linen(where, match):
+  # Item 10: "'str' object is not callable"; (nnx.Linear, 'b') accepted.
+  import flax.linen as nn
+  with pytest.raises(TypeError, match='where must be None, a layer type.*'
+                     + match):
+    cbp.nnx.center(nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))),
+                   where=where)
+  with pytest.raises(TypeError, match=match):
+    cbp.linen.center(nn.Dense(2), where=where)
+
+
+def test_a_list_of_types_is_a_valid_where():
+  report = cbp.nnx.center(
+      nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), where=[nnx.Linear])
+  assert report.centered == ['layers/0']
+
+
+def test_a_module_reading_the_centered_layers_parameters_keeps_its_function():
+  # Item 11: "AttributeError: 'Centered' object has no attribute 'kernel'".
+  class LoRA(nnx.Module):
+
+    def __init__(self, rngs):
+      self.base = nnx.Linear(3, 2, rngs=rngs)
+      self.a = nnx.Param(jax.random.normal(rngs.params(), (3, 1)))
+      self.b = nnx.Param(jax.random.normal(rngs.params(), (1, 2)))
+
+    def __call__(self, x):
+      return (x @ self.base.kernel[...] + self.base.bias[...]
+              + x @ self.a[...] @ self.b[...])
+
+  model = LoRA(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (8, 3)) + 2.0
+  before = model(x)
+  assert cbp.nnx.center(model).centered == ['base']
+  chex.assert_trees_all_equal(model(x), before)
+  model.base.batch_mean[...] = jnp.array([0.3, -1.0, 2.0])
+  cbp.nnx.transport(model, mean_decay=0.0)  # mu and b~ move
+  assert not np.allclose(model.base.layer.bias[...], 0.0)
+  np.testing.assert_allclose(model(x), before, atol=1e-5)
