@@ -15,7 +15,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, NamedTuple, Optional
+from typing import Any, Callable, Collection, Hashable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -302,18 +302,24 @@ def stack_root(
     param_shapes: dict[tuple[str, ...], tuple[int, ...]],
     layer_path: tuple[str, ...],
     stack_size: int,
+    unstacked: Collection[tuple[str, ...]] = (),
 ) -> tuple[str, ...]:
   """The highest module above a stacked layer that is all one layer stack.
 
   Walks up from ``layer_path`` while every parameter under the module has a
-  leading axis of ``stack_size``: a module built by ``nnx.vmap`` (or scanned
-  by ``nn.scan``) stacks all of its parameters, its parent does not.
+  leading axis of ``stack_size`` and no layer known to be unstacked
+  (``unstacked``: paths of layers whose shapes are their own, like a head
+  ``Linear(4, 4)`` beside a stack of four) is under it: a module built by
+  ``nnx.vmap`` (or scanned by ``nn.scan``) stacks all of its parameters, its
+  parent does not.
   """
   root = layer_path
   for depth in range(len(layer_path), -1, -1):
     prefix = layer_path[:depth]
     under = [s for p, s in param_shapes.items() if p[:depth] == prefix]
     if not under or any(not s or s[0] != stack_size for s in under):
+      break
+    if any(tuple(u[:depth]) == prefix for u in unstacked):
       break
     root = prefix
   return root

@@ -358,6 +358,26 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
   return (decay * mean + (1 - decay) * recorded).astype(mean.dtype)
 
 
+def stack_axes_placements(
+    shape: Shape, unstacked_shape: Shape
+) -> list[tuple[int, ...]]:
+  """Every placement of stack axes that makes ``shape`` ``unstacked_shape``.
+
+  In lexicographic order (leading axes first). More than one means the
+  shapes alone cannot tell where the stack axes are (a stack whose length
+  equals a feature size).
+  """
+  shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
+  extra = len(shape) - len(unstacked_shape)
+  if extra < 0:
+    return []
+  return [
+      axes for axes in itertools.combinations(range(len(shape)), extra)
+      if tuple(d for i, d in enumerate(shape) if i not in axes)
+      == unstacked_shape
+  ]
+
+
 def locate_stack_axes(
     shape: Shape,
     unstacked_shape: Shape,
@@ -369,34 +389,43 @@ def locate_stack_axes(
   lexicographic order (leading axes first, as ``nnx.vmap``, ``nn.scan`` and
   ``nn.vmap`` place them by default). None when no placement fits.
   """
-  shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
-  extra = len(shape) - len(unstacked_shape)
-  if extra < 0:
-    return None
-
-  def fits(axes):
-    kept = tuple(d for i, d in enumerate(shape) if i not in axes)
-    return kept == unstacked_shape
-
-  if preferred is not None and len(preferred) == extra and fits(preferred):
+  placements = stack_axes_placements(shape, unstacked_shape)
+  if preferred is not None and tuple(preferred) in placements:
     return tuple(preferred)
-  for axes in itertools.combinations(range(len(shape)), extra):
-    if fits(axes):
-      return axes
-  return None
+  return placements[0] if placements else None
+
+
+AMBIGUOUS_STACK_REMEDY = (
+    'Record where the stack axis is: create the Centered layers inside the '
+    'nnx.vmap / nnx.scan with transform_metadata={nnx.PARTITION_NAME: '
+    "'layers'} (their means then track the axis), or wrap a layer stacked "
+    'beforehand with cbp.nnx.Centered(layer, stack_axes=...) (the kernel '
+    'axes that are stack axes) before cbp.nnx.center. Linen records it '
+    'always.'
+)
 
 
 def _stack_axes(
     name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
 ) -> tuple[int, ...]:
-  axes = locate_stack_axes(array.shape, unstacked, preferred)
-  if axes is None:
+  placements = stack_axes_placements(array.shape, unstacked)
+  if preferred is not None and tuple(preferred) in placements:
+    return tuple(preferred)
+  if not placements:
     raise ValueError(
         f'transport: the {name} has shape {tuple(array.shape)}, which is not '
         f'{unstacked} with stack axes added ({spec}); pass the parameters and '
         'centering statistics of the same model.'
     )
-  return axes
+  if len(placements) > 1:
+    raise ValueError(
+        f'transport: the {name} has shape {tuple(array.shape)}, which is '
+        f'{unstacked} with stack axes at any of {placements}: the shapes '
+        'cannot tell which (a stack as long as a feature size), and a wrong '
+        'guess would move each bias by another slice\'s kernel. '
+        + AMBIGUOUS_STACK_REMEDY
+    )
+  return placements[0]
 
 
 def _to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:

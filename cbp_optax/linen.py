@@ -540,17 +540,22 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
   }
   roots = {tuple(p.split('/')) for p in stack_paths}
   if not stack_paths:
+    stacks, unstacked = [], []
 
     def visit(tree, path):
       if _is_entry(tree):
         box = tree[_MEAN]
         if box.stack_axes and box.stack_axes[0] == 0:
-          roots.add(blocks.stack_root(shapes, path, box.value.shape[0]))
+          stacks.append((path, box.value.shape[0]))
+        elif not box.stack_axes:
+          unstacked.append(path)
         return
       for key, sub in tree.items():
         visit(sub, path + (str(key),))
 
     visit(flax.core.unfreeze(centering), ())
+    for path, size in stacks:
+      roots.add(blocks.stack_root(shapes, path, size, unstacked))
   return blocks.stacked_predicate(roots)
 
 

@@ -114,16 +114,40 @@ def layer_spec(layer: nnx.Module) -> core.LayerSpec:
 
 
 def _stacked_shape(
-    layer: nnx.Module, spec: core.LayerSpec
+    layer: nnx.Module, spec: core.LayerSpec,
+    stack_axes: Optional[Sequence[int]] = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Shape and stack axes of ``mu`` for a layer that may already be stacked."""
   kernel_shape = tuple(layer.kernel.shape)
-  axes = core.locate_stack_axes(kernel_shape, spec.kernel_shape)
-  if axes is None:
+  placements = core.stack_axes_placements(kernel_shape, spec.kernel_shape)
+  if stack_axes is not None:
+    ndim = len(kernel_shape)
+    given = stack_axes
+    stack_axes = tuple(sorted(
+        a % ndim for a in given
+        if isinstance(a, int) and not isinstance(a, bool) and -ndim <= a < ndim))
+    if len(stack_axes) != len(tuple(given)) or stack_axes not in placements:
+      raise ValueError(
+          f'{type(layer).__name__}: stack_axes={given!r} does not fit: '
+          f'the kernel of shape {kernel_shape} is {spec.kernel_shape} with '
+          f'stack axes at {placements or "no placement"}.'
+      )
+    axes = stack_axes
+  elif not placements:
     raise ValueError(
         f'{type(layer).__name__}: kernel shape {kernel_shape} is not '
         f'{spec.kernel_shape} with stack axes added.'
     )
+  elif len(placements) > 1:
+    raise ValueError(
+        f'{type(layer).__name__}: the kernel of shape {kernel_shape} is '
+        f'{spec.kernel_shape} stacked along any of the axes {placements}; '
+        'the shapes cannot tell which (a stack as long as a feature size), '
+        'and a wrong guess would change the function at the first '
+        'transport. ' + core.AMBIGUOUS_STACK_REMEDY
+    )
+  else:
+    axes = placements[0]
   shape = list(spec.mean_shape)
   for axis in axes:
     shape.insert(min(axis, len(shape)), kernel_shape[axis])
@@ -165,6 +189,10 @@ class Centered(nnx.Module):
     axis_name: the mapped batch axis to average the recorded mean over inside
       ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``, where a
       sharded batch's mean is already global).
+    stack_axes: for a layer stacked before wrapping, the axes of its kernel
+      that are stack axes (``(1,)`` for ``nnx.vmap(..., out_axes=1)``);
+      needed only where the shapes cannot tell (a stack as long as a feature
+      size), found from them otherwise.
 
   Raises:
     TypeError: for any other layer type, subclasses included.
@@ -202,9 +230,10 @@ class Centered(nnx.Module):
       use_running_average: bool = False,
       mean_dtype: Optional[Any] = None,
       axis_name: Optional[Any] = None,
+      stack_axes: Optional[Sequence[int]] = None,
   ):
     spec = layer_spec(layer)
-    shape, stack_axes = _stacked_shape(layer, spec)
+    shape, stack_axes = _stacked_shape(layer, spec, stack_axes)
     dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
     self.layer = layer
     self.spec = spec
@@ -583,14 +612,26 @@ def stacked_blocks(
   }
   roots = {tuple(p.split('/')) for p in stack_paths}
   if not stack_paths:
+    stacks, unstacked = [], []
     for path, module in nnx.iter_modules(model):
-      if not isinstance(module, Centered):
-        continue
-      axes = core.locate_stack_axes(module.mean.shape, module.spec.mean_shape,
-                                    module.mean.get_metadata().get('stack_axes'))
-      if axes and axes[0] == 0:
-        roots.add(blocks.stack_root(shapes, tuple(str(p) for p in path),
-                                  module.mean.shape[0]))
+      path = tuple(str(p) for p in path)
+      if isinstance(module, Centered):
+        axes = core.locate_stack_axes(
+            module.mean.shape, module.spec.mean_shape,
+            module.mean.get_metadata().get('stack_axes'))
+        if axes and axes[0] == 0:
+          stacks.append((path, module.mean.shape[0]))
+        elif not axes:
+          unstacked.append(path)
+      elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
+        try:
+          spec = layer_spec(module)
+        except (TypeError, ValueError):
+          continue
+        if tuple(module.kernel.shape) == spec.kernel_shape:
+          unstacked.append(path)
+    for path, size in stacks:
+      roots.add(blocks.stack_root(shapes, path, size, unstacked))
   return blocks.stacked_predicate(roots)
 
 

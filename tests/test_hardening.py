@@ -882,3 +882,96 @@ def test_a_module_reading_the_centered_layers_parameters_keeps_its_function():
   cbp.nnx.transport(model, mean_decay=0.0)  # mu and b~ move
   assert not np.allclose(model.base.layer.bias[...], 0.0)
   np.testing.assert_allclose(model(x), before, atol=1e-5)
+
+
+# --- issue 24, item 5: stack detection -------------------------------------------
+
+
+def four_by_four_stack(out_axes=0, transform_metadata=None, wrap=False):
+  kwargs = {} if transform_metadata is None else {
+      'transform_metadata': transform_metadata}
+
+  @nnx.vmap(in_axes=0, out_axes=out_axes, **kwargs)
+  def make(key):
+    layer = nnx.Linear(4, 4, rngs=nnx.Rngs(key))
+    return cbp.nnx.Centered(layer) if wrap else layer
+
+  return make(jax.random.split(jax.random.key(0), 4))
+
+
+class StackOnAxis1(nnx.Module):
+
+  def __init__(self, layers):
+    self.layers = layers
+
+  def __call__(self, x):
+    @nnx.vmap(in_axes=(1, None), out_axes=1)
+    def each(layer, x):
+      return layer(x)
+
+    return each(self.layers, x)
+
+
+def test_stack_beside_a_same_shaped_head_is_not_the_root():
+  # Item 5: stacked_blocks returned the root, and M1 split the head into
+  # four blocks.
+  import flax.linen as nn
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.blocks = cbp.nnx.Centered(four_by_four_stack(), stack_axes=(0,))
+      self.head = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+  model = Model()
+  for _ in range(2):  # the head centered, then not
+    stacked = cbp.nnx.stacked_blocks(model)
+    assert stacked == cbp.blocks.stacked_predicate([('blocks',)])
+    names = cbp.block_names(nnx.state(model, nnx.Param), stacked=stacked)
+    assert names[-1] in ('head', 'head/layer') and len(names) == 5
+    cbp.nnx.center(model)
+
+  class Block(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dense(4)(x), None
+
+  class Linen(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      layers = nn.scan(Block, length=4, split_rngs={'params': True},
+                       variable_axes={'params': 0, 'centering': 0})
+      x, _ = layers(name='layers')(x, None)
+      return nn.Dense(4)(x)
+
+  variables = cbp.linen.center(Linen()).init(jax.random.key(0),
+                                             jnp.ones((2, 4)))
+  assert cbp.linen.stacked_blocks(
+      variables['params'], variables['centering']
+  ) == cbp.blocks.stacked_predicate([('layers',)])
+
+
+def test_stack_as_long_as_a_feature_size_is_refused_unless_its_axis_is_known():
+  # Item 5: out_axes=1, length == feature size: after center and a transport
+  # the output moved by 3.2, even with transform_metadata.
+  x = jax.random.normal(jax.random.key(2), (8, 4)) + 1.0
+  model = StackOnAxis1(four_by_four_stack(out_axes=1))
+  with pytest.raises(ValueError, match='stacked along any of the axes.*'
+                     'stack_axes='):
+    cbp.nnx.center(model)
+  model.layers = cbp.nnx.Centered(model.layers, stack_axes=(1,))
+  for transform_metadata in (None, {nnx.PARTITION_NAME: 'layers'}):
+    if transform_metadata:
+      model = StackOnAxis1(four_by_four_stack(1, transform_metadata, True))
+    before = model(x)
+    cbp.nnx.transport(model, mean_decay=0.0)
+    np.testing.assert_allclose(model(x), before, atol=1e-5)
+  model = StackOnAxis1(four_by_four_stack(1, wrap=True))  # axis not recorded
+  model(x)
+  with pytest.raises(ValueError, match='stack axes at any of.*'
+                     'transform_metadata'):
+    cbp.nnx.transport(model, mean_decay=0.0)
+  with pytest.raises(ValueError, match='stack_axes=\\(5,\\) does not fit'):
+    cbp.nnx.Centered(four_by_four_stack(0), stack_axes=(5,))
