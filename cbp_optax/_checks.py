@@ -161,6 +161,24 @@ def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False):
   check_in_range(name, value, 0.0, math.inf, schedule_ok=schedule_ok)
 
 
+def check_count(name: str, value: Any, *, minimum: int = 0,
+                maximum: Optional[int] = None) -> int:
+  """A count or size: a Python or NumPy integer (not a bool, float or
+  string) in ``[minimum, maximum]``; returned as an int."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (numbers.Integral, np.integer)):
+    raise TypeError(
+        f'{name} must be an integer >= {minimum}, got the '
+        f'{type(value).__name__} {value!r}.'
+    )
+  value = int(value)
+  if value < minimum or (maximum is not None and value > maximum):
+    bound = (f'in [{minimum}, {maximum}]' if maximum is not None
+             else f'>= {minimum}')
+    raise ValueError(f'{name} must be an integer {bound}, got {value}.')
+  return value
+
+
 def check_callable(name: str, value: Any) -> None:
   if value is not None and not callable(value):
     raise ValueError(

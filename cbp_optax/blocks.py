@@ -165,6 +165,23 @@ def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return None
 
 
+def _hashable_key(key: Any, path: KeyPath) -> Hashable:
+  """A ``block_fn`` result as a dict key: lists become tuples (a key path
+  built with list operations is still that path)."""
+  if isinstance(key, list):
+    key = tuple(_hashable_key(k, path) for k in key)
+  try:
+    hash(key)
+  except TypeError:
+    raise TypeError(
+        f'block_fn returned the unhashable {type(key).__name__} {key!r} for '
+        f'leaf {jax.tree_util.keystr(path)}; it must return a hashable block '
+        'key (a tuple such as the path, a string, an int) or None for no '
+        'block.'
+    ) from None
+  return key
+
+
 def block_layout(
     tree: Any,
     *,
@@ -217,7 +234,7 @@ def block_layout(
   stacks: list[Optional[int]] = []
   for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
     path = strip_variable_suffix(path)
-    key = key_fn(path, leaf)
+    key = _hashable_key(key_fn(path, leaf), path)
     if key is None:
       continue
     stack = None

@@ -32,6 +32,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from cbp_optax import _checks
 from cbp_optax.blocks import block_layout
 from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
@@ -119,11 +120,16 @@ class HessianTrace(NamedTuple):
 
   Attributes:
     names: block names.
-    estimate: the mean of ``v^T H v`` over the probes.
+    estimate: the mean of ``v^T H v`` over the probes: the trace over every
+      parameter, in a block or not.
     stderr: its standard error, ``sd(v^T H v) / sqrt(num_samples)``.
     block_estimates: unbiased estimates of ``tr(H_ll)`` per block, shape
-      ``(L,)``; they sum to ``estimate``.
+      ``(L,)``; with ``outside_estimate`` they sum to ``estimate``.
     block_stderr: their standard errors, shape ``(L,)``.
+    outside_estimate: the estimate of the trace over the parameters in no
+      block (``block_fn`` returned None for them: ``cbp.no_blocks``,
+      ``cbp.kernel_blocks``' biases); 0 when every parameter is in one.
+    outside_stderr: its standard error.
   """
 
   names: tuple[str, ...]
@@ -131,6 +137,8 @@ class HessianTrace(NamedTuple):
   stderr: chex.Array
   block_estimates: chex.Array
   block_stderr: chex.Array
+  outside_estimate: Optional[chex.Array] = None
+  outside_stderr: Optional[chex.Array] = None
 
 
 @_static_names
@@ -162,13 +170,17 @@ class ParameterMovement(NamedTuple):
     distances: ``||theta_l - theta0_l||_F`` per block, shape ``(L,)``.
     relative: ``distances / ||theta0_l||_F`` (``inf`` for a block that moved
       from zero, 0 for one that stayed there).
-    total: ``||theta - theta0|| / ||theta0||`` over the whole tree.
+    total: ``||theta - theta0|| / ||theta0||`` over the whole tree, every
+      parameter, in a block or not.
+    outside_distance: ``||theta - theta0||`` over the parameters in no block
+      (``block_fn`` returned None for them); 0 when every parameter is in one.
   """
 
   names: tuple[str, ...]
   distances: chex.Array
   relative: chex.Array
   total: chex.Array
+  outside_distance: Optional[chex.Array] = None
 
 
 class MeanAlignment(NamedTuple):
@@ -203,6 +215,28 @@ class MeanAlignment(NamedTuple):
 
 def _layout(tree, block_fn, stacked) -> BlockLayout:
   return block_layout(tree, block_fn=block_fn, stacked=stacked)
+
+
+def _one_block(leaf_ids: Any) -> BlockLayout:
+  """A layout with the leaves ``leaf_ids`` as one block (none: no block)."""
+  leaf_ids = tuple(leaf_ids)
+  if not leaf_ids:
+    return BlockLayout((), (), (), ())
+  return BlockLayout(('all',), (leaf_ids,), (0,), (None,))
+
+
+def _whole_and_outside(layout: BlockLayout, tree: Any):
+  """One-block layouts of every leaf, and of the leaves in no block of
+  ``layout``: totals cover every parameter, whatever ``block_fn`` says."""
+  count = len(jax.tree.leaves(tree))
+  inside = {i for group in layout.groups for i in group}
+  return (_one_block(range(count)),
+          _one_block(i for i in range(count) if i not in inside))
+
+
+def _scalar(blocks: chex.Array, dtype) -> chex.Array:
+  """The one entry of a one-block result (0 for a layout without blocks)."""
+  return jnp.sum(blocks).astype(dtype)
 
 
 def _block_norms(layout: BlockLayout, tree: Any, dtype) -> chex.Array:
@@ -410,25 +444,31 @@ def hessian_trace(
     >>> float(out.estimate), float(out.stderr)  # diagonal H: exact
     (6.0, 0.0)
   """
-  if num_samples < 1:
-    raise ValueError(f'num_samples must be >= 1, got {num_samples}.')
+  _checks.check_count('num_samples', num_samples, minimum=1)
+  if batch_size is not None:
+    _checks.check_count('batch_size', batch_size, minimum=1)
   _float_leaves(params)
   layout = _layout(params, block_fn, stacked)
+  whole, outside = _whole_and_outside(layout, params)
   dtype = stats_dtype_for(params)
 
   def sample(probe_key):
     probe = _rademacher_like(probe_key, params)
     hv = _hvp(loss_fn, params, probe)
-    products = jax.tree.map(lambda v, h: (v * h).astype(dtype), probe, hv)
-    return _block_sums(layout, jax.tree.leaves(products), dtype)
+    products = jax.tree.leaves(
+        jax.tree.map(lambda v, h: (v * h).astype(dtype), probe, hv))
+    return (_block_sums(layout, products, dtype),
+            _scalar(_block_sums(whole, products, dtype), dtype),
+            _scalar(_block_sums(outside, products, dtype), dtype))
 
   keys = jax.random.split(key, num_samples)
-  per_block = jax.lax.map(sample, keys, batch_size=batch_size)  # (n, L)
-  totals = jnp.sum(per_block, axis=1)
+  per_block, totals, outsides = jax.lax.map(sample, keys,
+                                            batch_size=batch_size)
   estimate, stderr = _mean_and_stderr(totals)
   block_estimates, block_stderr = _mean_and_stderr(per_block)
+  outside_estimate, outside_stderr = _mean_and_stderr(outsides)
   return HessianTrace(layout.names, estimate, stderr, block_estimates,
-                      block_stderr)
+                      block_stderr, outside_estimate, outside_stderr)
 
 
 def _block_sums(layout: BlockLayout, leaves, dtype) -> chex.Array:
@@ -551,8 +591,8 @@ def top_eigenvalue(
     >>> blocks.names, [round(float(e), 4) for e in blocks.eigenvalue]
     (('a', 'b'), [1.0, 4.0])
   """
-  if num_iters < 0:
-    raise ValueError(f'num_iters must be >= 0, got {num_iters}.')
+  _checks.check_count('num_iters', num_iters, minimum=0)
+  _checks.check_bool('per_block', per_block)
   _float_leaves(params)
   dtype = stats_dtype_for(params)
   if not per_block:
@@ -621,17 +661,22 @@ def parameter_movement(
   distances = _block_norms(layout, delta, dtype)
   initial = _block_norms(layout, params_init, dtype)
   relative = _safe_ratio(distances, initial)
-  total = _safe_ratio(jnp.sqrt(jnp.sum(distances**2)),
-                      jnp.sqrt(jnp.sum(initial**2)))
-  return ParameterMovement(layout.names, distances, relative, total)
+  whole, outside = _whole_and_outside(layout, params)
+  total = _safe_ratio(_scalar(_block_norms(whole, delta, dtype), dtype),
+                      _scalar(_block_norms(whole, params_init, dtype), dtype))
+  outside_distance = _scalar(_block_norms(outside, delta, dtype), dtype)
+  return ParameterMovement(layout.names, distances, relative, total,
+                           outside_distance)
 
 
 def _safe_ratio(numerator: chex.Array, denominator: chex.Array) -> chex.Array:
-  """``n / d``, with ``0 / 0 = 0`` and ``n / 0 = inf``."""
+  """``n / d``, with ``0 / 0 = 0``, ``n / 0 = inf`` and NaN in, NaN out."""
   positive = denominator > 0
   ratio = numerator / jnp.where(positive, denominator, 1.0)
-  return jnp.where(positive, ratio,
-                   jnp.where(numerator > 0, jnp.inf, 0.0).astype(ratio.dtype))
+  ratio = jnp.where(positive, ratio,
+                    jnp.where(numerator > 0, jnp.inf, 0.0).astype(ratio.dtype))
+  return jnp.where(jnp.isnan(numerator) | jnp.isnan(denominator),
+                   jnp.nan, ratio).astype(ratio.dtype)
 
 
 def mean_alignment(inputs: chex.Array) -> MeanAlignment:

@@ -975,3 +975,83 @@ def test_stack_as_long_as_a_feature_size_is_refused_unless_its_axis_is_known():
     cbp.nnx.transport(model, mean_decay=0.0)
   with pytest.raises(ValueError, match='stack_axes=\\(5,\\) does not fit'):
     cbp.nnx.Centered(four_by_four_stack(0), stack_axes=(5,))
+
+
+# --- issue 24, items 7 and 12: diagnostics totals, block keys ---------------------
+
+
+def diagonal_quadratic():
+  curvature = {'l': {'bias': jnp.array([4.0, 6.0]),
+                     'kernel': jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])}}
+
+  def loss(params):
+    return 0.5 * sum(jnp.sum(h * p**2) for h, p in zip(
+        jax.tree.leaves(curvature), jax.tree.leaves(params)))
+
+  return loss, jax.tree.map(jnp.ones_like, curvature)
+
+
+@pytest.mark.parametrize('block_fn, blocks, outside', [
+    (None, [25.0], 0.0),
+    (cbp.no_blocks, [], 25.0),
+    (cbp.kernel_blocks, [15.0], 10.0),
+])
+def test_diagnostics_totals_cover_parameters_outside_blocks(
+    block_fn, blocks, outside):
+  # Item 7: with a true trace of 25, no_blocks gave 0.0 and kernel_blocks
+  # 15.0; parameter_movement(..., no_blocks).total was 0.0.
+  loss, params = diagonal_quadratic()
+  out = cbp.diagnostics.hessian_trace(loss, params, jax.random.key(0),
+                                      num_samples=2, block_fn=block_fn)
+  assert float(out.estimate) == 25.0
+  np.testing.assert_array_equal(out.block_estimates, blocks)
+  assert float(out.outside_estimate) == outside
+  init = jax.tree.map(lambda x: 2.0 * x, params)
+  movement = cbp.diagnostics.parameter_movement(params, init,
+                                                block_fn=block_fn)
+  assert float(movement.total) == pytest.approx(0.5)
+  assert float(movement.outside_distance) == pytest.approx(
+      {0.0: 0.0, 25.0: math.sqrt(7.0), 10.0: math.sqrt(2.0)}[outside])
+
+
+def test_parameter_movement_of_nan_parameters_is_nan():
+  params = {'a': {'w': jnp.array([1.0, jnp.nan])}}
+  init = {'a': {'w': jnp.array([jnp.nan, 1.0])}}
+  movement = cbp.diagnostics.parameter_movement(params, init)
+  assert np.isnan(movement.relative).all() and np.isnan(movement.total)
+
+
+@pytest.mark.parametrize('name, value, error', [
+    ('num_samples', 2.0, TypeError), ('num_samples', '4', TypeError),
+    ('num_samples', 0, ValueError), ('num_samples', True, TypeError),
+    ('batch_size', 0, ValueError), ('batch_size', 1.5, TypeError),
+])
+def test_hessian_trace_refuses_bad_counts(name, value, error):
+  loss, params = diagonal_quadratic()
+  kwargs = {'num_samples': 2, name: value}
+  with pytest.raises(error, match=f'{name} must be an integer'):
+    cbp.diagnostics.hessian_trace(loss, params, jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize('value, error', [
+    (2.5, TypeError), (-1, ValueError), ('3', TypeError)])
+def test_top_eigenvalue_refuses_bad_iteration_counts(value, error):
+  loss, params = diagonal_quadratic()
+  with pytest.raises(error, match='num_iters must be an integer'):
+    cbp.diagnostics.top_eigenvalue(loss, params, jax.random.key(0),
+                                   num_iters=value)
+
+
+def test_block_fn_returning_a_list_is_a_path():
+  # Item 12: "TypeError: unhashable type: 'list'".
+  params = {'a': {'b': jnp.ones(2), 'w': jnp.ones(2)}, 'c': {'w': jnp.ones(3)}}
+  as_list = lambda path, leaf: list(path[:-1])
+  assert cbp.block_names(params, block_fn=as_list) == ('a', 'c')
+  tx = cbp.cbp(1e-2, block_fn=as_list)
+  reference = cbp.cbp(1e-2)
+  chex.assert_trees_all_equal(
+      tx.update(params, tx.init(params), params)[0],
+      reference.update(params, reference.init(params), params)[0])
+  with pytest.raises(TypeError, match="block_fn returned the unhashable dict"
+                     ".*\\['a'\\]\\['b'\\].*or None"):
+    cbp.block_names(params, block_fn=lambda path, leaf: {})
