@@ -36,6 +36,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,8 @@ import sys
 import threading
 import time
 from typing import IO, Mapping, Optional, Sequence
+
+from cbp_optax import _checks
 
 __all__ = [
     'ENV_COORDINATOR',
@@ -174,26 +177,84 @@ class _Worker:
     return ''.join(f'    {line}' for line in kept) or '    (no output)\n'
 
 
+def _group_alive(pid: int) -> bool:
+  try:
+    os.killpg(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # pragma: no cover - a process of another user
+    return True
+  return True
+
+
 def _stop(workers: Sequence[_Worker], grace: float) -> None:
-  """SIGTERM to each worker's process group, then SIGKILL after ``grace``."""
-  running = [w for w in workers if w.proc.poll() is None]
+  """Ends every process of every worker's process group: SIGTERM, then
+  SIGKILL after ``grace``.
+
+  Each worker leads its own session (``start_new_session=True``), so its
+  process group holds what it started: the worker, and children it left
+  behind even after it exited (a group lives while any member does). A
+  process that left the group itself (``setsid``, a daemon) is beyond reach.
+  """
+  for w in workers:
+    w.proc.poll()
+  alive = [w for w in workers if _group_alive(w.proc.pid)]
   for sig in (signal.SIGTERM, signal.SIGKILL):
-    for w in running:
+    for w in alive:
       try:
-        # Each worker leads its own session (start_new_session=True), so its
-        # process group holds exactly what it started.
         os.killpg(w.proc.pid, sig)
       except (ProcessLookupError, PermissionError):
         pass
     deadline = time.monotonic() + grace
-    for w in running:
+    for w in alive:
       try:
         w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         pass
-    running = [w for w in running if w.proc.poll() is None]
-    if not running:
+    while (time.monotonic() < deadline
+           and any(_group_alive(w.proc.pid) for w in alive)):
+      time.sleep(0.02)
+    alive = [w for w in alive if _group_alive(w.proc.pid)]
+    if not alive:
       break
+
+
+_MAX_PROCESSES = 1024
+_MAX_CPU_DEVICES = 4096
+
+
+def _check_program(args: Sequence[str], cwd: Optional[str]) -> list[str]:
+  """``args`` as a list of strings naming a script, ``-m module`` or
+  ``-c code`` that exists, or a clear error naming what is wrong."""
+  if isinstance(args, (str, bytes)) or not all(
+      isinstance(a, str) for a in args):
+    raise TypeError(
+        "args must be a list of strings, ['script.py', ...] or ['-m', "
+        f"'package.module', ...], got {args!r}.")
+  args = list(args)
+  if cwd is not None and not os.path.isdir(cwd):
+    raise ValueError(f'cwd: {cwd!r} is not a directory.')
+  if not args:
+    raise ValueError('args is empty: give the script to run, or -m module.')
+  first = args[0]
+  if first in ('-m', '-c'):
+    if len(args) < 2:
+      raise ValueError(f'args: {first} needs its argument, got {args!r}.')
+    return args
+  if first.startswith('-'):
+    return args  # other interpreter options: passed on as they are
+  path = os.path.join(cwd or os.getcwd(), first)
+  if os.path.isdir(path):
+    if not os.path.isfile(os.path.join(path, '__main__.py')):
+      raise ValueError(
+          f'args: {first!r} is a directory without __main__.py, not a '
+          'script; give the script (script.py) or -m package.module.')
+  elif not os.path.isfile(path):
+    raise ValueError(
+        f'args: no script {first!r}'
+        + (f' in {cwd!r}' if cwd else f' (relative to {os.getcwd()!r})')
+        + '; give an existing script, or -m package.module.')
+  return args
 
 
 def launch(
@@ -249,15 +310,37 @@ def launch(
       :class:`WorkerFailed` is raised when all have exited, or
       :class:`LaunchTimeout` at the timeout.
 
+  Every process a worker starts ends with the launch: once all workers have
+  exited (or were stopped), whatever is left in their process groups gets
+  SIGTERM, then SIGKILL after ``grace``.
+
   Returns:
     A :class:`LaunchResult` (all exit statuses 0).
 
   Raises:
     WorkerFailed: a worker exited with a non-zero status.
     LaunchTimeout: the run took longer than ``timeout``.
+    TypeError, ValueError: an argument of the wrong type or out of range
+      (the message names it), or a script or working directory that does
+      not exist, before anything is started.
   """
-  if num_processes < 1:
-    raise ValueError(f'num_processes must be >= 1, got {num_processes}.')
+  args = _check_program(args, cwd)
+  num_processes = _checks.check_count(
+      'num_processes', num_processes, minimum=1, maximum=_MAX_PROCESSES)
+  if cpu_devices is not None:
+    cpu_devices = _checks.check_count(
+        'cpu_devices', cpu_devices, minimum=1, maximum=_MAX_CPU_DEVICES)
+  _checks.check_positive('timeout', timeout)
+  init_timeout = _checks.check_count('init_timeout', init_timeout, minimum=1)
+  keep_lines = _checks.check_count('keep_lines', keep_lines, minimum=0)
+  _checks.check_nonnegative('grace', grace)
+  _checks.check_bool('stop_on_failure', stop_on_failure)
+  if stream is not None and not callable(getattr(stream, 'write', None)):
+    raise TypeError(
+        f'stream must be a text stream with a write method (sys.stdout, '
+        f'io.StringIO()) or None, got {type(stream).__name__}.')
+  if not (os.path.isfile(python) or shutil.which(python)):
+    raise ValueError(f'python: no interpreter at {python!r}.')
   base_env = dict(os.environ if env is None else env)
   base_env['PYTHONUNBUFFERED'] = '1'
   if cpu_devices is not None:
@@ -313,6 +396,7 @@ def launch(
             f'{first.exited_at - start:.1f} s; {fate}. Last output of '
             f'process {first.index}:\n{first.tail()}', result())
       if len(exited) == num_processes:
+        _stop(workers, grace)  # children the workers left running
         for w in workers:
           w.pump.join(timeout=grace)
         return result()

@@ -1055,3 +1055,64 @@ def test_block_fn_returning_a_list_is_a_path():
   with pytest.raises(TypeError, match="block_fn returned the unhashable dict"
                      ".*\\['a'\\]\\['b'\\].*or None"):
     cbp.block_names(params, block_fn=lambda path, leaf: {})
+
+
+# --- issue 24, items 8 and 14: launch -------------------------------------------
+
+
+def process_running(pid):
+  try:
+    state = pathlib.Path(f'/proc/{pid}/stat').read_text().split()[2]
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+  return state != 'Z'  # a zombie has ended; only its parent may reap it
+
+
+@pytest.mark.parametrize('status', [0, 1])
+def test_launch_ends_the_children_a_worker_leaves_behind(status):
+  # Item 8: a worker's child kept running after the worker exited.
+  from cbp_optax import launch
+  program = ('import subprocess, sys; child = subprocess.Popen([sys.executable,'
+             ' "-c", "import time; time.sleep(120)"]); '
+             f'print("child", child.pid, flush=True); sys.exit({status})')
+  if status:
+    with pytest.raises(launch.WorkerFailed) as info:
+      launch.launch(['-c', program], 2, timeout=60, grace=1.0)
+    result = info.value.result
+  else:
+    result = launch.launch(['-c', program], 2, timeout=60, grace=1.0)
+  pids = [int(line.split()[1]) for p in range(2)
+          for line in result.outputs[p] if line.startswith('child ')]
+  assert pids and not any(process_running(pid) for pid in pids), pids
+
+
+@pytest.mark.parametrize('kwargs, error, match', [
+    ({'num_processes': '2'}, TypeError,
+     "num_processes must be an integer >= 1, got the str '2'"),
+    ({'num_processes': 1.5}, TypeError, 'num_processes must be an integer'),
+    ({'num_processes': 10**6}, ValueError, r'num_processes must be an integer '
+     r'in \[1, 1024\]'),
+    ({'timeout': '10'}, TypeError, "timeout must be a real number, got str"),
+    ({'timeout': 0}, ValueError, r'timeout must lie in \(0.0, inf\)'),
+    ({'keep_lines': -1}, ValueError, 'keep_lines must be an integer >= 0'),
+    ({'cpu_devices': 0}, ValueError, 'cpu_devices must be an integer'),
+    ({'cpu_devices': -2}, ValueError, 'cpu_devices must be an integer'),
+    ({'init_timeout': 0}, ValueError, 'init_timeout must be an integer >= 1'),
+    ({'grace': -1.0}, ValueError, 'grace must lie in'),
+    ({'stop_on_failure': 'no'}, TypeError, 'stop_on_failure must be True'),
+    ({'stream': 'out.txt'}, TypeError, 'stream must be a text stream'),
+    ({'args': ['/']}, ValueError, "'/' is a directory without __main__.py"),
+    ({'args': ['no_such_script.py']}, ValueError,
+     "no script 'no_such_script.py'"),
+    ({'args': 'script.py'}, TypeError, 'args must be a list of strings'),
+    ({'args': ['-m']}, ValueError, '-m needs its argument'),
+    ({'cwd': '/no/such/dir'}, ValueError, "cwd: '/no/such/dir' is not a"),
+])
+def test_launch_refuses_bad_arguments_before_starting(kwargs, error, match):
+  # Item 14: a missing script ("can't find '__main__' module in '/'"),
+  # num_processes='2' or 1.5, timeout='10', keep_lines=-1 and cpu_devices=0
+  # or -2 were accepted (then the workers died).
+  from cbp_optax import launch
+  call = {'args': ['-c', 'pass'], 'num_processes': 1, **kwargs}
+  with pytest.raises(error, match=match):
+    launch.launch(call.pop('args'), call.pop('num_processes'), **call)

@@ -342,7 +342,8 @@ def test_launch_command_line(capsys):
 
 
 def test_launch_refuses_no_processes():
-  with pytest.raises(ValueError, match='num_processes must be >= 1'):
+  with pytest.raises(ValueError,
+                     match=r'num_processes must be an integer in \[1, 1024\]'):
     launch.launch(['-c', 'pass'], 0)
 
 
