@@ -179,6 +179,14 @@ def check_count(name: str, value: Any, *, minimum: int = 0,
   return value
 
 
+def check_function(name: str, value: Any) -> None:
+  """A required callable (a loss function)."""
+  if not callable(value):
+    raise TypeError(
+        f'{name} must be a function, got the {type(value).__name__} '
+        f'{value!r}.')
+
+
 def check_callable(name: str, value: Any) -> None:
   if value is not None and not callable(value):
     raise ValueError(

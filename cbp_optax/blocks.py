@@ -20,6 +20,8 @@ from typing import Any, Callable, Collection, Hashable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from cbp_optax import _checks
+
 KeyPath = tuple[Any, ...]
 BlockFn = Callable[[KeyPath, Any], Hashable]
 StackedFn = Callable[[KeyPath, Any], bool]
@@ -226,6 +228,8 @@ def block_layout(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eq. (7).
   """
+  _checks.check_callable('block_fn', block_fn)
+  _checks.check_callable('stacked', stacked)
   key_fn = block_fn or default_block_key
   paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   group_index: dict[Hashable, int] = {}
@@ -340,6 +344,30 @@ def stack_root(
       break
     root = prefix
   return root
+
+def check_stack_paths(
+    param_shapes: dict[tuple[str, ...], tuple[int, ...]],
+    stack_paths: Collection[str],
+) -> set[tuple[str, ...]]:
+  """``stack_paths`` (``'decoder/blocks'``) as key tuples, each naming a
+  module with parameters, or an error listing the modules there are."""
+  roots = set()
+  for stack_path in stack_paths:
+    if not isinstance(stack_path, str) or not stack_path:
+      raise TypeError(
+          'stack paths must be module paths like \'decoder/blocks\', got '
+          f'{stack_path!r}.')
+    root = tuple(stack_path.split('/'))
+    if not any(p[:len(root)] == root for p in param_shapes):
+      names = sorted('/'.join(p[:-1] if p[-1:] == ('value',) else p)
+                     for p in param_shapes)
+      raise ValueError(
+          f'stacked_blocks: no parameter is under {stack_path!r}; the '
+          f'parameters are {names[:20]}'
+          + (' ...' if len(names) > 20 else '') + '.')
+    roots.add(root)
+  return roots
+
 
 class stacked_predicate:  # pylint: disable=invalid-name
   """``stacked(path, leaf)``: True for leaves under one of ``roots``.

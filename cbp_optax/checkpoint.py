@@ -71,6 +71,14 @@ class CheckpointMismatchError(CheckpointError):
   """The checkpoint does not hold a state of the expected structure."""
 
 
+def _directory(directory: Any) -> pathlib.Path:
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(
+        'directory must be a path (a str or os.PathLike), got the '
+        f'{type(directory).__name__} {directory!r}.')
+  return pathlib.Path(directory).absolute()
+
+
 def _is_key(leaf: Any) -> bool:
   return hasattr(leaf, 'dtype') and jnp.issubdtype(
       leaf.dtype, jax.dtypes.prng_key
@@ -147,6 +155,7 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def differences(saved: Any, expected: Any, *, limit: int = 20) -> list[str]:
   """What differs between two trees of arrays (or array metadata)."""
+  limit = _checks.check_count('limit', limit, minimum=0)
   saved_flat, expected_flat = _flat_shapes(saved), _flat_shapes(expected)
   lines = []
   for key in sorted(set(expected_flat) - set(saved_flat)):
@@ -336,7 +345,7 @@ def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Pat
     >>> import shutil; shutil.rmtree(path.parent)
   """
   _checks.check_bool('force', force)
-  directory = pathlib.Path(directory).absolute()
+  directory = _directory(directory)
   state_dict = _as_state_dict(state)
   digests = _digests(state_dict)
   primary = _is_primary()
@@ -543,7 +552,7 @@ def restore(directory: PathLike, like: Any) -> Any:
     cbp_optax.checkpoint.CheckpointMismatchError: Checkpoint ... does not match the state to restore into ...
     >>> import shutil; shutil.rmtree(path.parent)
   """
-  directory = pathlib.Path(directory).absolute()
+  directory = _directory(directory)
   raw_like = _raw_state_dict(like)
   target = jax.tree.map(_storable, raw_like)
   swap = _sibling(directory, 'swap')

@@ -695,7 +695,8 @@ def mean_alignment(inputs: chex.Array) -> MeanAlignment:
   Args:
     inputs: the layer's inputs ``a``, shape ``(..., d)``; every leading axis
       counts as samples (for a convolution pass the extracted patches).
-      Computed in the inputs' floating dtype; the factors are usually
+      Computed in the inputs' floating dtype (float32 for integers and half
+      precision); the factors are usually
       rank-deficient, so use float64 for the small eigenvalues.
 
   Returns:
@@ -718,7 +719,10 @@ def mean_alignment(inputs: chex.Array) -> MeanAlignment:
   if inputs.ndim < 2:
     raise ValueError('mean_alignment: inputs need shape (..., d) with at '
                      f'least one sample axis, got shape {inputs.shape}.')
-  if not jnp.issubdtype(inputs.dtype, jnp.floating):
+  if (not jnp.issubdtype(inputs.dtype, jnp.floating)
+      or jnp.finfo(inputs.dtype).bits < 32):
+    # Integers, and half precision, whose second moments overflow (float16
+    # holds 65504) and which eigh does not take.
     inputs = inputs.astype(jnp.float32)
   a = jnp.reshape(inputs, (-1, inputs.shape[-1]))
   n = a.shape[0]

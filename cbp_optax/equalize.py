@@ -263,6 +263,20 @@ def _check_matches_init(
   )
 
 
+def _check_scales(min_scale: Any, max_scale: Any) -> None:
+  """M1's clip interval: two positive numbers, ``min_scale <= max_scale``."""
+  _checks.check_positive('min_scale', min_scale)
+  _checks.check_positive('max_scale', max_scale)
+  low, high = _checks.concrete_float(min_scale), _checks.concrete_float(
+      max_scale
+  )
+  if low is not None and high is not None and high < low:
+    raise ValueError(
+        f'max_scale must be >= min_scale, got max_scale={max_scale!r} < '
+        f'min_scale={min_scale!r}.'
+    )
+
+
 def equalize(
     decay: float = 0.99,
     min_scale: float = 0.1,
@@ -345,16 +359,7 @@ def equalize(
     §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
   _checks.check_decay('decay', decay)
-  _checks.check_positive('min_scale', min_scale)
-  _checks.check_positive('max_scale', max_scale)
-  low, high = _checks.concrete_float(min_scale), _checks.concrete_float(
-      max_scale
-  )
-  if low is not None and high is not None and high < low:
-    raise ValueError(
-        f'max_scale must be >= min_scale, got max_scale={max_scale!r} < '
-        f'min_scale={min_scale!r}.'
-    )
+  _check_scales(min_scale, max_scale)
   _checks.check_callable('block_fn', block_fn)
   _checks.check_callable('stacked', stacked)
   stats_dtype = _checks.check_stats_dtype(stats_dtype)
@@ -471,6 +476,7 @@ def equalize_stats(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eqs. (5) and (6).
   """
+  _check_scales(min_scale, max_scale)
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.
   energy, count = jnp.asarray(state.energy[...]), jnp.asarray(state.count[...])

@@ -475,6 +475,11 @@ def initialize_from_env(
     RuntimeError: the environment names a coordinator that is not on the
       loopback address (this helper is for runs on one machine).
   """
+  if collectives not in ('gloo', 'mpi'):
+    raise ValueError(
+        f"collectives must be 'gloo' or 'mpi', got {collectives!r}.")
+  _checks.check_count('heartbeat_timeout_seconds', heartbeat_timeout_seconds,
+                      minimum=1)
   address = os.environ.get(ENV_COORDINATOR)
   if not address:
     return False
@@ -523,6 +528,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     launch(program, ns.processes, cpu_devices=ns.cpu_devices,
            timeout=ns.timeout, stream=sys.stdout)
+  except (TypeError, ValueError) as e:  # an argument, before any start
+    parser.error(str(e))
   except LaunchError as e:
     print(f'cbp_optax.launch: {e}', file=sys.stderr)
     return 1

@@ -39,6 +39,7 @@ import optax
 from flax.core import meta
 from flax.training import train_state
 
+from cbp_optax import _checks
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -377,6 +378,11 @@ def center(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.2, eq. (8).
   """
+  if not isinstance(module, nn.Module):
+    raise TypeError(
+        f'center: module must be a flax.linen Module, got '
+        f'{type(module).__name__}; for an NNX model use '
+        'cbp_optax.nnx.center.')
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
   return CenteredModel(module, core.check_where(where), mean_dtype, axis_name)
@@ -538,7 +544,7 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
       for path, leaf in jax.tree_util.tree_leaves_with_path(
           flax.core.unfreeze(params))
   }
-  roots = {tuple(p.split('/')) for p in stack_paths}
+  roots = blocks.check_stack_paths(shapes, stack_paths)
   if not stack_paths:
     stacks, unstacked = [], []
 
@@ -658,6 +664,8 @@ def train_step(
     Algorithm 1.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_function('loss_fn', loss_fn)
+  _checks.check_bool('donate', donate)
 
   def step(state: TrainState, *batch):
     def loss_of(params):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graphlib
 
+from cbp_optax import _checks
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -232,6 +233,7 @@ class Centered(nnx.Module):
       axis_name: Optional[Any] = None,
       stack_axes: Optional[Sequence[int]] = None,
   ):
+    _checks.check_bool('use_running_average', use_running_average)
     spec = layer_spec(layer)
     shape, stack_axes = _stacked_shape(layer, spec, stack_axes)
     dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
@@ -517,6 +519,10 @@ def center(
     of the Backward Pass with Convergence Guarantees,
     §4.2, eq. (8).
   """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+        f'center: model must be an nnx.Module, got {type(model).__name__}; '
+        'for a Linen module use cbp_optax.linen.center.')
   where = core.check_where(where)
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
@@ -610,7 +616,7 @@ def stacked_blocks(
       tuple(str(blocks.key_name(k)) for k in path): tuple(jnp.shape(leaf))
       for path, leaf in jax.tree_util.tree_leaves_with_path(params)
   }
-  roots = {tuple(p.split('/')) for p in stack_paths}
+  roots = blocks.check_stack_paths(shapes, stack_paths)
   if not stack_paths:
     stacks, unstacked = [], []
     for path, module in nnx.iter_modules(model):
@@ -730,6 +736,8 @@ def train_step(
     Algorithm 1.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_function('loss_fn', loss_fn)
+  _checks.check_bool('donate', donate)
 
   def step(model, optimizer, *args):
     _check_training_mode(model)

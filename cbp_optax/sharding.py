@@ -36,6 +36,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from cbp_optax import _checks
+
 __all__ = [
     'batch_sharding',
     'check_batch_divisible',
@@ -183,6 +185,7 @@ def fsdp_sharding(
     >>> tuple(specs['kernel'].spec), tuple(specs['bias'].spec)
     ((None, 'data'), ())
   """
+  min_size = _checks.check_count('min_size', min_size, minimum=0)
   size = _axis_size(mesh, axis)
 
   def rule(leaf):
@@ -330,6 +333,8 @@ def process_batch_slice(
     ...     0, 8 * jax.device_count())
     True
   """
+  global_batch_size = _checks.check_count('global_batch_size',
+                                          global_batch_size, minimum=1)
   count, first, size = _local_blocks(mesh, axis)
   if global_batch_size % size:
     check_batch_divisible(

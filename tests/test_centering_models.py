@@ -51,12 +51,18 @@ def nnx_means(model):
 # NNX layer stacks
 
 class Stack(nnx.Module):
-  """``depth`` centered layers built by ``nnx.vmap``, run by ``nnx.scan``."""
+  """``depth`` centered layers built by ``nnx.vmap``, run by ``nnx.scan``.
+
+  The partition name records the stack axis in the means: a stack as long as
+  a feature size (three convolutions of three channels) is ambiguous from
+  shapes alone, and refused without it (tests/test_hardening.py).
+  """
 
   def __init__(self, make_layer, depth, rngs, out_axes=0):
 
     @nnx.split_rngs(splits=depth)
-    @nnx.vmap(in_axes=0, out_axes=out_axes)
+    @nnx.vmap(in_axes=0, out_axes=out_axes,
+              transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def create(rngs):
       return cbp_nnx.Centered(make_layer(rngs))
 

@@ -1116,3 +1116,114 @@ def test_launch_refuses_bad_arguments_before_starting(kwargs, error, match):
   call = {'args': ['-c', 'pass'], 'num_processes': 1, **kwargs}
   with pytest.raises(error, match=match):
     launch.launch(call.pop('args'), call.pop('num_processes'), **call)
+
+
+def test_unambiguous_stack_built_without_metadata_is_found_from_shapes():
+  # Three layers of four features on axis 1: only one placement fits.
+  @nnx.vmap(in_axes=0, out_axes=1)
+  def make(key):
+    return cbp.nnx.Centered(nnx.Linear(4, 4, rngs=nnx.Rngs(key)))
+
+  model = StackOnAxis1(make(jax.random.split(jax.random.key(0), 3)))
+  x = jax.random.normal(jax.random.key(2), (8, 4)) + 1.0
+  before = model(x)
+  cbp.nnx.transport(model, mean_decay=0.0)
+  np.testing.assert_allclose(model(x), before, atol=1e-5)
+  assert model.layers.mean.shape == (4, 3)
+
+
+# --- issue 24, audit: every public entry point validates the same way -------------
+
+
+def audit_cases():
+  from cbp_optax import launch
+  from cbp_optax import sharding
+  mesh = jax.make_mesh((1,), ('data',))
+  params = {'a': {'w': jnp.ones((4, 2))}}
+  model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  linen_params = {'Dense_0': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}}
+  loss = lambda p: jnp.sum(p['a']['w'] ** 2)
+  return {
+      'fsdp min_size float': (
+          lambda: sharding.fsdp_sharding(params, mesh, min_size=1.5),
+          TypeError, 'min_size must be an integer >= 0, got the float 1.5'),
+      'fsdp min_size negative': (
+          lambda: sharding.fsdp_sharding(params, mesh, min_size=-1),
+          ValueError, 'min_size must be an integer >= 0'),
+      'process_batch_slice float': (
+          lambda: sharding.process_batch_slice(8.0, mesh),
+          TypeError, 'global_batch_size must be an integer >= 1'),
+      'process_batch_slice zero': (
+          lambda: sharding.process_batch_slice(0, mesh),
+          ValueError, 'global_batch_size must be an integer >= 1, got 0'),
+      'nnx stacked_blocks misspelt': (
+          lambda: cbp.nnx.stacked_blocks(model, 'layerz'),
+          ValueError, "no parameter is under 'layerz'.*'layers/0/bias'"),
+      'linen stacked_blocks misspelt': (
+          lambda: cbp.linen.stacked_blocks(linen_params, {}, 'Dense_9'),
+          ValueError, "no parameter is under 'Dense_9'.*'Dense_0/bias'"),
+      'nnx train_step donate': (
+          lambda: cbp.nnx.train_step(lambda m: 0.0, donate='no'),
+          TypeError, "donate must be True or False, got 'no'"),
+      'linen train_step loss_fn': (
+          lambda: cbp.linen.train_step(None),
+          TypeError, 'loss_fn must be a function, got the NoneType'),
+      'nnx Centered use_running_average': (
+          lambda: cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+                                   use_running_average='no'),
+          TypeError, 'use_running_average must be True or False'),
+      'nnx center of a dict': (
+          lambda: cbp.nnx.center({'a': 1}),
+          TypeError, 'model must be an nnx.Module, got dict'),
+      'linen center of a function': (
+          lambda: cbp.linen.center(lambda x: x),
+          TypeError, 'module must be a flax.linen Module, got function'),
+      'equalize_stats min_scale': (
+          lambda: cbp.equalize_stats(cbp.equalize().init(params), params,
+                                     min_scale=float('nan')),
+          ValueError, r'min_scale must lie in \(0.0, inf\), got nan'),
+      'block_names block_fn': (
+          lambda: cbp.block_names(params, block_fn='layer'),
+          ValueError, 'block_fn must be a callable or None, got str'),
+      'top_eigenvalue per_block': (
+          lambda: cbp.diagnostics.top_eigenvalue(
+              loss, params, jax.random.key(0), per_block='yes'),
+          TypeError, "per_block must be True or False, got 'yes'"),
+      'checkpoint directory None': (
+          lambda: checkpoint.save(None, params),
+          TypeError, 'directory must be a path .*got the NoneType None'),
+      'checkpoint differences limit': (
+          lambda: checkpoint.differences(params, {}, limit=-1),
+          ValueError, 'limit must be an integer >= 0, got -1'),
+      'initialize_from_env collectives': (
+          lambda: launch.initialize_from_env(collectives='nccl'),
+          ValueError, "collectives must be 'gloo' or 'mpi', got 'nccl'"),
+      'stacked_blocks type': (
+          lambda: cbp.nnx.stacked_blocks(model, 3),
+          TypeError, 'stack paths must be module paths'),
+  }
+
+
+@pytest.mark.parametrize('case', sorted(audit_cases()))
+def test_audit_bad_input_is_refused_naming_the_argument(case):
+  call, error, match = audit_cases()[case]
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_mean_alignment_of_half_precision_is_computed_in_float32():
+  # float16 second moments overflow (65504) and eigh has no half precision:
+  # "NotImplementedError: Unsupported dtype float16".
+  a = jnp.array([[300.0, 1.0], [1.0, 400.0]], jnp.float16)
+  out = cbp.diagnostics.mean_alignment(a)
+  assert out.eigenvalues.dtype == jnp.float32
+  chex.assert_trees_all_close(
+      out, cbp.diagnostics.mean_alignment(a.astype(jnp.float32)))
+
+
+def test_launch_command_line_reports_a_bad_argument_as_a_usage_error(capsys):
+  from cbp_optax import launch
+  with pytest.raises(SystemExit) as info:
+    launch.main(['--processes', '0', '--', '-c', 'pass'])
+  assert info.value.code == 2
+  assert 'num_processes must be an integer' in capsys.readouterr().err
