@@ -1227,3 +1227,30 @@ def test_launch_command_line_reports_a_bad_argument_as_a_usage_error(capsys):
     launch.main(['--processes', '0', '--', '-c', 'pass'])
   assert info.value.code == 2
   assert 'num_processes must be an integer' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_processes_saving_to_one_directory_one_is_refused(tmp_path):
+  # Item 2, with real processes: the second writer gets CheckpointBusyError,
+  # the first goes on, and the checkpoint restores.
+  import subprocess
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  start = lambda: subprocess.Popen(
+      [sys.executable, str(CRASH_WORKER), str(tmp_path / 'c')], env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  first = start()
+  second = None
+  try:
+    assert first.stdout.readline().strip() == 'saved 1'
+    second = start()
+    second.wait(timeout=120)  # it dies at its first overlapping save
+    assert first.poll() is None, first.stderr.read()[-2000:]
+  finally:
+    first.kill()
+    if second is not None:
+      second.kill()
+  err = second.communicate()[1]
+  assert 'CheckpointBusyError: Cannot save to' in err, err[-2000:]
+  first.communicate()
+  restored = checkpoint.restore(tmp_path / 'c', crash_state(0))
+  chex.assert_trees_all_equal(restored, crash_state(int(restored['step'])))
