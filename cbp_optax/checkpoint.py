@@ -274,10 +274,14 @@ def _recover(directory: pathlib.Path) -> None:
   new, old = _sibling(directory, 'new'), _sibling(directory, 'old')
   for leftover in (old, new, *directory.parent.glob(
       f'{glob.escape(new.name)}.orbax-checkpoint-tmp*')):
-    if leftover.is_dir():
-      shutil.rmtree(leftover)
-    elif leftover.exists():
-      leftover.unlink()
+    _remove(leftover)
+
+
+def _remove(path: pathlib.Path) -> None:
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path)
+  elif path.exists() or path.is_symlink():
+    path.unlink()
 
 
 def _swap_in(directory: pathlib.Path, new: pathlib.Path) -> None:
@@ -291,8 +295,7 @@ def _swap_in(directory: pathlib.Path, new: pathlib.Path) -> None:
     if directory.exists():
       os.rename(directory, old)
     os.rename(new, directory)
-  if old.exists():
-    shutil.rmtree(old)
+  _remove(old)
 
 
 def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Path:
