@@ -602,8 +602,11 @@ def train_step(
   with the state donated. A non-finite loss, gradient or recorded statistic
   skips the step: the returned state equals the input state (parameters,
   optimizer state, centering, model state, step) but for ``skipped_steps``,
-  which grows by one, and ``StepOutput.skipped`` is True. On CPU the step
-  compiles with ``_step.compiler_options()`` (no parameter-sized copies).
+  which grows by one, and ``StepOutput.skipped`` is True. Called directly on
+  CPU, the step compiles with XLA's
+  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized
+  copies). Called inside your own ``jax.jit`` it is traced into your
+  program, with the same numbers, bit for bit.
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
@@ -617,6 +620,11 @@ def train_step(
 
   Returns:
     ``step(state, *batch) -> (state, StepOutput)``.
+
+  Raises:
+    ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction).
+    TypeError: a first argument that is not a :class:`TrainState` (at the
+      call).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -708,8 +716,18 @@ def train_step(
     return _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, jax.lax.cond, state)
 
-  return jax.jit(
-      step,
-      donate_argnums=(0,) if donate else (),
-      compiler_options=_step.compiler_options(),
-  )
+  jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
+
+  @functools.wraps(jitted)
+  def train(state: TrainState, *batch):
+    if not isinstance(state, TrainState):
+      raise TypeError(
+          'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
+          f'first, got a {type(state).__name__}: build it with '
+          'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
+          'centering=..., tx=...).'
+      )
+    return jitted(state, *batch)
+
+  train.lower = jitted.lower
+  return train

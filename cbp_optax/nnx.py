@@ -7,7 +7,8 @@
 * :class:`Centered` is that wrapper, for models written with it.
 * :func:`transport` refreshes every centering mean and moves the biases so the
   function is unchanged (Algorithm 1, steps 10-11; eq. 10).
-* :func:`train_step` builds one ``nnx.jit``-compiled CBP iteration.
+* :func:`train_step` builds one compiled CBP iteration (callable on its own
+  or inside your ``nnx.jit``).
 * :func:`stacked_blocks` tells M1 which parameters are layer stacks.
 
 Example::
@@ -27,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -533,6 +535,43 @@ def _graph_nodes(tree: Any) -> list[Any]:
           if graphlib.is_graph_node(x)]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where a graph-node argument sat in a step's ``args`` (static)."""
+
+  index: int
+
+
+def _slots(args: Any, nodes: list[Any]) -> Any:
+  index = {id(node): i for i, node in enumerate(nodes)}
+  return jax.tree.map(
+      lambda x: _Slot(index[id(x)]) if graphlib.is_graph_node(x) else x,
+      args, is_leaf=graphlib.is_graph_node)
+
+
+def _fill_slots(slotted: Any, nodes: Sequence[Any]) -> Any:
+  return jax.tree.map(
+      lambda x: nodes[x.index] if isinstance(x, _Slot) else x, slotted,
+      is_leaf=lambda x: isinstance(x, _Slot))
+
+
+def _check_step_arguments(model: Any, optimizer: Any) -> None:
+  if isinstance(model, nnx.Optimizer) and not isinstance(
+      optimizer, nnx.Optimizer):
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) got the optimizer first '
+        f'and a {type(optimizer).__name__} second: pass the model first, '
+        'then the optimizer.'
+    )
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) takes an nnx.Optimizer '
+        f'(or cbp_optax.nnx.Optimizer) second, got a '
+        f'{type(optimizer).__name__}.'
+    )
+
+
 def _check_training_mode(model: nnx.Module) -> None:
   evaluating = [_path_str(p) for p, m in nnx.iter_modules(model)
                 if isinstance(m, Centered) and m.use_running_average]
@@ -554,8 +593,12 @@ def train_step(
   *args)`` (the forward pass with centering, recording batch means), the
   backward pass, ``optimizer.update`` with whatever optax transform the
   ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
-  "Adam + Center"), then :func:`transport`; all inside one ``nnx.jit`` with
-  the model and optimizer buffers donated.
+  "Adam + Center"), then :func:`transport`; all in one compiled program with
+  the model and optimizer buffers donated. Calling ``step`` inside your own
+  ``@nnx.jit`` train step works too (the tutorials' pattern: metrics, EMA
+  or logging beside it): it is then traced into your program, with the same
+  numbers, bit for bit; keep the ``donate_argnums`` you want on your own
+  jit.
 
   ``args`` may hold anything a plain ``nnx.jit`` train step takes: arrays,
   ``nnx.Rngs`` (dropout keys), other modules or graph nodes. Every state the
@@ -566,9 +609,10 @@ def train_step(
   centering and batch statistics and RNG counts stay exactly as they were,
   ``StepOutput.skipped`` is True, and a :class:`Optimizer` counts it in
   ``skipped_steps``. With no centered layer it is an ordinary train step.
-  On CPU the step compiles with ``_step.compiler_options()`` (no
-  parameter-sized buffer copies); ``step.lower(model, optimizer, *args)``
-  gives the lowered program.
+  Called directly on CPU, the step compiles with XLA's
+  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized buffer
+  copies); ``step.lower(model, optimizer, *args)`` gives the lowered
+  program.
 
   Args:
     loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
@@ -584,6 +628,8 @@ def train_step(
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
       model whose centered layers are in evaluation mode (at the call).
+    TypeError: ``step(optimizer, model, ...)``, or a second argument that is
+      not an ``nnx.Optimizer`` (at the call).
 
   Examples:
     Full CBP on a centered two-layer model:
@@ -656,30 +702,23 @@ def train_step(
         model, optimizer, nodes)
     return out
 
-  jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
-  options = _step.compiler_options()
-  if options is None:
-    return jitted
-  # nnx.jit takes no compiler options, but its AOT path does: compile once
-  # per model structure and argument signature, as jit's own cache would.
-  executables = {}
+  def pure_step(graphdef, state, slotted_args):
+    model, optimizer, nodes = nnx.merge(graphdef, state)
+    out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
+    return nnx.state((model, optimizer, nodes)), out
 
-  def step_with_options(model, optimizer, *args):
+  jitted = _step.jit_step(pure_step, static_argnums=(0,),
+                          donate_argnums=(1,) if donate else ())
+
+  def train(model, optimizer, *args):
+    _check_step_arguments(model, optimizer)
     nodes = _graph_nodes(args)
-    arrays = jax.tree.leaves(
-        jax.tree.map(lambda x: None if graphlib.is_graph_node(x) else x, args,
-                     is_leaf=graphlib.is_graph_node))
-    signature = (
-        nnx.graphdef((model, optimizer, nodes)),
-        jax.tree.structure(
-            jax.tree.map(lambda x: 0, args, is_leaf=graphlib.is_graph_node)),
-        tuple((jnp.shape(x), jnp.result_type(x)) for x in arrays),
-    )
-    if signature not in executables:
-      executables[signature] = jitted.lower(model, optimizer, *args).compile(
-          options
-      )
-    return executables[signature](model, optimizer, *args)
+    graphdef, state = nnx.split((model, optimizer, nodes))
+    new_state, out = jitted(graphdef, state, _slots(args, nodes))
+    nnx.update((model, optimizer, nodes), new_state)
+    return out
 
-  step_with_options.lower = jitted.lower
-  return step_with_options
+  # The same step under nnx.jit, for inspecting the program:
+  # step.lower(model, optimizer, *args).compile(options).
+  train.lower = nnx.jit(step, donate_argnums=(0, 1) if donate else ()).lower
+  return train
