@@ -718,16 +718,16 @@ def train_step(
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
 
-  @functools.wraps(jitted)
-  def train(state: TrainState, *batch):
-    if not isinstance(state, TrainState):
+  def train(*args):
+    if not args or not isinstance(args[0], TrainState):
+      got = f'a {type(args[0]).__name__}' if args else 'no argument'
       raise TypeError(
           'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
-          f'first, got a {type(state).__name__}: build it with '
+          f'first, got {got}: build it with '
           'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
           'centering=..., tx=...).'
       )
-    return jitted(state, *batch)
+    return jitted(*args)
 
   train.lower = jitted.lower
   return train

@@ -287,6 +287,16 @@ class Optimizer(nnx.Optimizer):
     super().__init__(model, tx, wrt=wrt)
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
 
+  def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
+    """``nnx.Optimizer.update``; says so when ``center`` came after it."""
+    try:
+      return super().update(model, grads, **kwargs)
+    except (TypeError, ValueError) as error:
+      hint = blocks.centered_after_init(grads, nnx.state(self))
+      if hint:
+        raise ValueError(f'Optimizer.update: {hint}') from error
+      raise
+
 
 def centered_layers(model: nnx.Module) -> list[Centered]:
   """Every :class:`Centered` layer inside ``model``."""
@@ -710,11 +720,23 @@ def train_step(
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
 
-  def train(model, optimizer, *args):
+  def train(*args):
+    if len(args) < 2:
+      raise TypeError(
+          'train_step: step(model, optimizer, *args) takes the model and the '
+          f'optimizer first, got {len(args)} argument(s).')
+    model, optimizer, *args = args
     _check_step_arguments(model, optimizer)
     nodes = _graph_nodes(args)
     graphdef, state = nnx.split((model, optimizer, nodes))
-    new_state, out = jitted(graphdef, state, _slots(args, nodes))
+    try:
+      new_state, out = jitted(graphdef, state, _slots(args, nodes))
+    except (TypeError, ValueError) as error:
+      hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
+                                        nnx.state(optimizer))
+      if hint:
+        raise ValueError(f'train_step: {hint}') from error
+      raise
     nnx.update((model, optimizer, nodes), new_state)
     return out
 

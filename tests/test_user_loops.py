@@ -145,3 +145,65 @@ def test_docs_own_train_step_snippets_run_and_agree():
   chex.assert_trees_all_close(*means, rtol=1e-5, atol=1e-6)
   assert float(jnp.max(jnp.abs(means[1]['layers'][0]['mean'][...]))) > 0.01
   assert int(namespace['optimizer'].step[...]) == 5
+
+
+def _mlp():
+  return nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+
+
+def _mse(model, x):
+  return jnp.mean(model(x) ** 2)
+
+
+@pytest.mark.parametrize('tx', [cbp.cbp(1e-3), optax.adam(1e-3)],
+                         ids=['cbp', 'adam'])
+@pytest.mark.parametrize('loop', ['fused', 'own'])
+def test_centering_after_the_optimizer_says_to_build_it_after(tx, loop):
+  """It said "precondition: the gradient tree does not match the state..."
+  with two PyTreeDefs (cbp), or optax's "pytree structure error" (adam)."""
+  model = _mlp()
+  optimizer = cbp.nnx.Optimizer(model, tx)
+  cbp.nnx.center(model)
+  x = jnp.ones((2, 3))
+  match = (r"center moved 'layers/0/\w+' to 'layers/0/layer/\w+'.*Build the "
+           r'optimizer .* after calling center')
+  with pytest.raises(ValueError, match=match):
+    if loop == 'fused':
+      cbp.nnx.train_step(_mse)(model, optimizer, x)
+    else:
+      optimizer.update(model, nnx.grad(_mse)(model, x))
+
+
+def test_plain_nnx_optimizer_with_cbp_names_the_late_centering_too():
+  model = _mlp()
+  optimizer = nnx.Optimizer(model, cbp.cbp(1e-3), wrt=nnx.Param)
+  cbp.nnx.center(model)
+  with pytest.raises(ValueError, match='precondition: the model was centered '
+                     'after the optimizer was built'):
+    optimizer.update(model, nnx.grad(_mse)(model, jnp.ones((2, 3))))
+
+
+def test_wrong_step_arguments_say_what_to_pass():
+  """Swapped, the NNX step said "'Sequential' object has no attribute
+  'wrt'"; too few arguments named train_step.<locals>.step_with_options."""
+  model = _mlp()
+  optimizer = cbp.nnx.Optimizer(model, cbp.cbp(1e-3))
+  step = cbp.nnx.train_step(_mse)
+  x = jnp.ones((2, 3))
+  with pytest.raises(TypeError, match='got the optimizer first and a '
+                     'Sequential second: pass the model first'):
+    step(optimizer, model, x)
+  with pytest.raises(TypeError, match='takes an nnx.Optimizer .* second, got '
+                     'a Sequential'):
+    step(model, model, x)
+  with pytest.raises(TypeError, match=r'takes the model and the optimizer '
+                     r'first, got 1 argument\(s\)') as info:
+    step(model)
+  assert '<locals>' not in str(info.value)
+  linen_step = cbp.linen.train_step(lambda apply, x: jnp.mean(apply(x)))
+  for args in [(), ({'params': {}}, x)]:
+    with pytest.raises(TypeError, match='takes a cbp_optax.linen.TrainState '
+                       'first') as info:
+      linen_step(*args)
+    assert '<locals>' not in str(info.value)
