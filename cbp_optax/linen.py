@@ -39,6 +39,7 @@ import optax
 from flax.core import meta
 from flax.training import train_state
 
+from cbp_optax import _batch_stats
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -52,6 +53,7 @@ __all__ = [
     'StepOutput',
     'TrainState',
     'center',
+    'recalibrate_batch_stats',
     'stacked_blocks',
     'train_step',
     'transport',
@@ -731,3 +733,129 @@ def train_step(
 
   train.lower = jitted.lower
   return train
+
+
+def _norm_moments(module: nn.BatchNorm, x: jax.Array) -> tuple[Any, Any]:
+  """This batch's mean and (biased) variance of a BatchNorm's input."""
+  if module.axis_index_groups is not None:
+    raise ValueError('recalibrate_batch_stats: BatchNorm axis_index_groups '
+                     'is not supported.')
+  features = set(a % x.ndim for a in (
+      module.axis if isinstance(module.axis, tuple) else (module.axis,)))
+  axes = tuple(a for a in range(x.ndim) if a not in features)
+  x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
+  mean = jnp.mean(x, axes)
+  if module.axis_name is not None:
+    mean = jax.lax.pmean(mean, module.axis_name)
+  shape = [x.shape[a] if a in features else 1 for a in range(x.ndim)]
+  var = jnp.mean(jnp.square(x - mean.reshape(shape)), axes)
+  if module.axis_name is not None:
+    var = jax.lax.pmean(var, module.axis_name)
+  return mean, var
+
+
+def _is_norm_entry(tree: Any) -> bool:
+  return isinstance(tree, Mapping) and set(tree) == {'mean', 'var'}
+
+
+def recalibrate_batch_stats(
+    apply_fn: Callable[..., Any], variables: Any, batches: Any,
+    **apply_kwargs: Any,
+) -> Any:
+  """Sets every BatchNorm's running averages to population statistics.
+
+  "Precise BatchNorm": the parameters frozen, each ``nn.BatchNorm``'s
+  running mean and variance (``batch_stats``) become the mean and the
+  (biased) variance of all its inputs over ``batches``, pooled (batches
+  weighted by their number of examples; the variance of the pooled inputs,
+  not an average of batch variances), instead of an EMA over a network that
+  kept changing. Every BatchNorm normalizes with its batch's statistics, as
+  in training, whatever its ``use_running_average``; pass the model's
+  evaluation flags in ``apply_kwargs`` (``train=False``) so that dropout is
+  off. Only ``batch_stats`` changes (the ``'centering'`` collection is not
+  mutable: nothing is recorded); ``nn.scan``/``nn.vmap`` stacks get
+  per-slice statistics. Use it before evaluating with running averages
+  after a short run, a large learning rate, or a BatchNorm momentum close to
+  1, where they lag the network; a few dozen training batches suffice.
+
+  Args:
+    apply_fn: ``model.apply`` (of a centered model or not).
+    variables: the model's variables, with ``batch_stats``.
+    batches: an iterable of training batches, each an array or a tuple of
+      positional arguments of ``apply_fn`` after the variables.
+    **apply_kwargs: keyword arguments of every ``apply_fn`` call.
+
+  Returns:
+    ``variables`` with new ``batch_stats`` (same container type).
+
+  Raises:
+    ValueError: ``variables`` without ``batch_stats``, or no batches.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x, train: bool = True):
+    ...     x = nn.Dense(3, name='dense')(x)
+    ...     return nn.BatchNorm(use_running_average=not train)(x)
+    >>> model = Net()
+    >>> batches = [jnp.ones((4, 2)), jnp.zeros((4, 2))]
+    >>> variables = model.init(jax.random.key(0), batches[0], train=False)
+    >>> variables = cbp.linen.recalibrate_batch_stats(
+    ...     model.apply, variables, batches, train=False)
+    >>> inputs = nn.Dense(3).apply(
+    ...     {'params': variables['params']['dense']}, jnp.concatenate(batches))
+    >>> stats = variables['batch_stats']['BatchNorm_0']
+    >>> bool(jnp.allclose(stats['mean'], inputs.mean(0)))
+    True
+    >>> bool(jnp.allclose(stats['var'], inputs.var(0)))
+    True
+  """
+  if 'batch_stats' not in variables:
+    raise ValueError(
+        'recalibrate_batch_stats: variables has no batch_stats collection '
+        '(no BatchNorm layer).')
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if not (type(module) is nn.BatchNorm  # pylint: disable=unidiomatic-typecheck
+            and context.method_name == '__call__'):
+      return next_fun(*args, **kwargs)
+    if kwargs.get('mask') is not None:
+      raise ValueError('recalibrate_batch_stats: a BatchNorm mask is not '
+                       'supported.')
+    # Batch statistics whatever the constructor or the call says (Linen
+    # refuses the flag in both places, so clear the constructor's).
+    kwargs = dict(kwargs, use_running_average=False)
+    constructed = module.use_running_average
+    object.__setattr__(module, 'use_running_average', None)
+    try:
+      out = next_fun(args[0], **kwargs)
+    finally:
+      object.__setattr__(module, 'use_running_average', constructed)
+    mean, var = _norm_moments(module, args[0])
+    for name, value in (('mean', mean), ('var', var)):
+      dtype = module.get_variable('batch_stats', name).dtype
+      module.put_variable('batch_stats', name, value.astype(dtype))
+    return out
+
+  @jax.jit
+  def batch_moments(variables, batch):
+    with nn.intercept_methods(interceptor):
+      _, changed = apply_fn(variables, *_batch_stats.as_args(batch),
+                            mutable=['batch_stats'], **apply_kwargs)
+    stats = flax.core.unfreeze(changed['batch_stats'])
+    is_leaf = _is_norm_entry
+    return (jax.tree.map(lambda e: e['mean'], stats, is_leaf=is_leaf),
+            jax.tree.map(lambda e: e['var'], stats, is_leaf=is_leaf))
+
+  mean, var = _batch_stats.pool(
+      (_batch_stats.batch_size(batch), *batch_moments(variables, batch))
+      for batch in batches)
+  stats = jax.tree.map(lambda m, v: {'mean': m, 'var': v}, mean, var)
+  new = dict(flax.core.unfreeze(variables), batch_stats=stats)
+  if isinstance(variables, flax.core.FrozenDict):
+    return flax.core.freeze(new)
+  return new

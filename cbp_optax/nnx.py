@@ -29,13 +29,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graphlib
 
+from cbp_optax import _batch_stats
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -43,7 +44,8 @@ from cbp_optax._step import StepOutput
 
 __all__ = [
     'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedMean',
-    'StepOutput', 'center', 'stacked_blocks', 'train_step', 'transport',
+    'StepOutput', 'center', 'recalibrate_batch_stats', 'stacked_blocks',
+    'train_step', 'transport',
 ]
 
 
@@ -744,3 +746,91 @@ def train_step(
   # step.lower(model, optimizer, *args).compile(options).
   train.lower = nnx.jit(step, donate_argnums=(0, 1) if donate else ()).lower
   return train
+
+
+def _norm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
+  return [(_path_str(p), m) for p, m in nnx.iter_modules(model)
+          if isinstance(m, nnx.BatchNorm)]
+
+
+def _call_model(model: nnx.Module, batch: Any) -> Any:
+  return model(*_batch_stats.as_args(batch))
+
+
+def recalibrate_batch_stats(
+    model: nnx.Module, batches: Iterable[Any], *,
+    forward: Optional[Callable[[nnx.Module, Any], Any]] = None,
+) -> list[str]:
+  """Sets every BatchNorm's running averages to population statistics.
+
+  "Precise BatchNorm": the parameters frozen, each ``nnx.BatchNorm``'s
+  running mean and variance become the mean and the (biased) variance of
+  all its inputs over ``batches``, pooled (batches weighted by their number
+  of examples; the variance of the pooled inputs, not an average of batch
+  variances), instead of an EMA over a network that kept changing. Each
+  BatchNorm sees what it sees in training: every BatchNorm normalizes with
+  its batch's statistics; dropout is off, centered layers record nothing.
+  Nothing else in the model changes (parameters, centering means, RNG
+  state); layer stacks (``nnx.vmap``/``nnx.scan``) get per-slice
+  statistics. Use it before evaluating with running averages after a short
+  run, a large learning rate, or a BatchNorm momentum close to 1, where
+  they lag the network; a few dozen training batches suffice.
+
+  Args:
+    model: the model (centered or not); its BatchNorm statistics are set in
+      place.
+    batches: an iterable of training batches, each an array or a tuple of
+      positional arguments of ``model``.
+    forward: ``forward(model, batch)`` runs the model on one batch (for
+      batches that hold labels or keyword arguments); by default
+      ``model(*batch)``.
+
+  Returns:
+    The paths of the BatchNorm layers recalibrated.
+
+  Raises:
+    ValueError: a model without ``nnx.BatchNorm``, or no batches.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+    ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+    >>> batches = [jnp.ones((4, 2)), jnp.zeros((4, 2))]
+    >>> cbp.nnx.recalibrate_batch_stats(model, batches)
+    ['layers/1']
+    >>> outputs = model.layers[0](jnp.concatenate(batches))  # the BN input
+    >>> bool(jnp.allclose(model.layers[1].mean[...], outputs.mean(0)))
+    True
+    >>> bool(jnp.allclose(model.layers[1].var[...], outputs.var(0)))
+    True
+  """
+  norms = _norm_layers(model)
+  if not norms:
+    raise ValueError(
+        'recalibrate_batch_stats: the model has no nnx.BatchNorm layer.')
+  forward = forward or _call_model
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def batch_moments(state, batch):
+    copy = nnx.view(nnx.merge(graphdef, state), deterministic=True,
+                    use_running_average=True, raise_if_not_found=False)
+    for _, norm in _norm_layers(copy):
+      # With momentum 0 the running averages become the batch statistics.
+      norm.use_running_average, norm.momentum = False, 0.0
+      norm.mean[...] = jnp.zeros_like(norm.mean[...])
+      norm.var[...] = jnp.zeros_like(norm.var[...])
+    forward(copy, batch)
+    layers = _norm_layers(copy)
+    return ({p: n.mean[...] for p, n in layers},
+            {p: n.var[...] for p, n in layers})
+
+  mean, var = _batch_stats.pool(
+      (_batch_stats.batch_size(batch), *batch_moments(state, batch))
+      for batch in batches)
+  for path, norm in norms:
+    norm.mean[...] = mean[path].astype(norm.mean.dtype)
+    norm.var[...] = var[path].astype(norm.var.dtype)
+  return [path for path, _ in norms]
