@@ -296,33 +296,44 @@ class CenteredModel(NamedTuple):
     with nn.intercept_methods(self._interceptor):
       return self.module.apply(*args, **kwargs)
 
-  def report(self, *args, **kwargs) -> tuple[list[str], list[tuple[str, str]]]:
-    """``(centered paths, [(path, reason)] skipped)`` for a call on ``args``.
+  def report(self, *args, **kwargs) -> core.CenterReport:
+    """What centering does to the module called on ``args``.
 
-    Traces the module once (abstractly, nothing is computed) and lists the
-    layers with parameters that were and were not centered.
+    Traces ``init`` once (abstractly, nothing is computed) and lists, as
+    ``cbp_optax.nnx.center`` does, the layers centered and every layer with
+    parameters of its own left as it was, with a one-line reason (``str``
+    of the result gives one line per layer type).
+
+    Returns:
+      A :class:`cbp_optax.centering.CenterReport` ``(centered, skipped)``.
     """
-    centered, skipped = [], []
+    centered, skipped = set(), set()
 
     def spy(next_fun, call_args, call_kwargs, context):
+      out = next_fun(*call_args, **call_kwargs)
       module = context.module
-      if context.method_name == '__call__' and (
-          'params' in module.variables or type(module) in _SUPPORTED):
+      if context.method_name == '__call__' and _has_own_params(module):
         path = '/'.join(module.scope.path)
-        reason = None
-        if type(module) in _SUPPORTED:
-          try:
-            check_layer(module)
-          except (TypeError, ValueError) as error:
-            reason = str(error)
-          if reason is None and not core.selected(self.where, path, module):
-            reason = 'not selected by where'
-          (skipped.append((path, reason)) if reason else centered.append(path))
-      return next_fun(*call_args, **call_kwargs)
+        try:
+          check_layer(module)
+          reason = (None if core.selected(self.where, path, module)
+                    else 'not selected by where')
+        except (TypeError, ValueError) as error:
+          reason = core.skip_reason(module, error)
+        if reason:
+          skipped.add((path or core.MODEL_PATH, reason))
+        else:
+          centered.add(path)
+      return out
 
     with nn.intercept_methods(spy):
       jax.eval_shape(functools.partial(self.init, **kwargs), *args)
-    return sorted(set(centered)), sorted(set(skipped))
+    return core.CenterReport(sorted(centered), sorted(skipped))
+
+
+def _has_own_params(module: nn.Module) -> bool:
+  params = module.variables.get('params', {})
+  return any(not isinstance(v, Mapping) for v in params.values())
 
 
 def center(

@@ -29,7 +29,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -347,17 +347,7 @@ def transport(
     layer.transport(mean_decay)
 
 
-class CenterReport(NamedTuple):
-  """What :func:`center` did.
-
-  Attributes:
-    centered: the paths (``'block/attn/query'``) of the layers it wrapped.
-    skipped: ``(path, reason)`` for every module with parameters it left as
-      it was.
-  """
-
-  centered: list[str]
-  skipped: list[tuple[str, str]]
+CenterReport = core.CenterReport
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -453,13 +443,13 @@ def center(
       continue
     if not _has_own_params(module):
       continue
-    if not core.selected(where, name, module):
-      skipped.append((name, 'not selected by where'))
-      continue
     try:
       layer_spec(module)
     except (TypeError, ValueError) as error:
-      skipped.append((name, str(error)))
+      skipped.append((name or core.MODEL_PATH, core.skip_reason(module, error)))
+      continue
+    if not core.selected(where, name, module):
+      skipped.append((name or core.MODEL_PATH, 'not selected by where'))
       continue
     if not path:
       raise ValueError(
