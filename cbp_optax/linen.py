@@ -378,8 +378,9 @@ def center(
     ['centering', 'params']
     >>> variables['centering']['Dense_0']['mean'].value.shape
     (3,)
-    >>> model.report(jax.random.key(0), x)
-    (['Dense_0', 'Dense_1'], [])
+    >>> print(model.report(jax.random.key(0), x))
+    centered (2): Dense_0, Dense_1
+    left as is (1): LayerNorm_0 - LayerNorm: not a layer type centering knows (...)
     >>> plain = MLP().apply({'params': variables['params']}, x)
     >>> bool(jnp.array_equal(model.apply(variables, x), plain))
     True
