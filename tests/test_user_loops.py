@@ -207,3 +207,21 @@ def test_wrong_step_arguments_say_what_to_pass():
                        'first') as info:
       linen_step(*args)
     assert '<locals>' not in str(info.value)
+
+
+def test_direct_call_donates_and_compiles_once(caplog):
+  """Called directly the step is still one donated executable, compiled on
+  the first call only (jax.jit's cache, keyed by the model's structure)."""
+  model = _mlp()
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, cbp.cbp(1e-3))
+  step = cbp.nnx.train_step(_mse)
+  x = jnp.ones((2, 3))
+  step(model, optimizer, x)
+  kernel = model.layers[0].layer.kernel[...]
+  with jax.log_compiles(), caplog.at_level('WARNING'):
+    for _ in range(3):
+      step(model, optimizer, x)
+  assert not [r for r in caplog.records if 'Compiling' in r.getMessage()]
+  assert kernel.is_deleted()  # donated to the step
+  assert int(optimizer.step[...]) == 4
