@@ -773,7 +773,8 @@ def recalibrate_batch_stats(
       positional arguments of ``model``.
     forward: ``forward(model, batch)`` runs the model on one batch (for
       batches that hold labels or keyword arguments); by default
-      ``model(*batch)``.
+      ``model(*batch)``. A model that passes ``use_running_average`` to its
+      BatchNorm calls itself must pass False here.
 
   Returns:
     The paths of the BatchNorm layers recalibrated.
