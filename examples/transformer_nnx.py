@@ -19,7 +19,10 @@ four lines:
   transport of every centered layer).
 
 The text is a file given with ``--data``, else Python standard-library
-sources (always available offline); the last 10% is held out.
+sources (always available offline); the last 10% is held out. At the
+defaults (4 blocks of width 128, 300 steps of 32 windows of 64 bytes) the
+validation loss goes from 8 bits per byte (uniform) to 2.79 (CPU, a few
+minutes).
 """
 
 import argparse
