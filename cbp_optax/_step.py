@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
 
+import functools
 import warnings
 
 import jax
+
+try:  # No public twin: covers an outer jit whose arguments are closed over.
+  from jax._src.core import trace_state_clean as _trace_state_clean  # pylint: disable=g-import-not-at-top
+except ImportError:  # pragma: no cover
+  _trace_state_clean = None
 import jax.numpy as jnp
 
 from cbp_optax import _checks
@@ -114,6 +120,48 @@ def conditioned_update(
   return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 
 
+def staged(tree: Any) -> bool:
+  """True when called while an outer ``jit`` (or another transform) traces.
+
+  A leaf of ``tree`` that is a tracer says so; so does JAX's trace state,
+  which also covers an outer ``jit`` whose arguments are all closed over.
+  """
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+    return True
+  return _trace_state_clean is not None and not _trace_state_clean()
+
+
+def jit_step(
+    fun: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
+    static_argnums: tuple[int, ...] = (),
+) -> Callable[..., Any]:
+  """``fun`` under ``jax.jit``, called directly or inside the user's own jit.
+
+  Called directly, ``fun`` runs as one executable with ``donate_argnums``
+  donated and, on CPU, :func:`compiler_options`; ``jax.jit``'s cache
+  compiles it once per argument signature. Called while an outer ``jit``
+  traces (a user's own ``nnx.jit`` / ``jax.jit`` train step), the same
+  function is traced into the outer program instead: XLA accepts compiler
+  options and donation only on the outermost executable, and the outer
+  program's own settings apply. Region analysis changes buffer assignment
+  only, so both give the same numbers, bit for bit.
+
+  Returns:
+    ``call(*args)``, with ``call.lower`` lowering the direct executable.
+  """
+  direct = jax.jit(fun, donate_argnums=donate_argnums,
+                   static_argnums=static_argnums,
+                   compiler_options=compiler_options())
+  nested = jax.jit(fun, static_argnums=static_argnums)
+
+  @functools.wraps(fun)
+  def call(*args):
+    return (nested if staged(args) else direct)(*args)
+
+  call.lower = direct.lower
+  return call
+
+
 def compiler_options() -> Optional[dict[str, Any]]:
   """Per-executable XLA options for the fused steps.
 
@@ -125,7 +173,9 @@ def compiler_options() -> Optional[dict[str, Any]]:
   first and drops the copies. It changes buffer assignment only: results are
   bitwise identical (tested).
 
-  Pass them to your own ``jax.jit`` loop too, where the state is donated.
+  The fused steps apply them when called directly. Pass them to your own
+  top-level ``jax.jit`` too, where the state is donated
+  (``jax.jit(step, donate_argnums=0, compiler_options=...)``).
 
   Returns:
     ``{'xla_cpu_copy_insertion_use_region_analysis': True}`` on CPU, else

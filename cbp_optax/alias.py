@@ -95,7 +95,9 @@ def cbp(
   ``min_scale`` or ``max_scale`` use
   ``optax.inject_hyperparams(cbp.cbp)(learning_rate=..., b1=schedule)``.
   Concrete values are validated here; values traced by
-  ``inject_hyperparams`` only by shape.
+  ``inject_hyperparams`` only by shape. ``inject_hyperparams`` takes every
+  callable argument for a schedule: name ``block_fn``, ``stacked`` or
+  ``mask`` in its ``static_args`` when you pass them.
 
   Dtypes: updates have the gradients' dtype. float16 gradients run through
   the chain as float32 (float16 cannot hold the preconditioned direction,
@@ -216,13 +218,27 @@ TRANSFORMER_DEFAULTS = dict(
 
 
 def cbp_transformer(
-    learning_rate: optax.ScalarOrSchedule, **kwargs: Any
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    damping: float = 1e-8,
+    decay: float = 0.99,
+    min_scale: float = 0.1,
+    max_scale: float = 4.0,
+    weight_decay: Optional[optax.ScalarOrSchedule] = None,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    block_fn: Optional[equalize_lib.BlockFn] = None,
+    stacked: Optional[equalize_lib.StackedFn] = None,
+    stats_dtype: Optional[Any] = None,
+    zero_moment_identity: bool = True,
+    relative_damping: float = 0.03,
 ) -> optax.GradientTransformationExtraArgs:
   r"""CBP configured for transformers: the opt-in extensions that match AdamW.
 
   Exactly :func:`cbp` with four arguments changed from Algorithm 1's
   defaults (each can still be passed, as can every other :func:`cbp`
-  argument). On a byte-level transformer language model it ties a tuned
+  argument; the signature is :func:`cbp`'s). On a byte-level transformer language model it ties a tuned
   AdamW (3.355 +- 0.034 vs 3.355 +- 0.040 bits per byte, 3 seeds, 240
   steps; +0.023, p = 0.16, at a larger size and 100 steps) where
   Algorithm 1 trails it by 0.07 (0.18); on the paper's spiral (Table 6) it ties
@@ -250,8 +266,23 @@ def cbp_transformer(
     :math:`s_l(T) / \mathrm{RMS}_t\, s_l(t)` was within [0.8, 1.25] for 34
     of 36 blocks); what remained cost 0.020 bits per byte (M1 on and no
     zero-moment identity, same damping: paired p = 0.046 over 3 seeds).
-    Pass ``block_fn=None`` to keep M1. Where M1 is what helps (deep MLPs
-    whose layers' gradients differ by orders of magnitude), use :func:`cbp`.
+    ``block_fn=None`` (the default here) means no blocks; pass
+    ``block_fn=cbp.layer_blocks`` (:func:`cbp`'s grouping) to keep M1.
+    Where M1 is what helps (deep MLPs whose layers' gradients differ by
+    orders of magnitude), use :func:`cbp`.
+
+  ``stacked=`` still matters with M1 off: it is passed to
+  :func:`precondition` too, where ``relative_damping`` takes the root mean
+  square :math:`r_{t-1}` per slice of a stacked leaf instead of over the
+  whole stack. Pass ``cbp.nnx.stacked_blocks(model)`` for a model with layer
+  stacks, so that each layer's damping follows its own second moment (as it
+  would with the layers unstacked); the updates differ from those without
+  ``stacked`` whenever the layers' second moments differ.
+
+  Every argument is explicit, so ``optax.inject_hyperparams(
+  cbp.cbp_transformer)(learning_rate=..., damping=schedule)`` works; the
+  callables ``block_fn``, ``stacked`` and ``mask`` go in its
+  ``static_args`` (it would take any other callable for a schedule).
 
   The preconditioner is still lagged and bounded, :math:`P_1 = I`, the
   momentum bias-corrected: Algorithm 1's steps 6-9 with the damping above.
@@ -259,7 +290,24 @@ def cbp_transformer(
 
   Args:
     learning_rate: :math:`\eta`, a float or an optax schedule.
-    **kwargs: any keyword argument of :func:`cbp`; overrides the four above.
+    b1: as in :func:`cbp`.
+    b2: as in :func:`cbp`.
+    damping: :math:`\zeta`, absolute part of the damping (:func:`cbp`:
+      1e-3).
+    decay: as in :func:`cbp` (M1's energy EMA; unused with M1 off).
+    min_scale: as in :func:`cbp` (unused with M1 off).
+    max_scale: as in :func:`cbp` (unused with M1 off).
+    weight_decay: as in :func:`cbp`.
+    mask: as in :func:`cbp`.
+    block_fn: M1's grouping; None (the default) is
+      :func:`cbp_optax.no_blocks`, M1 off (:func:`cbp`: layer blocks).
+    stacked: layer-stacked leaves, for relative damping per slice (and M1's
+      blocks when M1 is on); see :func:`cbp`.
+    stats_dtype: as in :func:`cbp`.
+    zero_moment_identity: :math:`P = 1` where the stored second moment is
+      exactly zero (:func:`cbp`: False).
+    relative_damping: :math:`\delta` of the damping
+      :math:`\zeta + \delta r_{t-1}` (:func:`cbp`: 0).
 
   Returns:
     The :func:`cbp` transformation.
@@ -294,4 +342,11 @@ def cbp_transformer(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eq. (11), Lemma 1 and Algorithm 1 (what this configuration departs from).
   """
-  return cbp(learning_rate, **{**TRANSFORMER_DEFAULTS, **kwargs})
+  return cbp(
+      learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
+      min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,
+      mask=mask,
+      block_fn=blocks_lib.no_blocks if block_fn is None else block_fn,
+      stacked=stacked, stats_dtype=stats_dtype,
+      zero_moment_identity=zero_moment_identity,
+      relative_damping=relative_damping)

@@ -517,3 +517,49 @@ def transport(
       _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
       _to_front(mean, mean_axes), _to_front(recorded, mean_axes))
   return _from_front(new_bias, bias_axes), _from_front(new_mean, mean_axes)
+
+
+# How center names a model that holds parameters itself (its path is empty).
+MODEL_PATH = '(model)'
+
+
+def skip_reason(layer: Any, error: Exception) -> str:
+  """The one-line reason ``center`` reports for a layer it left as it was.
+
+  A layer type the core does not know (norms, embeddings, custom layers,
+  subclasses) gets a short line naming the type; a known type configured so
+  that centering would be inexact gets the :class:`CannotCenterError`
+  message, which says why.
+  """
+  if isinstance(error, CannotCenterError):
+    return str(error)
+  return (f'{type(layer).__name__}: not a layer type centering knows (exact '
+          'Linear/Dense, LinearGeneral/DenseGeneral, Conv)')
+
+
+class CenterReport(NamedTuple):
+  """What ``center`` did (NNX and Linen alike).
+
+  Attributes:
+    centered: the paths (``'block/attn/query'``) of the layers it centered.
+    skipped: ``(path, reason)`` for every layer with parameters of its own
+      that it left as it was (the model itself is ``'(model)'``); the reason
+      is one line, the same for every layer of a type.
+
+  ``str(report)`` is a summary: the centered paths, then one line per
+  reason (per layer type) with the paths it applies to.
+  """
+
+  centered: list[str]
+  skipped: list[tuple[str, str]]
+
+  def __str__(self) -> str:
+    lines = [f'centered ({len(self.centered)}): '
+             + (', '.join(self.centered) or 'none')]
+    by_reason = {}
+    for path, reason in self.skipped:
+      by_reason.setdefault(reason, []).append(path)
+    for reason, paths in by_reason.items():
+      lines.append(f'left as is ({len(paths)}): {", ".join(paths)} '
+                   f'- {reason}')
+    return '\n'.join(lines)

@@ -39,6 +39,7 @@ import optax
 from flax.core import meta
 from flax.training import train_state
 
+from cbp_optax import _batch_stats
 from cbp_optax import _checks
 from cbp_optax import _step
 from cbp_optax import blocks
@@ -53,6 +54,7 @@ __all__ = [
     'StepOutput',
     'TrainState',
     'center',
+    'recalibrate_batch_stats',
     'stacked_blocks',
     'train_step',
     'transport',
@@ -296,33 +298,44 @@ class CenteredModel(NamedTuple):
     with nn.intercept_methods(self._interceptor):
       return self.module.apply(*args, **kwargs)
 
-  def report(self, *args, **kwargs) -> tuple[list[str], list[tuple[str, str]]]:
-    """``(centered paths, [(path, reason)] skipped)`` for a call on ``args``.
+  def report(self, *args, **kwargs) -> core.CenterReport:
+    """What centering does to the module called on ``args``.
 
-    Traces the module once (abstractly, nothing is computed) and lists the
-    layers with parameters that were and were not centered.
+    Traces ``init`` once (abstractly, nothing is computed) and lists, as
+    ``cbp_optax.nnx.center`` does, the layers centered and every layer with
+    parameters of its own left as it was, with a one-line reason (``str``
+    of the result gives one line per layer type).
+
+    Returns:
+      A :class:`cbp_optax.centering.CenterReport` ``(centered, skipped)``.
     """
-    centered, skipped = [], []
+    centered, skipped = set(), set()
 
     def spy(next_fun, call_args, call_kwargs, context):
+      out = next_fun(*call_args, **call_kwargs)
       module = context.module
-      if context.method_name == '__call__' and (
-          'params' in module.variables or type(module) in _SUPPORTED):
+      if context.method_name == '__call__' and _has_own_params(module):
         path = '/'.join(module.scope.path)
-        reason = None
-        if type(module) in _SUPPORTED:
-          try:
-            check_layer(module)
-          except (TypeError, ValueError) as error:
-            reason = str(error)
-          if reason is None and not core.selected(self.where, path, module):
-            reason = 'not selected by where'
-          (skipped.append((path, reason)) if reason else centered.append(path))
-      return next_fun(*call_args, **call_kwargs)
+        try:
+          check_layer(module)
+          reason = (None if core.selected(self.where, path, module)
+                    else 'not selected by where')
+        except (TypeError, ValueError) as error:
+          reason = core.skip_reason(module, error)
+        if reason:
+          skipped.add((path or core.MODEL_PATH, reason))
+        else:
+          centered.add(path)
+      return out
 
     with nn.intercept_methods(spy):
       jax.eval_shape(functools.partial(self.init, **kwargs), *args)
-    return sorted(set(centered)), sorted(set(skipped))
+    return core.CenterReport(sorted(centered), sorted(skipped))
+
+
+def _has_own_params(module: nn.Module) -> bool:
+  params = module.variables.get('params', {})
+  return any(not isinstance(v, Mapping) for v in params.values())
 
 
 def center(
@@ -367,8 +380,9 @@ def center(
     ['centering', 'params']
     >>> variables['centering']['Dense_0']['mean'].value.shape
     (3,)
-    >>> model.report(jax.random.key(0), x)
-    (['Dense_0', 'Dense_1'], [])
+    >>> print(model.report(jax.random.key(0), x))
+    centered (2): Dense_0, Dense_1
+    left as is (1): LayerNorm_0 - LayerNorm: not a layer type centering knows (...)
     >>> plain = MLP().apply({'params': variables['params']}, x)
     >>> bool(jnp.array_equal(model.apply(variables, x), plain))
     True
@@ -616,8 +630,11 @@ def train_step(
   with the state donated. A non-finite loss, gradient or recorded statistic
   skips the step: the returned state equals the input state (parameters,
   optimizer state, centering, model state, step) but for ``skipped_steps``,
-  which grows by one, and ``StepOutput.skipped`` is True. On CPU the step
-  compiles with ``_step.compiler_options()`` (no parameter-sized copies).
+  which grows by one, and ``StepOutput.skipped`` is True. Called directly on
+  CPU, the step compiles with XLA's
+  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized
+  copies). Called inside your own ``jax.jit`` it is traced into your
+  program, with the same numbers, bit for bit.
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
@@ -631,6 +648,11 @@ def train_step(
 
   Returns:
     ``step(state, *batch) -> (state, StepOutput)``.
+
+  Raises:
+    ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction).
+    TypeError: a first argument that is not a :class:`TrainState` (at the
+      call).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -724,8 +746,144 @@ def train_step(
     return _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, jax.lax.cond, state)
 
-  return jax.jit(
-      step,
-      donate_argnums=(0,) if donate else (),
-      compiler_options=_step.compiler_options(),
-  )
+  jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
+
+  def train(*args):
+    if not args or not isinstance(args[0], TrainState):
+      got = f'a {type(args[0]).__name__}' if args else 'no argument'
+      raise TypeError(
+          'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
+          f'first, got {got}: build it with '
+          'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
+          'centering=..., tx=...).'
+      )
+    return jitted(*args)
+
+  train.lower = jitted.lower
+  return train
+
+
+def _norm_moments(module: nn.BatchNorm, x: jax.Array) -> tuple[Any, Any]:
+  """This batch's mean and (biased) variance of a BatchNorm's input."""
+  if module.axis_index_groups is not None:
+    raise ValueError('recalibrate_batch_stats: BatchNorm axis_index_groups '
+                     'is not supported.')
+  features = set(a % x.ndim for a in (
+      module.axis if isinstance(module.axis, tuple) else (module.axis,)))
+  axes = tuple(a for a in range(x.ndim) if a not in features)
+  x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
+  mean = jnp.mean(x, axes)
+  if module.axis_name is not None:
+    mean = jax.lax.pmean(mean, module.axis_name)
+  shape = [x.shape[a] if a in features else 1 for a in range(x.ndim)]
+  var = jnp.mean(jnp.square(x - mean.reshape(shape)), axes)
+  if module.axis_name is not None:
+    var = jax.lax.pmean(var, module.axis_name)
+  return mean, var
+
+
+def _is_norm_entry(tree: Any) -> bool:
+  return isinstance(tree, Mapping) and set(tree) == {'mean', 'var'}
+
+
+def recalibrate_batch_stats(
+    apply_fn: Callable[..., Any], variables: Any, batches: Any,
+    **apply_kwargs: Any,
+) -> Any:
+  """Sets every BatchNorm's running averages to population statistics.
+
+  "Precise BatchNorm": the parameters frozen, each ``nn.BatchNorm``'s
+  running mean and variance (``batch_stats``) become the mean and the
+  (biased) variance of all its inputs over ``batches``, pooled (batches
+  weighted by their number of examples; the variance of the pooled inputs,
+  not an average of batch variances), instead of an EMA over a network that
+  kept changing. Every BatchNorm normalizes with its batch's statistics, as
+  in training, whatever its ``use_running_average``; pass the model's
+  evaluation flags in ``apply_kwargs`` (``train=False``) so that dropout is
+  off. Only ``batch_stats`` changes (the ``'centering'`` collection is not
+  mutable: nothing is recorded); ``nn.scan``/``nn.vmap`` stacks get
+  per-slice statistics. Use it before evaluating with running averages
+  after a short run, a large learning rate, or a BatchNorm momentum close to
+  1, where they lag the network; a few dozen training batches suffice.
+
+  Args:
+    apply_fn: ``model.apply`` (of a centered model or not).
+    variables: the model's variables, with ``batch_stats``.
+    batches: an iterable of training batches, each an array or a tuple of
+      positional arguments of ``apply_fn`` after the variables.
+    **apply_kwargs: keyword arguments of every ``apply_fn`` call.
+
+  Returns:
+    ``variables`` with new ``batch_stats`` (same container type).
+
+  Raises:
+    ValueError: ``variables`` without ``batch_stats``, or no batches.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x, train: bool = True):
+    ...     x = nn.Dense(3, name='dense')(x)
+    ...     return nn.BatchNorm(use_running_average=not train)(x)
+    >>> model = Net()
+    >>> batches = [jnp.ones((4, 2)), jnp.zeros((4, 2))]
+    >>> variables = model.init(jax.random.key(0), batches[0], train=False)
+    >>> variables = cbp.linen.recalibrate_batch_stats(
+    ...     model.apply, variables, batches, train=False)
+    >>> inputs = nn.Dense(3).apply(
+    ...     {'params': variables['params']['dense']}, jnp.concatenate(batches))
+    >>> stats = variables['batch_stats']['BatchNorm_0']
+    >>> bool(jnp.allclose(stats['mean'], inputs.mean(0)))
+    True
+    >>> bool(jnp.allclose(stats['var'], inputs.var(0)))
+    True
+  """
+  if 'batch_stats' not in variables:
+    raise ValueError(
+        'recalibrate_batch_stats: variables has no batch_stats collection '
+        '(no BatchNorm layer).')
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if not (type(module) is nn.BatchNorm  # pylint: disable=unidiomatic-typecheck
+            and context.method_name == '__call__'):
+      return next_fun(*args, **kwargs)
+    if kwargs.get('mask') is not None:
+      raise ValueError('recalibrate_batch_stats: a BatchNorm mask is not '
+                       'supported.')
+    # Batch statistics whatever the constructor or the call says (Linen
+    # refuses the flag in both places, so clear the constructor's).
+    kwargs = dict(kwargs, use_running_average=False)
+    constructed = module.use_running_average
+    object.__setattr__(module, 'use_running_average', None)
+    try:
+      out = next_fun(args[0], **kwargs)
+    finally:
+      object.__setattr__(module, 'use_running_average', constructed)
+    mean, var = _norm_moments(module, args[0])
+    for name, value in (('mean', mean), ('var', var)):
+      dtype = module.get_variable('batch_stats', name).dtype
+      module.put_variable('batch_stats', name, value.astype(dtype))
+    return out
+
+  @jax.jit
+  def batch_moments(variables, batch):
+    with nn.intercept_methods(interceptor):
+      _, changed = apply_fn(variables, *_batch_stats.as_args(batch),
+                            mutable=['batch_stats'], **apply_kwargs)
+    stats = flax.core.unfreeze(changed['batch_stats'])
+    is_leaf = _is_norm_entry
+    return (jax.tree.map(lambda e: e['mean'], stats, is_leaf=is_leaf),
+            jax.tree.map(lambda e: e['var'], stats, is_leaf=is_leaf))
+
+  mean, var = _batch_stats.pool(
+      (_batch_stats.batch_size(batch), *batch_moments(variables, batch))
+      for batch in batches)
+  stats = jax.tree.map(lambda m, v: {'mean': m, 'var': v}, mean, var)
+  new = dict(flax.core.unfreeze(variables), batch_stats=stats)
+  if isinstance(variables, flax.core.FrozenDict):
+    return flax.core.freeze(new)
+  return new

@@ -7,7 +7,8 @@
 * :class:`Centered` is that wrapper, for models written with it.
 * :func:`transport` refreshes every centering mean and moves the biases so the
   function is unchanged (Algorithm 1, steps 10-11; eq. 10).
-* :func:`train_step` builds one ``nnx.jit``-compiled CBP iteration.
+* :func:`train_step` builds one compiled CBP iteration (callable on its own
+  or inside your ``nnx.jit``).
 * :func:`stacked_blocks` tells M1 which parameters are layer stacks.
 
 Example::
@@ -27,13 +28,15 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graphlib
 
+from cbp_optax import _batch_stats
 from cbp_optax import _checks
 from cbp_optax import _step
 from cbp_optax import blocks
@@ -42,7 +45,8 @@ from cbp_optax._step import StepOutput
 
 __all__ = [
     'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedMean',
-    'StepOutput', 'center', 'stacked_blocks', 'train_step', 'transport',
+    'StepOutput', 'center', 'recalibrate_batch_stats', 'stacked_blocks',
+    'train_step', 'transport',
 ]
 
 
@@ -337,6 +341,16 @@ class Optimizer(nnx.Optimizer):
     super().__init__(model, tx, wrt=wrt)
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
 
+  def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
+    """``nnx.Optimizer.update``; says so when ``center`` came after it."""
+    try:
+      return super().update(model, grads, **kwargs)
+    except (TypeError, ValueError) as error:
+      hint = blocks.centered_after_init(grads, nnx.state(self))
+      if hint:
+        raise ValueError(f'Optimizer.update: {hint}') from error
+      raise
+
 
 def centered_layers(model: nnx.Module) -> list[Centered]:
   """Every :class:`Centered` layer inside ``model``."""
@@ -385,17 +399,7 @@ def transport(
     layer.transport(mean_decay)
 
 
-class CenterReport(NamedTuple):
-  """What :func:`center` did.
-
-  Attributes:
-    centered: the paths (``'block/attn/query'``) of the layers it wrapped.
-    skipped: ``(path, reason)`` for every module with parameters it left as
-      it was.
-  """
-
-  centered: list[str]
-  skipped: list[tuple[str, str]]
+CenterReport = core.CenterReport
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -539,13 +543,13 @@ def center(
       continue
     if not _has_own_params(module):
       continue
-    if not core.selected(where, name, module):
-      skipped.append((name, 'not selected by where'))
-      continue
     try:
       layer_spec(module)
     except (TypeError, ValueError) as error:
-      skipped.append((name, str(error)))
+      skipped.append((name or core.MODEL_PATH, core.skip_reason(module, error)))
+      continue
+    if not core.selected(where, name, module):
+      skipped.append((name or core.MODEL_PATH, 'not selected by where'))
       continue
     _check_not_shared(all_paths.get(id(module), [name]))
     if not path:
@@ -646,6 +650,43 @@ def _graph_nodes(tree: Any) -> list[Any]:
           if graphlib.is_graph_node(x)]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where a graph-node argument sat in a step's ``args`` (static)."""
+
+  index: int
+
+
+def _slots(args: Any, nodes: list[Any]) -> Any:
+  index = {id(node): i for i, node in enumerate(nodes)}
+  return jax.tree.map(
+      lambda x: _Slot(index[id(x)]) if graphlib.is_graph_node(x) else x,
+      args, is_leaf=graphlib.is_graph_node)
+
+
+def _fill_slots(slotted: Any, nodes: Sequence[Any]) -> Any:
+  return jax.tree.map(
+      lambda x: nodes[x.index] if isinstance(x, _Slot) else x, slotted,
+      is_leaf=lambda x: isinstance(x, _Slot))
+
+
+def _check_step_arguments(model: Any, optimizer: Any) -> None:
+  if isinstance(model, nnx.Optimizer) and not isinstance(
+      optimizer, nnx.Optimizer):
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) got the optimizer first '
+        f'and a {type(optimizer).__name__} second: pass the model first, '
+        'then the optimizer.'
+    )
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) takes an nnx.Optimizer '
+        f'(or cbp_optax.nnx.Optimizer) second, got a '
+        f'{type(optimizer).__name__}.'
+    )
+
+
 def _check_training_mode(model: nnx.Module) -> None:
   evaluating = [_path_str(p) for p, m in nnx.iter_modules(model)
                 if isinstance(m, Centered) and m.use_running_average]
@@ -677,8 +718,12 @@ def train_step(
   *args)`` (the forward pass with centering, recording batch means), the
   backward pass, ``optimizer.update`` with whatever optax transform the
   ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
-  "Adam + Center"), then :func:`transport`; all inside one ``nnx.jit`` with
-  the model and optimizer buffers donated.
+  "Adam + Center"), then :func:`transport`; all in one compiled program with
+  the model and optimizer buffers donated. Calling ``step`` inside your own
+  ``@nnx.jit`` train step works too (the tutorials' pattern: metrics, EMA
+  or logging beside it): it is then traced into your program, with the same
+  numbers, bit for bit; keep the ``donate_argnums`` you want on your own
+  jit.
 
   ``args`` may hold anything a plain ``nnx.jit`` train step takes: arrays,
   ``nnx.Rngs`` (dropout keys), other modules or graph nodes. Every state the
@@ -689,9 +734,10 @@ def train_step(
   centering and batch statistics and RNG counts stay exactly as they were,
   ``StepOutput.skipped`` is True, and a :class:`Optimizer` counts it in
   ``skipped_steps``. With no centered layer it is an ordinary train step.
-  On CPU the step compiles with ``_step.compiler_options()`` (no
-  parameter-sized buffer copies); ``step.lower(model, optimizer, *args)``
-  gives the lowered program.
+  Called directly on CPU, the step compiles with XLA's
+  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized buffer
+  copies); ``step.lower(model, optimizer, *args)`` gives the lowered
+  program.
 
   Args:
     loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
@@ -707,6 +753,8 @@ def train_step(
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
       model whose centered layers are in evaluation mode (at the call).
+    TypeError: ``step(optimizer, model, ...)``, or a second argument that is
+      not an ``nnx.Optimizer`` (at the call).
 
   Examples:
     Full CBP on a centered two-layer model:
@@ -782,30 +830,124 @@ def train_step(
         model, optimizer, nodes)
     return out
 
-  jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else ())
-  options = _step.compiler_options()
-  if options is None:
-    return jitted
-  # nnx.jit takes no compiler options, but its AOT path does: compile once
-  # per model structure and argument signature, as jit's own cache would.
-  executables = {}
+  def pure_step(graphdef, state, slotted_args):
+    model, optimizer, nodes = nnx.merge(graphdef, state)
+    out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
+    return nnx.state((model, optimizer, nodes)), out
 
-  def step_with_options(model, optimizer, *args):
+  jitted = _step.jit_step(pure_step, static_argnums=(0,),
+                          donate_argnums=(1,) if donate else ())
+
+  def train(*args):
+    if len(args) < 2:
+      raise TypeError(
+          'train_step: step(model, optimizer, *args) takes the model and the '
+          f'optimizer first, got {len(args)} argument(s).')
+    model, optimizer, *args = args
+    _check_step_arguments(model, optimizer)
     nodes = _graph_nodes(args)
-    arrays = jax.tree.leaves(
-        jax.tree.map(lambda x: None if graphlib.is_graph_node(x) else x, args,
-                     is_leaf=graphlib.is_graph_node))
-    signature = (
-        nnx.graphdef((model, optimizer, nodes)),
-        jax.tree.structure(
-            jax.tree.map(lambda x: 0, args, is_leaf=graphlib.is_graph_node)),
-        tuple((jnp.shape(x), jnp.result_type(x)) for x in arrays),
-    )
-    if signature not in executables:
-      executables[signature] = jitted.lower(model, optimizer, *args).compile(
-          options
-      )
-    return executables[signature](model, optimizer, *args)
+    graphdef, state = nnx.split((model, optimizer, nodes))
+    try:
+      new_state, out = jitted(graphdef, state, _slots(args, nodes))
+    except (TypeError, ValueError) as error:
+      hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
+                                        nnx.state(optimizer))
+      if hint:
+        raise ValueError(f'train_step: {hint}') from error
+      raise
+    nnx.update((model, optimizer, nodes), new_state)
+    return out
 
-  step_with_options.lower = jitted.lower
-  return step_with_options
+  # The same step under nnx.jit, for inspecting the program:
+  # step.lower(model, optimizer, *args).compile(options).
+  train.lower = nnx.jit(step, donate_argnums=(0, 1) if donate else ()).lower
+  return train
+
+
+def _norm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
+  return [(_path_str(p), m) for p, m in nnx.iter_modules(model)
+          if isinstance(m, nnx.BatchNorm)]
+
+
+def _call_model(model: nnx.Module, batch: Any) -> Any:
+  return model(*_batch_stats.as_args(batch))
+
+
+def recalibrate_batch_stats(
+    model: nnx.Module, batches: Iterable[Any], *,
+    forward: Optional[Callable[[nnx.Module, Any], Any]] = None,
+) -> list[str]:
+  """Sets every BatchNorm's running averages to population statistics.
+
+  "Precise BatchNorm": the parameters frozen, each ``nnx.BatchNorm``'s
+  running mean and variance become the mean and the (biased) variance of
+  all its inputs over ``batches``, pooled (batches weighted by their number
+  of examples; the variance of the pooled inputs, not an average of batch
+  variances), instead of an EMA over a network that kept changing. Each
+  BatchNorm sees what it sees in training: every BatchNorm normalizes with
+  its batch's statistics; dropout is off, centered layers record nothing.
+  Nothing else in the model changes (parameters, centering means, RNG
+  state); layer stacks (``nnx.vmap``/``nnx.scan``) get per-slice
+  statistics. Use it before evaluating with running averages after a short
+  run, a large learning rate, or a BatchNorm momentum close to 1, where
+  they lag the network; a few dozen training batches suffice.
+
+  Args:
+    model: the model (centered or not); its BatchNorm statistics are set in
+      place.
+    batches: an iterable of training batches, each an array or a tuple of
+      positional arguments of ``model``.
+    forward: ``forward(model, batch)`` runs the model on one batch (for
+      batches that hold labels or keyword arguments); by default
+      ``model(*batch)``. A model that passes ``use_running_average`` to its
+      BatchNorm calls itself must pass False here.
+
+  Returns:
+    The paths of the BatchNorm layers recalibrated.
+
+  Raises:
+    ValueError: a model without ``nnx.BatchNorm``, or no batches.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+    ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+    >>> batches = [jnp.ones((4, 2)), jnp.zeros((4, 2))]
+    >>> cbp.nnx.recalibrate_batch_stats(model, batches)
+    ['layers/1']
+    >>> outputs = model.layers[0](jnp.concatenate(batches))  # the BN input
+    >>> bool(jnp.allclose(model.layers[1].mean[...], outputs.mean(0)))
+    True
+    >>> bool(jnp.allclose(model.layers[1].var[...], outputs.var(0)))
+    True
+  """
+  norms = _norm_layers(model)
+  if not norms:
+    raise ValueError(
+        'recalibrate_batch_stats: the model has no nnx.BatchNorm layer.')
+  forward = forward or _call_model
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def batch_moments(state, batch):
+    copy = nnx.view(nnx.merge(graphdef, state), deterministic=True,
+                    use_running_average=True, raise_if_not_found=False)
+    for _, norm in _norm_layers(copy):
+      # With momentum 0 the running averages become the batch statistics.
+      norm.use_running_average, norm.momentum = False, 0.0
+      norm.mean[...] = jnp.zeros_like(norm.mean[...])
+      norm.var[...] = jnp.zeros_like(norm.var[...])
+    forward(copy, batch)
+    layers = _norm_layers(copy)
+    return ({p: n.mean[...] for p, n in layers},
+            {p: n.var[...] for p, n in layers})
+
+  mean, var = _batch_stats.pool(
+      (_batch_stats.batch_size(batch), *batch_moments(state, batch))
+      for batch in batches)
+  for path, norm in norms:
+    norm.mean[...] = mean[path].astype(norm.mean.dtype)
+    norm.var[...] = var[path].astype(norm.var.dtype)
+  return [path for path, _ in norms]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from cbp_optax import _checks
+from cbp_optax.blocks import centered_after_init
 from cbp_optax.blocks import StackedFn
 from cbp_optax.blocks import strip_variable_suffix
 
@@ -110,6 +111,9 @@ def _check_matches_state(updates: Any, state: PreconditionState) -> None:
   updates_def = jax.tree.structure(updates)
   state_def = jax.tree.structure(state.mu)
   if updates_def != state_def:
+    hint = centered_after_init(updates, state.mu)
+    if hint:
+      raise ValueError(f'precondition: {hint}')
     raise ValueError(
         'precondition: the gradient tree does not match the state the '
         f'transform was initialized with.\n  gradients: {updates_def}\n  '

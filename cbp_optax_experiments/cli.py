@@ -136,13 +136,24 @@ def _require_matplotlib():
   return plt
 
 
+def _quartiles(values) -> list[float]:
+  """25th, 50th and 75th percentiles (NaN for no values)."""
+  if not len(values):
+    return [float('nan')] * 3
+  return [float(q) for q in np.percentile(values, [25, 50, 75])]
+
+
 def _table(rows) -> list[str]:
   lines = [f'| {"method":<16} | {"train loss (EMA)":>16} | '
-           f'{"test accuracy":>13} | {"ms / step":>9} |',
-           f'|{"-" * 18}|{"-" * 17}:|{"-" * 14}:|{"-" * 10}:|']
+           f'{"test accuracy":>13} | {"ms / step":>9} | '
+           f'{"/ Adam, median [IQR]":>20} |',
+           f'|{"-" * 18}|{"-" * 17}:|{"-" * 14}:|{"-" * 10}:|{"-" * 21}:|']
   for row in rows:
+    low, mid, high = row['ratio_to_adam_quartiles']
+    ratio = f'{mid:.2f} [{low:.2f}, {high:.2f}]'
     lines.append(f'| {row["method"]:<16} | {row["train_loss_ema"]:>16.4f} | '
-                 f'{row["test_accuracy"]:>13.4f} | {row["ms_per_step"]:>9.2f} |')
+                 f'{row["test_accuracy"]:>13.4f} | {row["ms_per_step"]:>9.2f} '
+                 f'| {ratio:>20} |')
   return lines
 
 
@@ -194,41 +205,52 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
       f'{args.batch_size}, {args.steps} steps, seed {args.seed}, '
       f'jax {jax.__version__} on {jax.devices()[0].platform}',
       f'learning rates: Adam {args.lr_adam:g}, CBP {args.lr_cbp:g} '
-      '(--lr-adam / --lr-cbp); ms / step excludes compilation',
+      '(--lr-adam / --lr-cbp); ms / step: median over steps, compilation '
+      'excluded; / Adam: per-step time ratios, the methods taking turns step '
+      'by step',
   ]
   print('\n'.join(header))
   rng = np.random.default_rng(args.seed)
   batches = [rng.integers(0, len(data.train_labels), args.batch_size)
              for _ in range(args.steps)]
-  rows = []
+  runs = []
   for name, (centered, make_tx) in _methods(args.lr_adam,
                                             args.lr_cbp).items():
     model = MLP(width=args.width, depth=args.depth, centered=centered,
                 rngs=nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
-    step = cbp_nnx.train_step(_loss_fn)
-    losses = []
-    start = time.perf_counter()
-    for i, idx in enumerate(batches):
-      if i == 1:
-        jax.block_until_ready(nnx.state(model))
-        start = time.perf_counter()  # excludes compilation
-      out = step(model, optimizer, data.train_images[idx],
-                 data.train_labels[idx])
+    runs.append((name, model, optimizer, cbp_nnx.train_step(_loss_fn), [],
+                 []))
+  # The methods take turns, step by step, so that each step of one is timed
+  # beside the same step of the others: on a shared machine the load changes
+  # over seconds, and ratios of steps taken together are what is comparable.
+  for i, idx in enumerate(batches):
+    images, labels = data.train_images[idx], data.train_labels[idx]
+    for _, model, optimizer, step, losses, seconds in runs:
+      start = time.perf_counter()
+      out = step(model, optimizer, images, labels)
+      jax.block_until_ready(out.loss)
+      if i:  # step 0 compiles
+        seconds.append(time.perf_counter() - start)
       losses.append(out.loss)
-    jax.block_until_ready(nnx.state(model))
-    seconds = time.perf_counter() - start
+  rows = []
+  reference = np.asarray(runs[0][5])
+  for name, model, _, _, losses, seconds in runs:
     losses = [float(loss) for loss in losses]
     smoothed = []
     for loss in losses:
       smoothed.append(loss if not smoothed else
                       _EMA * smoothed[-1] + (1 - _EMA) * loss)
+    ms = 1e3 * np.asarray(seconds)
+    ratios = np.asarray(seconds) / reference if len(reference) else ms
     rows.append({
         'method': name,
         'train_loss_ema': smoothed[-1] if smoothed else float('nan'),
         'test_accuracy': _evaluate(model, data.test_images,
                                    data.test_labels),
-        'ms_per_step': 1e3 * seconds / max(args.steps - 1, 1),
+        'ms_per_step': _quartiles(ms)[1],
+        'ms_per_step_quartiles': _quartiles(ms),
+        'ratio_to_adam_quartiles': _quartiles(ratios),
         'train_loss': losses,
         'train_loss_ema_curve': smoothed,
     })

@@ -25,13 +25,14 @@ from cbp_optax_experiments import datasets
 class CNN(nnx.Module):
   """The Flax NNX MNIST tutorial's CNN, with BatchNorm and dropout."""
 
-  def __init__(self, *, rngs: nnx.Rngs, momentum: float = 0.99):
+  def __init__(self, *, rngs: nnx.Rngs, momentum: float = 0.99,
+               dropout: float = 0.5):
     self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
     self.batch_norm1 = nnx.BatchNorm(32, momentum=momentum, rngs=rngs)
     self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
     self.batch_norm2 = nnx.BatchNorm(64, momentum=momentum, rngs=rngs)
     self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
-    self.dropout = nnx.Dropout(rate=0.5)
+    self.dropout = nnx.Dropout(rate=dropout)
     self.linear2 = nnx.Linear(256, 10, rngs=rngs)
 
   def __call__(self, x, rngs: nnx.Rngs | None = None):
@@ -72,6 +73,13 @@ def main():
                       help='leave the model as it is')
   parser.add_argument('--batchnorm-momentum', type=float, default=0.99,
                       help='momentum of BatchNorm\'s running averages')
+  parser.add_argument('--dropout', type=float, default=0.5,
+                      help='dropout rate after the first Linear layer')
+  parser.add_argument('--recalibrate', type=int, default=0,
+                      help='after training, recompute BatchNorm\'s running '
+                      'averages over this many training batches '
+                      '(cbp.nnx.recalibrate_batch_stats) and evaluate again; '
+                      '0: off')
   parser.add_argument('--seed', type=int, default=0, help='random seed')
   args = parser.parse_args()
 
@@ -83,7 +91,8 @@ def main():
   images = data.train_images.reshape(-1, 28, 28, 1)
   test_images = data.test_images.reshape(-1, 28, 28, 1)
 
-  model = CNN(rngs=nnx.Rngs(args.seed), momentum=args.batchnorm_momentum)
+  model = CNN(rngs=nnx.Rngs(args.seed), momentum=args.batchnorm_momentum,
+              dropout=args.dropout)
   if not args.no_center:
     report = cbp.nnx.center(model)
     print(f'centered: {", ".join(report.centered)}')
@@ -120,6 +129,17 @@ def main():
         f'accuracy {accuracy:.4f} (BatchNorm running averages; '
         f'{batch_accuracy:.4f} with the test batch statistics), skipped '
         f'steps {int(optimizer.skipped_steps[...])}')
+  if args.recalibrate:
+    # Precise BatchNorm: population statistics over training batches.
+    starts = [(i % per_epoch) * args.batch_size
+              for i in range(args.steps, args.steps + args.recalibrate)]
+    cbp.nnx.recalibrate_batch_stats(
+        model, (images[order[s:s + args.batch_size]] for s in starts))
+    model.eval()
+    recalibrated = np.mean(np.asarray(predict(model, test_images))
+                           == data.test_labels)
+    print(f'recalibrated over {args.recalibrate} training batches: test '
+          f'accuracy {recalibrated:.4f} (BatchNorm running averages)')
 
 
 if __name__ == '__main__':

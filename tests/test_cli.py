@@ -65,6 +65,8 @@ def assert_every_flag_has_help_and_a_default(parser):
     # What --help prints for the flag: its text, then its default.
     assert '%(default)' in formatter._get_help_string(action), (
         action.option_strings)
+    # The formatter adds "(default: ...)": the text must not say it again.
+    assert '(default' not in action.help, action.option_strings
   assert parser.format_help().count('(default:') >= len(options)
 
 
@@ -102,10 +104,16 @@ def test_compare_offline_uses_the_bundled_subset_and_writes_its_results(
     assert method['train_loss_ema'] == pytest.approx(
         method['train_loss_ema_curve'][-1])
     assert 0.0 <= method['test_accuracy'] <= 1.0
+    # Timed step by step beside Adam (2 timed steps: the first compiles).
+    low, mid, high = method['ratio_to_adam_quartiles']
+    assert 0 < low <= mid <= high
+    assert method['ms_per_step'] == method['ms_per_step_quartiles'][1]
+  assert results['methods'][0]['ratio_to_adam_quartiles'] == [1.0, 1.0, 1.0]
   assert results['config']['steps'] == 3
   assert 'bundled' in results['config']['data_source']
   table = (out / 'results.md').read_text()
   assert all(f'| {name}' in table for name in methods)
+  assert '/ Adam, median [IQR]' in table and '1.00 [1.00, 1.00]' in table
   assert (out / 'loss_curves.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
@@ -125,6 +133,7 @@ def test_compare_out_without_matplotlib_names_the_extra_before_training(
 def fake_study(title):
   def run(ctx):
     ctx.out.mkdir(parents=True, exist_ok=True)
+    (ctx.out / 'results.md').write_text(f'# {title}\n\nnumbers\n')
     return types.SimpleNamespace(summary={'title': title})
   return types.SimpleNamespace(TITLE=title, run=run)
 
@@ -198,3 +207,15 @@ def test_reproduce_download_fetches_mnist_only_for_real_data_studies(
                              '--no-progress']) == 0
   assert [download for _, download, _ in calls] == downloads
   assert all(d == tmp_path / 'd' and not b for d, _, b in calls)
+
+
+def test_a_quick_run_says_so_in_its_results(tmp_path, fake_studies):
+  out = ['--out', str(tmp_path), '--no-progress']
+  assert reproduce_cli.main(['quadratic', '--quick', *out]) == 0
+  assert reproduce_cli.main(['disparity', *out]) == 0
+  quick = (tmp_path / 'quadratic' / 'results.md').read_text().splitlines()
+  assert quick[0] == '# Title of quadratic'
+  assert quick[2].startswith('> Quick run (`--quick`)')
+  assert 'numbers' in quick[3:]
+  full = (tmp_path / 'disparity' / 'results.md').read_text()
+  assert 'Quick run' not in full

@@ -89,3 +89,17 @@ def test_example_help_lists_the_defaults():
                         ('--learning-rate', '0.003'), ('--seed', '0')]:
     assert re.search(re.escape(flag) + r' [A-Z_]+ [^()]*\(default: '
                      + re.escape(default) + r'\)', out), (flag, out)
+
+
+def test_transformer_example_trains_a_centered_stack_with_cbp_transformer():
+  # Reduced size: two blocks of width 16 (the example's defaults: 4 x 128).
+  out = run('examples/transformer_nnx.py', '--steps', '10', '--depth', '2',
+            '--width', '16', '--heads', '2', '--context', '16',
+            '--batch-size', '4')
+  lines = out.splitlines()
+  assert ('centered (7): blocks/attn/key, blocks/attn/out, blocks/attn/query, '
+          'blocks/attn/value, blocks/down, blocks/up, head') in lines, out
+  assert "layer stacks: stacked_predicate(['blocks'])" in lines, out
+  bpb = [float(x) for x in re.findall(r'validation ([0-9.]+) bits', out)]
+  assert len(bpb) == 5 and bpb[-1] < bpb[0] < 8.5, out  # 8 bits: uniform
+  assert 'skipped steps 0' in out

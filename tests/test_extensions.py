@@ -206,7 +206,7 @@ def test_cbp_transformer_is_cbp_with_its_documented_arguments():
     spelled_u, spelled_state = spelled.update(g, spelled_state, params)
     chex.assert_trees_all_equal(alias_u, spelled_u)
   # Any argument can be overridden, M1 included.
-  assert cbp.cbp_transformer(1e-2, block_fn=None).init(
+  assert cbp.cbp_transformer(1e-2, block_fn=cbp.layer_blocks).init(
       params)[0].energy.shape == (1,)
   with pytest.raises(TypeError, match='unexpected keyword'):
     cbp.cbp_transformer(1e-2, not_an_argument=1)

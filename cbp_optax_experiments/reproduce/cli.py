@@ -72,7 +72,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       'the studies run into it')
   parser.add_argument('--data', type=pathlib.Path, default=None,
                       help='transformer: a text file or a directory of text '
-                      'files (default: the Python standard library)')
+                      'files; None: the Python standard library')
   parser.add_argument('--data-dir', type=pathlib.Path, default=None,
                       help='MNIST IDX / CIFAR-10 binary files; None: '
                       '$CBP_OPTAX_MNIST, then ~/.cache/cbp_optax/mnist')
@@ -83,6 +83,19 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--no-progress', action='store_true',
                       help='hide the progress bars')
   return parser.parse_args(argv)
+
+
+QUICK_NOTE = ('> Quick run (`--quick`): the reduced smoke-test version of '
+              'this study (fewer seeds, steps and sizes), not the paper\'s '
+              'protocol; its numbers are not the reported ones.')
+
+
+def _mark_quick(results: pathlib.Path) -> None:
+  """Says under the title of a --quick run's results.md that it was quick."""
+  if not results.exists():
+    return
+  title, _, rest = results.read_text().partition('\n')
+  results.write_text(f'{title}\n\n{QUICK_NOTE}\n{rest}')
 
 
 def selected(studies: Sequence[str]) -> list[str]:
@@ -129,6 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     result = module.run(ctx)
     seconds = time.perf_counter() - start
+    if args.quick:
+      _mark_quick(ctx.out / 'results.md')
     # The machine may be shared: the load average (1, 5, 15 min) at the end
     # of each study says how contended its wall time was.
     load = os.getloadavg()
