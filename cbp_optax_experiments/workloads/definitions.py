@@ -454,15 +454,16 @@ def _transformer(quick: bool) -> Workload:
       build)
 
 
-# Name -> factory(quick), in report order.
+# Name -> factory(quick), in run and report order.
 FACTORIES: dict[str, Callable[[bool], Workload]] = {
+    # Cheapest first: an interrupted run keeps the most workloads.
     'mnist-mlp': _mlp_mnist,
-    'deep-mlp': _deep_mlp,
     'init-scale-4': _init_scale,
+    'spiral': _spiral,
+    'deep-mlp': _deep_mlp,
     'tutorial-cnn': _tutorial_cnn,
     'resnet8': _resnet,
     'transformer': _transformer,
-    'spiral': _spiral,
 }
 NAMES: Sequence[str] = tuple(FACTORIES)
 
