@@ -9,7 +9,8 @@ workload's target (tuned AdamW's median) over all workloads with AlgoPerf's
 performance profile. Running into an ``--out`` that already holds
 results.json replaces the (workload, arm) pairs measured now and keeps the
 others; ``--score-only`` rewrites results.md and the profile from
-results.json without training.
+results.json without training (with the targets now fixed in the code, for a
+full-size run).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import datetime
 import pathlib
 import sys
 import time
+import traceback
 from typing import Optional, Sequence
 
 
@@ -90,6 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = report.load(out)
     if results is None:
       raise SystemExit(f'--score-only: no {out / report.RESULTS}')
+    if not results.get('meta', {}).get('quick'):
+      report.use_code_targets(results)
     report.write(out, results)
     print(f'rescored {out / report.RESULTS} -> results.md, '
           'performance_profile.png')
@@ -154,9 +158,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       arm = available[name]
       bar.set_description(f'{workload.name} / {name}')
       before = bar.n
-      outcome = protocol.evaluate_arm(
-          workload, arm, reference, entry['target'], seeds,
-          on_run=lambda: bar.update(1))
+      try:
+        outcome = protocol.evaluate_arm(
+            workload, arm, reference, entry['target'], seeds,
+            on_run=lambda: bar.update(1))
+      except Exception as e:  # pylint: disable=broad-except
+        # A broken arm (a user factory that raises, say) loses its own row,
+        # not the run: divergence is recorded, errors are reported.
+        traceback.print_exc()
+        print(f'{workload.name} / {name}: failed ({e!r}); skipped',
+              file=sys.stderr)
+        continue
       bar.update(per_arm(workload) - (bar.n - before))
       entry['arms'][name] = report.arm_entry(arm, outcome, entry)
       if name == reference.name and (workload.target is None or

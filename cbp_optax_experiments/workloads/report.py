@@ -85,6 +85,16 @@ def apply_target(entry: dict[str, Any]) -> None:
         for curve, bad in zip(arm['curves'], arm['diverged'])]
 
 
+def use_code_targets(results: dict[str, Any]) -> None:
+  """Each workload's target from ``definitions.TARGETS`` where it has one;
+  steps to target recomputed from the stored curves."""
+  for name, entry in results['workloads'].items():
+    if name in definitions.TARGETS:
+      entry['target'] = definitions.TARGETS[name]
+      entry['target_source'] = 'fixed in code (definitions.TARGETS)'
+      apply_target(entry)
+
+
 def median_target(entry: dict[str, Any], arm: str, higher: bool) -> float:
   """The median over seeds of ``arm``'s best metric (for an even count the
   worse of the two middle values, so that at least half the seeds reach it
