@@ -243,8 +243,8 @@ def _init_scale(quick: bool) -> Workload:
 @functools.lru_cache(maxsize=None)
 def _resnet_data(quick: bool) -> training.Dataset:
   data, _ = resnet.load_data(None, quick)
-  # Validation: the first 1,000 held-out images (evaluation cost).
-  return data._replace(val_x=data.val_x[:1000], val_y=data.val_y[:1000])
+  # Validation: the first 500 held-out images (evaluation cost).
+  return data._replace(val_x=data.val_x[:500], val_y=data.val_y[:500])
 
 
 def _resnet(quick: bool) -> Workload:
@@ -365,7 +365,7 @@ class TutorialCNN(nnx.Module):
 def _tutorial_cnn(quick: bool) -> Workload:
   widths = (4, 8, 16) if quick else (32, 64, 256)
   steps, every, batch = (20, 10, 32) if quick else (250, 25, 32)
-  n_val = 200 if quick else 1000
+  n_val = 200 if quick else 500
 
   def build(centered):
     data = mnist_data(quick)

@@ -34,7 +34,13 @@ from cbp_optax_experiments.workloads import definitions
 
 TUNING_SEEDS = (1000,)
 BLOWUP = 3.0
-COST_REPEATS = 15
+# Step cost: medians over at least 3 and at most 15 alternated chunks,
+# about COST_STEPS steps of each arm.
+COST_STEPS = 150
+
+
+def cost_repeats(eval_every: int) -> int:
+  return max(3, min(15, COST_STEPS // eval_every))
 
 
 def seed_keys(seed) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -194,9 +200,11 @@ _REFERENCE: dict = {}
 
 
 def step_cost(runners: Sequence[Runner], lr: float,
-              repeats: int = COST_REPEATS) -> list[float]:
+              repeats: Optional[int] = None) -> list[float]:
   """Median seconds per step of each runner's compiled chunk, measured by
   alternating chunks of the runners (seed 0, rate ``lr``)."""
+  if repeats is None:
+    repeats = cost_repeats(runners[0].workload.eval_every)
   lr, seed = jnp.float32(lr), jnp.int32(0)
   carries = [jax.block_until_ready(r.init(seed, lr)) for r in runners]
   times = [[] for _ in runners]
