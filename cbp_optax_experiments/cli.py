@@ -4,7 +4,9 @@
 width 256, batch 256) with optax.adam, Adam + Center and full CBP side by side
 and prints a comparison table (``--out DIR`` also writes results.md,
 results.json and a loss-curve PNG). ``cbp-optax reproduce`` runs the paper's
-studies (``cbp_optax_experiments.reproduce``). ``cbp-optax --version``; every
+studies (``cbp_optax_experiments.reproduce``). ``cbp-optax workloads`` races
+optimizer arms to fixed targets on small workloads and scores them with
+AlgoPerf's performance profile (``cbp_optax_experiments.workloads``). ``cbp-optax --version``; every
 command has ``--help`` listing each flag with its default.
 
 ``compare`` needs only numpy and JAX; its ``--out`` figure and ``reproduce``
@@ -273,6 +275,11 @@ def _reproduce(argv: Optional[Sequence[str]] = None) -> int:
   return reproduce_cli.main(argv)
 
 
+def _workloads(argv: Optional[Sequence[str]] = None) -> int:
+  from cbp_optax_experiments.workloads import cli as workloads_cli  # pylint: disable=g-import-not-at-top
+  return workloads_cli.main(argv)
+
+
 # The top-level modules of the `experiments` extra (pyproject.toml).
 EXTRA_MODULES = ('matplotlib', 'scipy', 'tqdm')
 
@@ -282,6 +289,10 @@ _COMMANDS: dict[str, tuple[Callable[[Optional[Sequence[str]]], int], str]] = {
                 '(§6.6); see cbp-optax compare --help'),
     'reproduce': (_reproduce, "the paper's studies: reproduce <study|all> "
                   '[--quick] [--download]; see cbp-optax reproduce --help'),
+    'workloads': (_workloads, 'time to target of AdamW, NAdamW, Muon, '
+                  'schedule-free AdamW, CBP and your own arms on fixed '
+                  'workloads (AlgoPerf-style); see cbp-optax workloads '
+                  '--help'),
 }
 
 

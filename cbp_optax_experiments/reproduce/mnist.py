@@ -60,9 +60,13 @@ def methods() -> list[training.Method]:
   ]
 
 
-def load(data_dir, quick: bool) -> training.Dataset:
-  """Flattened images; the validation split is held out of the training one."""
-  mnist = datasets.find_mnist(data_dir, download=False)
+def load(data_dir, quick: bool, bundled: bool = False) -> training.Dataset:
+  """Flattened images; the validation split is held out of the training one.
+
+  ``bundled``: fall back to the subset shipped with the package when no MNIST
+  files are found (``datasets.find_mnist``).
+  """
+  mnist = datasets.find_mnist(data_dir, download=False, bundled=bundled)
   x = mnist.train_images.reshape(len(mnist.train_labels), -1)
   y = mnist.train_labels.astype(np.int32)
   test_x = mnist.test_images.reshape(len(mnist.test_labels), -1)

@@ -54,10 +54,13 @@ class ResNet8(nn.Module):
     classes: output width.
     centered: wrap every convolution and the classifier in ``Centered`` (M2).
     batch_norm: the batch-normalized twin (BN after every convolution).
+    widths: channels of the three stages (the stem has the first); the
+      paper's 16-32-64 by default.
   """
   classes: int = 10
   centered: bool = False
   batch_norm: bool = False
+  widths: tuple[int, int, int] = (16, 32, 64)
 
   def _conv(self, x, features, kernel, strides, name, train):
     layer = nn.Conv(features, (kernel, kernel), strides=(strides, strides),
@@ -80,10 +83,11 @@ class ResNet8(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-    x = nn.relu(self._conv(x, 16, 3, 1, 'stem', train))
-    x = self._block(x, 16, 1, 'stage1', train)
-    x = self._block(x, 32, 2, 'stage2', train)
-    x = self._block(x, 64, 2, 'stage3', train)
+    first, second, third = self.widths
+    x = nn.relu(self._conv(x, first, 3, 1, 'stem', train))
+    x = self._block(x, first, 1, 'stage1', train)
+    x = self._block(x, second, 2, 'stage2', train)
+    x = self._block(x, third, 2, 'stage3', train)
     x = jnp.mean(x, axis=(1, 2))
     head = nn.Dense(self.classes, parent=None if self.centered else self,
                     name=None if self.centered else 'head')

@@ -1,0 +1,175 @@
+"""The optimizer arms: one schedule and one weight-decay policy for all.
+
+Every arm that takes a schedule gets the same one: linear warm-up over the
+first ``WARMUP_FRACTION`` of the budget to the peak learning rate, cosine
+decay to ``FINAL_FRACTION`` of it (``optax.warmup_cosine_decay_schedule``).
+Every arm that takes a decoupled weight decay gets ``WEIGHT_DECAY`` on the
+kernels only (not biases, norms, embeddings or centering means), multiplied
+by the scheduled rate as in ``optax.adamw``. Schedule-free AdamW replaces the
+cosine by its own averaging and keeps the warm-up.
+
+A user arm (``--arm NAME=module:function``) is a callable taking the
+schedule (``optax.Schedule``; a number works too) and returning an optax
+``GradientTransformation``; ``--centered NAME`` trains it on the centered
+model (M2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from typing import Any, Callable, Optional
+
+import optax
+
+import cbp_optax as cbp
+from cbp_optax_experiments.reproduce import transformer
+
+WARMUP_FRACTION = 0.1
+FINAL_FRACTION = 0.1
+WEIGHT_DECAY = 0.01
+# optax.contrib.muon: the scale that makes its update RMS match AdamW's, so
+# the shared learning-rate grid means the same for both.
+MUON_CONSISTENT_RMS = 0.2
+REFERENCE = 'adamw'
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What an arm may use besides the learning rate (one per workload)."""
+  steps: int
+  stacked: Any = None     # cbp's ``stacked=`` for layer-stacked models
+  muon_dims: Any = None   # optax.contrib.muon's weight dimension numbers
+
+  @property
+  def warmup(self) -> int:
+    return max(1, int(WARMUP_FRACTION * self.steps))
+
+  def schedule(self, peak) -> optax.Schedule:
+    """Warm-up + cosine to ``peak`` (a number or a traced scalar): the unit
+    schedule times ``peak`` (optax's tests the peak's value in Python)."""
+    unit = optax.warmup_cosine_decay_schedule(
+        0.0, 1.0, self.warmup, self.steps, end_value=FINAL_FRACTION)
+    return lambda count: peak * unit(count)
+
+
+decay_mask = transformer.decay_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """An optimizer: ``make(peak_lr, context) -> GradientTransformation``.
+
+  Attributes:
+    name: identifier used by ``--arms`` and in the results.
+    make: builds the transform; ``peak_lr`` may be a tracer (the grid is
+      one compiled program per arm).
+    centered: train the centered model (M2) and transport after each update.
+    eval_params: ``eval_params(opt_state, params)``: the parameters the
+      metric is computed at (schedule-free's averaged iterate); None: params.
+    description: one line for the report.
+  """
+  name: str
+  make: Callable[[Any, Context], optax.GradientTransformation]
+  centered: bool = False
+  eval_params: Optional[Callable[[Any, Any], Any]] = None
+  description: str = ''
+
+
+def _adamw(lr, ctx):
+  return optax.adamw(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+                     mask=decay_mask)
+
+
+def _nadamw(lr, ctx):
+  return optax.nadamw(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+                      mask=decay_mask)
+
+
+def _muon(lr, ctx):
+  return optax.contrib.muon(
+      ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+      weight_decay_mask=decay_mask, adam_weight_decay=0.0,
+      muon_weight_dimension_numbers=ctx.muon_dims,
+      consistent_rms=MUON_CONSISTENT_RMS)
+
+
+def _schedule_free_adamw(lr, ctx):
+  """``optax.contrib.schedule_free_adamw`` with the kernel-only decay mask:
+  the same chain that function builds (it takes no mask), warm-up included."""
+  rate = optax.warmup_constant_schedule(0.0, lr, ctx.warmup)
+  base = optax.chain(
+      optax.scale_by_rms(decay=0.999, eps=1e-8, eps_in_sqrt=False,
+                         bias_correction=True),
+      optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
+      optax.scale_by_learning_rate(rate))
+  return optax.contrib.schedule_free(base, learning_rate=rate, b1=0.9)
+
+
+def _cbp(lr, ctx):
+  return cbp.cbp(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+                 mask=decay_mask, stacked=ctx.stacked)
+
+
+def _cbp_transformer(lr, ctx):
+  return cbp.cbp_transformer(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+                             mask=decay_mask, stacked=ctx.stacked)
+
+
+def _with_supported(factory, lr, ctx):
+  """``factory(schedule, **policy)`` with the policy arguments it accepts."""
+  accepted = inspect.signature(factory).parameters
+  policy = dict(weight_decay=WEIGHT_DECAY, mask=decay_mask,
+                stacked=ctx.stacked)
+  return factory(ctx.schedule(lr),
+                 **{k: v for k, v in policy.items() if k in accepted})
+
+
+def builtin_arms() -> dict[str, Arm]:
+  """The built-in arms; ``cbp_robust`` only where the library has it."""
+  arms = [
+      Arm('adamw', _adamw, description='optax.adamw'),
+      Arm('nadamw', _nadamw, description='optax.nadamw'),
+      Arm('muon', _muon, description='optax.contrib.muon (AdamW on '
+          f'non-matrix leaves), consistent_rms={MUON_CONSISTENT_RMS:g}'),
+      Arm('schedule_free_adamw', _schedule_free_adamw,
+          eval_params=optax.contrib.schedule_free_eval_params,
+          description='optax.contrib.schedule_free AdamW, scored at its '
+          'evaluation parameters'),
+      Arm('adamw_centered', _adamw, centered=True,
+          description='optax.adamw on the centered model (M2 alone)'),
+      Arm('cbp', _cbp, centered=True,
+          description='cbp.cbp (Algorithm 1) on the centered model (full '
+          'CBP)'),
+      Arm('cbp_transformer', _cbp_transformer, centered=True,
+          description='cbp.cbp_transformer on the centered model'),
+  ]
+  if hasattr(cbp, 'cbp_robust'):
+    arms.append(Arm('cbp_robust',
+                    lambda lr, ctx: _with_supported(cbp.cbp_robust, lr, ctx),
+                    centered=True,
+                    description='cbp.cbp_robust on the centered model'))
+  return {arm.name: arm for arm in arms}
+
+
+def user_arm(spec: str, centered: bool = False) -> Arm:
+  """``NAME=module:function`` -> an arm calling ``function(schedule)``.
+
+  Raises:
+    ValueError: a malformed spec, or a module / function that is not found.
+  """
+  name, sep, target = spec.partition('=')
+  module_name, colon, function_name = target.partition(':')
+  if not sep or not colon or not name or not module_name or not function_name:
+    raise ValueError(f'--arm expects NAME=module:function, got {spec!r}')
+  try:
+    factory = getattr(importlib.import_module(module_name), function_name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f'--arm {spec!r}: cannot load {target!r} ({e})') from e
+  if not callable(factory):
+    raise ValueError(f'--arm {spec!r}: {target!r} is not callable')
+  return Arm(name, lambda lr, ctx: factory(ctx.schedule(lr)),
+             centered=centered,
+             description=f'user arm {target}'
+             + (' on the centered model' if centered else ''))

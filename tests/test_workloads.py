@@ -1,0 +1,170 @@
+"""``cbp-optax workloads``: schema, user arms, divergence, pairing, score, merge."""
+
+import json
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cbp_optax_experiments.workloads import arms as arms_lib
+from cbp_optax_experiments.workloads import cli
+from cbp_optax_experiments.workloads import definitions
+from cbp_optax_experiments.workloads import protocol
+from cbp_optax_experiments.workloads import scoring
+
+
+def user_sgd(schedule):
+  """A user arm: SGD with momentum on the shared schedule."""
+  return optax.sgd(schedule, momentum=0.9)
+
+
+def exploding(schedule):
+  """A user arm whose updates are NaN: every run diverges."""
+  return optax.chain(
+      optax.sgd(schedule),
+      optax.stateless(lambda u, _: jax.tree.map(lambda x: x * jnp.nan, u)))
+
+
+def frozen(schedule):
+  """A user arm that never moves the parameters."""
+  del schedule
+  return optax.set_to_zero()
+
+
+@pytest.fixture(scope='module')
+def quick_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp('workloads')
+  cli.main(['--quick', '--workloads', 'spiral', '--arms', 'adamw,mine,boom',
+            '--arm', f'mine={__name__}:user_sgd',
+            '--arm', f'boom={__name__}:exploding', '--out', str(out),
+            '--no-progress'])
+  return out
+
+
+def test_results_schema(quick_run):
+  results = json.loads((quick_run / 'results.json').read_text())
+  assert set(results) >= {'workloads', 'score'}
+  entry = results['workloads']['spiral']
+  assert isinstance(entry['metric'], str)
+  assert isinstance(entry['target'], float)
+  assert isinstance(entry['budget_steps'], int)
+  assert set(entry['arms']) == {'adamw', 'mine', 'boom'}
+  for arm in entry['arms'].values():
+    assert isinstance(arm['learning_rate'], float)
+    assert isinstance(arm['cost_vs_adamw'], float)
+    for key in ('steps_to_target', 'diverged', 'final_metric'):
+      assert len(arm[key]) == 2, key
+    assert all(s is None or isinstance(s, int) for s in arm['steps_to_target'])
+    assert all(isinstance(d, bool) for d in arm['diverged'])
+  assert set(results['score']) == {'adamw', 'mine', 'boom'}
+  assert all(0.0 <= s <= 1.0 for s in results['score'].values())
+  # AdamW sets the quick target and reaches it on at least half its seeds.
+  assert any(s is not None
+             for s in entry['arms']['adamw']['steps_to_target'])
+  text = (quick_run / 'results.md').read_text()
+  assert 'QUICK RUN' in text and 'Verdict (spiral)' in text
+  assert (quick_run / 'performance_profile.png').stat().st_size > 0
+
+
+def test_diverging_user_arm_is_a_miss(quick_run):
+  results = json.loads((quick_run / 'results.json').read_text())
+  boom = results['workloads']['spiral']['arms']['boom']
+  assert boom['diverged'] == [True, True]
+  assert boom['steps_to_target'] == [None, None]
+  assert results['score']['boom'] == 0.0
+  assert results['workloads']['spiral']['arms']['mine']['diverged'] == [
+      False, False]
+
+
+def test_merge_keeps_other_arms_and_score_only(quick_run):
+  before = json.loads((quick_run / 'results.json').read_text())
+  cli.main(['--quick', '--workloads', 'spiral', '--arms', 'still',
+            '--arm', f'still={__name__}:frozen', '--out', str(quick_run),
+            '--no-progress'])
+  after = json.loads((quick_run / 'results.json').read_text())
+  arms = after['workloads']['spiral']['arms']
+  assert set(arms) == {'adamw', 'mine', 'boom', 'still'}
+  assert arms['adamw'] == before['workloads']['spiral']['arms']['adamw']
+  assert after['workloads']['spiral']['target'] == (
+      before['workloads']['spiral']['target'])
+  assert set(after['score']) == set(arms)
+  (quick_run / 'results.md').unlink()
+  cli.main(['--score-only', '--out', str(quick_run)])
+  assert 'still' in (quick_run / 'results.md').read_text()
+
+
+def test_paired_seeds_see_identical_batches():
+  workload = definitions.workload('spiral', quick=True)
+  plain, centered = workload.build(False), workload.build(True)
+  still = arms_lib.user_arm(f'still={__name__}:frozen')
+  still_centered = arms_lib.user_arm(f'still={__name__}:frozen',
+                                     centered=True)
+  arms = arms_lib.builtin_arms()
+  losses = {}
+  for name, arm, task in (('still', still, plain),
+                          ('still_centered', still_centered, centered),
+                          ('adamw', arms['adamw'], plain),
+                          ('cbp', arms['cbp'], centered)):
+    runner = protocol.make_runner(task, arm, workload)
+    losses[name] = {seed: runner(seed, 1e-3)[0] for seed in (0, 1)}
+  for seed in (0, 1):
+    # Frozen parameters: the loss sequence is the batch sequence.
+    chex.assert_trees_all_close(losses['still'][seed],
+                                losses['still_centered'][seed], rtol=1e-5)
+    # Same initialization and first batch for every arm.
+    first = {name: runs[seed][0] for name, runs in losses.items()}
+    np.testing.assert_allclose(list(first.values()), first['still'],
+                               rtol=1e-5)
+  assert not np.allclose(losses['still'][0], losses['still'][1])
+  _, data_key, _ = protocol.seed_keys(0)
+  key_a = protocol.step_keys(data_key, data_key, 3)[0]
+  chex.assert_trees_all_equal(plain.batch(key_a), centered.batch(key_a))
+
+
+def test_profile_score_hand_example():
+  inf = math.inf
+  times = {'w1': {'a': 10.0, 'b': 10.0, 'c': inf},   # tie a/b, c misses
+           'w2': {'a': 20.0, 'b': 10.0, 'c': 50.0},  # c beyond r_max
+           'w3': {'a': inf, 'b': inf, 'c': inf}}     # nobody reaches
+  ratios = scoring.ratios(times)
+  assert ratios['a'] == {'w1': 1.0, 'w2': 2.0, 'w3': inf}
+  assert ratios['c'] == {'w1': inf, 'w2': 5.0, 'w3': inf}
+  assert scoring.rho(ratios['a'], 1.5) == pytest.approx(1 / 3)
+  assert scoring.rho(ratios['a'], 2.0) == pytest.approx(2 / 3)
+  found = scoring.scores(times, 'b')
+  assert found['a']['score'] == pytest.approx((1 + 2 / 3) / 3)
+  assert found['b']['score'] == pytest.approx(2 / 3)
+  assert found['c']['score'] == 0.0
+  assert found['a']['speedup_vs_reference'] == pytest.approx(math.sqrt(0.5))
+  assert found['c']['speedup_vs_reference'] == pytest.approx(0.2)
+  assert found['b']['reached'] == 2 and found['c']['reached'] == 1
+  # The closed form equals the integral of the step function rho.
+  taus = np.linspace(1.0, scoring.R_MAX, 300_001)
+  numeric = np.trapezoid([scoring.rho(ratios['a'], t) for t in taus[::100]],
+                         taus[::100]) / (scoring.R_MAX - 1)
+  assert numeric == pytest.approx(found['a']['score'], abs=1e-3)
+  # Median over seeds (a miss is infinite) times the step cost.
+  assert scoring.arm_time([10, None, 30], 2.0) == 60.0
+  assert scoring.arm_time([None, None, 5], 1.0) == inf
+
+
+def test_steps_to_target_and_divergence_rules():
+  assert protocol.steps_to_target([0.5, 0.8, 0.9], 0.8, 10, True,
+                                  False) == 20
+  assert protocol.steps_to_target([3.0, 2.0], 2.5, 5, False, False) == 10
+  assert protocol.steps_to_target([0.5, 0.9], 0.8, 10, True, True) is None
+  assert protocol.steps_to_target([0.5, None], 0.8, 10, True, False) is None
+  assert protocol.diverged(np.array([1.0, np.nan]), np.array([0.5]))
+  assert protocol.diverged(np.array([1.0] + [10.0] * 50), np.array([0.5]))
+  assert not protocol.diverged(np.linspace(2.0, 0.5, 50), np.array([0.5]))
+
+
+def test_user_arm_spec_errors():
+  with pytest.raises(ValueError, match='NAME=module:function'):
+    arms_lib.user_arm('nonsense')
+  with pytest.raises(ValueError, match='cannot load'):
+    arms_lib.user_arm('x=no_such_module_xyz:f')
