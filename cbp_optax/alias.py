@@ -70,6 +70,8 @@ def cbp(
     stats_dtype: Optional[Any] = None,
     zero_moment_identity: bool = False,
     relative_damping: float = 0.0,
+    normalized_first_step: bool = False,
+    update_clip: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
 
@@ -131,6 +133,13 @@ def cbp(
       :math:`\zeta + \delta r_{t-1}` relative to each tensor's stored
       second-moment scale (per slice of a ``stacked`` leaf); see
       :func:`precondition`.
+    normalized_first_step: opt-in (off by default): where the stored second
+      moment is zero (every coordinate at step 1), :math:`P` uses the current
+      gradient's own moment instead of :math:`P_1 = I`; see
+      :func:`precondition`.
+    update_clip: opt-in (``None``, the default, leaves it out): each
+      coordinate of :math:`P_t \hat m_t` is clipped to :math:`[-c, c]`
+      before the learning rate; see :func:`precondition`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
@@ -197,6 +206,8 @@ def cbp(
           b1, b2, damping, stats_dtype=stats_dtype,
           zero_moment_identity=zero_moment_identity,
           relative_damping=relative_damping, stacked=stacked,
+          normalized_first_step=normalized_first_step,
+          update_clip=update_clip,
       ),
   ]
   if weight_decay is not None:
@@ -295,3 +306,67 @@ def cbp_transformer(
     eq. (11), Lemma 1 and Algorithm 1 (what this configuration departs from).
   """
   return cbp(learning_rate, **{**TRANSFORMER_DEFAULTS, **kwargs})
+
+
+def cbp_robust(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    damping: float = 1e-8,
+    decay: float = 0.99,
+    min_scale: float = 0.1,
+    max_scale: float = 4.0,
+    weight_decay: Optional[optax.ScalarOrSchedule] = None,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    block_fn: Optional[equalize_lib.BlockFn] = blocks_lib.no_blocks,
+    stacked: Optional[equalize_lib.StackedFn] = None,
+    stats_dtype: Optional[Any] = None,
+    zero_moment_identity: bool = False,
+    relative_damping: float = 0.03,
+    normalized_first_step: bool = True,
+    update_clip: Optional[float] = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""The recommended CBP configuration: :func:`cbp` with documented departures.
+
+  DRAFT: docstring to be completed with the measured justification.
+
+  Args:
+    learning_rate: :math:`\eta`, a float or an optax schedule.
+    b1: as in :func:`cbp`.
+    b2: as in :func:`cbp`.
+    damping: as in :func:`cbp` (here :math:`10^{-8}`).
+    decay: as in :func:`cbp`.
+    min_scale: as in :func:`cbp`.
+    max_scale: as in :func:`cbp`.
+    weight_decay: as in :func:`cbp`.
+    mask: as in :func:`cbp`.
+    block_fn: as in :func:`cbp` (here :func:`cbp_optax.no_blocks`).
+    stacked: as in :func:`cbp`.
+    stats_dtype: as in :func:`cbp`.
+    zero_moment_identity: as in :func:`cbp`.
+    relative_damping: as in :func:`cbp` (here 0.03).
+    normalized_first_step: as in :func:`cbp` (here True).
+
+  Returns:
+    The :func:`cbp` transformation with these arguments.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import cbp_optax as cbp
+    >>> params = {'w': jnp.zeros(3)}
+    >>> tx = cbp.cbp_robust(1e-2)
+    >>> updates, state = tx.update({'w': jnp.array([1e4, -1e-4, 2.0])},
+    ...                            tx.init(params), params)
+    >>> print(updates['w'].round(4))
+    [-0.0097  0.0097 -0.0097]
+  """
+  return cbp(
+      learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
+      min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,
+      mask=mask, block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+      zero_moment_identity=zero_moment_identity,
+      relative_damping=relative_damping,
+      normalized_first_step=normalized_first_step,
+      update_clip=update_clip,
+  )

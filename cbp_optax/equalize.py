@@ -117,9 +117,11 @@ def _equalizing_scales(
       target / jnp.sqrt(safe_energy),
       jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
   )
-  return jnp.clip(
-      ratio,
-      jnp.asarray(min_scale, energy.dtype),
+  # fmax/fmin rather than clip: where the energies overflowed (q = inf, so
+  # the ratio is inf / inf = nan) the scale is min_scale rather than NaN;
+  # every other ratio is clipped exactly as by jnp.clip.
+  return jnp.fmin(
+      jnp.fmax(ratio, jnp.asarray(min_scale, energy.dtype)),
       jnp.asarray(max_scale, energy.dtype),
   )
 
