@@ -248,3 +248,84 @@ def test_equalize_with_overflowing_energies_gives_min_scale_not_nan():
   updates, _ = tx.update(grads, state)
   np.testing.assert_allclose(updates['a']['w'], 0.1 * 1e22, rtol=1e-6)
   np.testing.assert_allclose(updates['b']['w'], 4.0, rtol=1e-6)
+
+
+ROBUST_REFERENCE = dict(damping=1e-8, relative_damping=0.03,
+                        normalized_first_step=True, update_clip=1.0,
+                        s_min=1.0, s_max=1.0)
+
+
+def test_cbp_robust_matches_numpy_reference():
+  reference = ref.CBPReference(SHAPES, lr=LR, **ROBUST_REFERENCE)
+  worst, _, _ = run_both(lambda: cbp.cbp_robust(LR), reference)
+  assert worst <= 1e-10, worst
+  assert np.all(reference.last_scales == 1.0)  # S_t = I
+
+
+def test_cbp_robust_matches_numpy_reference_on_sparse_spiky_gradients():
+  grads_seq = spiky_sequence(np.random.default_rng(11), 80)
+  reference = ref.CBPReference(SHAPES, lr=LR, **ROBUST_REFERENCE)
+  worst = run_sequence(lambda: cbp.cbp_robust(LR), reference, grads_seq)
+  assert worst <= 1e-10, worst
+  # Guard: each departure matters on this sequence; drop one and the
+  # reference disagrees.
+  for name, off in [('damping', 1e-3), ('relative_damping', 0.0),
+                    ('normalized_first_step', False), ('update_clip', None),
+                    ('s_min', 0.1)]:
+    kw = {**ROBUST_REFERENCE, name: off}
+    if name == 's_min':
+      kw['s_max'] = 4.0
+    dropped = ref.CBPReference(SHAPES, lr=LR, **kw)
+    worst = run_sequence(lambda: cbp.cbp_robust(LR), dropped, grads_seq)
+    assert worst > 1e-6, (name, worst)
+
+
+def test_cbp_robust_keeps_lemma_1_bounds():
+  # b1 = 0: the direction is P'_t g_t; every P' lies in
+  # [min(1 / ((1 + delta) G + zeta), 1 / G), 1 / zeta].
+  rng = np.random.default_rng(5)
+  delta, zeta = 0.03, 1e-8
+  tx = optax.chain(cbp.cbp_robust(1.0, b1=0.0))
+  state = tx.init({'w': jnp.zeros(40), 'u': jnp.zeros(10)})
+  bound = 0.0
+  for t in range(40):
+    g = {'w': rng.standard_normal(40) * np.exp(rng.uniform(-8, 3, 40)),
+         'u': rng.standard_normal(10) * 10.0 ** rng.uniform(-4, 4)}
+    g['w'][:8] = 0.0 if t < 6 else g['w'][:8]
+    bound = max(bound, max(np.max(np.abs(x)) for x in g.values()))
+    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state)
+    for k in g:
+      nonzero = g[k] != 0
+      p = -np.asarray(updates[k])[nonzero] / g[k][nonzero]
+      assert np.all(p <= 1 / zeta * (1 + 1e-5))
+      lower = min(1 / ((1 + delta) * bound + zeta), 1 / bound)
+      assert np.all(p >= lower * (1 - 1e-5)), (t, k)
+      assert np.all(np.abs(np.asarray(updates[k])) <= 1.0 + 1e-6)
+
+
+def test_cbp_robust_is_cbp_with_its_documented_arguments():
+  params = {'a': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)},
+            'b': {'kernel': jnp.ones((2, 2))}}
+  grads = [jax.tree.map(lambda x, t=t: jnp.cos(3 * x + t) * 10.0 ** t, params)
+           for t in range(4)]
+  robust = cbp.cbp_robust(1e-2, weight_decay=0.1)
+  spelled = cbp.cbp(1e-2, weight_decay=0.1, damping=1e-8,
+                    relative_damping=0.03, normalized_first_step=True,
+                    update_clip=1.0, min_scale=1.0, max_scale=1.0)
+  robust_state, spelled_state = robust.init(params), spelled.init(params)
+  for g in grads:
+    robust_u, robust_state = robust.update(g, robust_state, params)
+    spelled_u, spelled_state = spelled.update(g, spelled_state, params)
+    chex.assert_trees_all_equal(robust_u, spelled_u)
+  # Passing Algorithm 1's values back gives Algorithm 1, bit for bit.
+  algorithm_1 = cbp.cbp_robust(1e-2, damping=1e-3, relative_damping=0.0,
+                               normalized_first_step=False, update_clip=None,
+                               min_scale=0.1, max_scale=4.0)
+  plain = cbp.cbp(1e-2)
+  a_state, p_state = algorithm_1.init(params), plain.init(params)
+  for g in grads:
+    a_u, a_state = algorithm_1.update(g, a_state, params)
+    p_u, p_state = plain.update(g, p_state, params)
+    chex.assert_trees_all_equal(a_u, p_u)
+  with pytest.raises(TypeError, match='unexpected keyword'):
+    cbp.cbp_robust(1e-2, not_an_argument=1)
