@@ -237,17 +237,22 @@ def test_update_clip_can_be_injected():
   assert np.max(np.abs(updates['w'])) == pytest.approx(0.25)
 
 
-def test_equalize_with_overflowing_energies_gives_min_scale_not_nan():
-  # Gradients of 1e22 have squared norms beyond float32's range: q = inf.
-  tx = cbp.equalize(decay=0.0)
+def test_degenerate_clip_fixes_the_scale_even_when_energies_overflow():
+  # Gradients of 1e22 have squared norms beyond float32's range: q = inf and
+  # c / sqrt(q) = inf / inf = NaN. A clip [a, a] gives a whatever the ratio
+  # (cbp_robust's [1, 1]); a proper interval keeps Algorithm 1's NaN.
   params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
   grads = {'a': {'w': jnp.full(3, 1e22)}, 'b': {'w': jnp.full(2, 1.0)}}
-  state = tx.init(params)
-  _, state = tx.update(grads, state)
-  assert np.isinf(state.energy[0])
-  updates, _ = tx.update(grads, state)
-  np.testing.assert_allclose(updates['a']['w'], 0.1 * 1e22, rtol=1e-6)
-  np.testing.assert_allclose(updates['b']['w'], 4.0, rtol=1e-6)
+  for low, high in ((1.0, 1.0), (0.5, 0.5), (0.1, 4.0)):
+    tx = cbp.equalize(decay=0.0, min_scale=low, max_scale=high)
+    _, state = tx.update(grads, tx.init(params))
+    assert np.isinf(state.energy[0])
+    updates, _ = tx.update(grads, state)
+    if low == high:
+      np.testing.assert_allclose(updates['a']['w'], low * 1e22, rtol=1e-6)
+      np.testing.assert_allclose(updates['b']['w'], low, rtol=1e-6)
+    else:
+      assert np.all(np.isnan(updates['a']['w']))
 
 
 ROBUST_REFERENCE = dict(damping=1e-8, relative_damping=0.03,
