@@ -19,6 +19,7 @@ from cbp_optax import linen
 from cbp_optax import nnx
 from cbp_optax import sharding
 from cbp_optax.alias import cbp
+from cbp_optax.alias import cbp_robust
 from cbp_optax.alias import cbp_transformer
 from cbp_optax.blocks import block_names
 from cbp_optax.blocks import kernel_blocks
@@ -41,6 +42,7 @@ __all__ = (
     'block_names',
     'blocks',
     'cbp',
+    'cbp_robust',
     'cbp_transformer',
     'centering',
     'checkpoint',

@@ -117,11 +117,12 @@ def _equalizing_scales(
       target / jnp.sqrt(safe_energy),
       jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
   )
-  return jnp.clip(
-      ratio,
-      jnp.asarray(min_scale, energy.dtype),
-      jnp.asarray(max_scale, energy.dtype),
-  )
+  low = jnp.asarray(min_scale, energy.dtype)
+  high = jnp.asarray(max_scale, energy.dtype)
+  # clip(x, a, a) = a for every x, also where the energies overflowed
+  # (q = inf, ratio inf / inf = NaN): a degenerate clip fixes the scale. A
+  # proper interval keeps jnp.clip's result, NaN included (Algorithm 1).
+  return jnp.where(low == high, low, jnp.clip(ratio, low, high))
 
 
 def block_scales(

@@ -140,6 +140,8 @@ def precondition(
     zero_moment_identity: bool = False,
     relative_damping: float = 0.0,
     stacked: Optional[StackedFn] = None,
+    normalized_first_step: bool = False,
+    update_clip: Optional[float] = None,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
@@ -195,6 +197,36 @@ def precondition(
       stored second moment is exactly zero (no non-zero gradient seen yet),
       use :math:`P = 1` instead of :math:`1/\zeta`, i.e. the step-1 rule
       :math:`P_1 = I` per coordinate. Off by default.
+    relative_damping: opt-in :math:`\delta \ge 0` (0, the default, is
+      Algorithm 1): the damping becomes :math:`\zeta + \delta r`, with
+      :math:`r` the root mean square of the tensor's :math:`\hat v` (of each
+      slice of a ``stacked`` leaf). Lemma 1's bounds become
+      :math:`1/((1 + \delta) G + \zeta) \le P_t \le 1/\zeta`.
+    stacked: ``stacked(path, leaf) -> bool`` declares layer-stacked leaves
+      (one :math:`r` per slice); used only with ``relative_damping``.
+    normalized_first_step: opt-in, not part of Algorithm 1 (off by
+      default): where the stored second moment is exactly zero (every
+      coordinate at step 1, and a coordinate whose gradients were all zero
+      so far), :math:`P` is formed from the current gradient's own moment,
+      :math:`\tilde v = \tilde g_t^2`, in place of :math:`\hat v_{t-1}`
+      (Adam's first step: :math:`\hat m_1 / (|\tilde g_1| + \zeta)`,
+      about :math:`\pm 1` per coordinate) instead of :math:`P_1 = I`, whose
+      size is the raw gradient's. :math:`\tilde v` lies in :math:`[0, G^2]`,
+      so Lemma 1's bounds hold unchanged; the lag of Theorem 3 is given up
+      at that one step of each coordinate only. Exclusive with
+      ``zero_moment_identity`` (two rules for the same coordinates).
+    update_clip: opt-in :math:`c > 0`, not part of Algorithm 1 (``None``,
+      the default, leaves it out): each coordinate of the direction
+      :math:`P_t \hat m_t` is clipped to :math:`[-c, c]`, so no coordinate
+      moves by more than :math:`c \eta` in one step. Where the lagged
+      :math:`\hat v_{t-1}` underestimates the current gradient (a
+      coordinate whose few past gradients were near zero) the lagged
+      direction is unbounded relative to Adam's; the clip bounds it. It is
+      :math:`P'_t \hat m_t` with :math:`P'_t = \min(P_t, c / |\hat m_t|)`,
+      so Lemma 1's upper bound holds and the lower one becomes
+      :math:`\min(1/((1 + \delta) G + \zeta), c / G)`; where it binds,
+      :math:`P'_t` depends on the current gradient (the lag of Theorem 3 is
+      given up on those coordinates at that step only).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
@@ -248,6 +280,15 @@ def precondition(
   _checks.check_bool('zero_moment_identity', zero_moment_identity)
   _checks.check_nonnegative('relative_damping', relative_damping)
   _checks.check_callable('stacked', stacked)
+  _checks.check_bool('normalized_first_step', normalized_first_step)
+  if normalized_first_step and zero_moment_identity:
+    raise ValueError(
+        'normalized_first_step and zero_moment_identity are two rules for '
+        'the same coordinates (stored second moment zero): pass at most one '
+        'of them as True.'
+    )
+  if update_clip is not None:
+    _checks.check_positive('update_clip', update_clip)
   # A concrete 0 leaves the relative term out of the graph: the default is
   # Algorithm 1's computation, op for op.
   with_relative = _checks.concrete_float(relative_damping) != 0.0
@@ -276,12 +317,21 @@ def precondition(
       m_new = b1 * m + (1.0 - b1) * g_stats
       m_hat = m_new / mu_correction.astype(m.dtype)
       v_hat = v / nu_correction.astype(v.dtype)
+      if normalized_first_step:
+        # No history yet: the current gradient's own moment (Adam's step 1).
+        v_hat = jnp.where(v == 0, jnp.square(g_stats), v_hat)
       denom = jnp.sqrt(v_hat) + damping
       if with_relative:
         denom = denom + relative_damping * _root_mean_square(v_hat, is_stacked)
-      step = jnp.where(first_step, m_hat, m_hat / denom)
+      if normalized_first_step:
+        step = m_hat / denom
+      else:
+        step = jnp.where(first_step, m_hat, m_hat / denom)
       if zero_moment_identity:
         step = jnp.where(v == 0, m_hat, step)
+      if update_clip is not None:
+        limit = jnp.asarray(update_clip, step.dtype)
+        step = jnp.clip(step, -limit, limit)
       v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
       return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
               v_new.astype(v.dtype))

@@ -25,13 +25,19 @@ class CBPReference:
 
   def __init__(self, shapes, *, lr, b1=0.9, b2=0.999, damping=1e-3,
                rho=0.99, s_min=0.1, s_max=4.0, equalize=True,
-               precondition=True, relative_damping=0.0, equalized=None):
-    """``relative_damping`` (delta) and ``equalized`` (which blocks M1 scales;
-    the others keep s = 1 and are not in the target c) are the opt-in
-    extensions: damping + delta * sqrt(mean(v_hat)) per array, and M1 over a
-    subset of the blocks."""
+               precondition=True, relative_damping=0.0, equalized=None,
+               normalized_first_step=False, update_clip=None):
+    """``relative_damping`` (delta), ``equalized`` (which blocks M1 scales;
+    the others keep s = 1 and are not in the target c) and
+    ``normalized_first_step`` are the opt-in extensions: damping + delta *
+    sqrt(mean(v_hat)) per array, M1 over a subset of the blocks, and v_hat
+    replaced by the current g~^2 where the stored v is zero (all of step 1)
+    instead of P_1 = I; ``update_clip`` (c) clips each coordinate of
+    P_t m_hat_t to [-c, c]."""
     self.lr, self.b1, self.b2, self.damping = lr, b1, b2, damping
     self.relative_damping = relative_damping
+    self.normalized_first_step = normalized_first_step
+    self.update_clip = update_clip
     self.equalized = (np.ones(len(shapes), bool) if equalized is None
                       else np.asarray(equalized, bool))
     self.rho, self.s_min, self.s_max = rho, s_min, s_max
@@ -66,10 +72,16 @@ class CBPReference:
         self.m[l][i] = m
         m_hat = m / (1 - self.b1 ** t)
         if self.precondition:
-          if t == 1:
+          v_prev = self.v[l][i]
+          if t == 1 and not self.normalized_first_step:
             p = np.ones_like(m)                                     # P_1 = I
           else:
-            v_hat = self.v[l][i] / (1 - self.b2 ** (t - 1))         # step 7
+            if t == 1:
+              v_hat = np.zeros_like(m)
+            else:
+              v_hat = v_prev / (1 - self.b2 ** (t - 1))             # step 7
+            if self.normalized_first_step:
+              v_hat = np.where(v_prev == 0, g_eq ** 2, v_hat)
             damping = (self.damping + self.relative_damping
                        * np.sqrt(np.mean(v_hat)))
             p = 1.0 / (np.sqrt(v_hat) + damping)
@@ -77,7 +89,10 @@ class CBPReference:
                           + (1 - self.b2) * g_eq ** 2)              # step 9
         else:
           p = np.ones_like(m)
-        block_dirs.append(p * m_hat)
+        direction = p * m_hat
+        if self.update_clip is not None:
+          direction = np.clip(direction, -self.update_clip, self.update_clip)
+        block_dirs.append(direction)
         block_ops.append(p * s[l])
       directions.append(block_dirs)
       operators.append(block_ops)

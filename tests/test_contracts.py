@@ -63,6 +63,7 @@ OPTIMIZERS = {
     'cbp': (cbp.cbp, {}),
     'cbp_weight_decay': (cbp.cbp, {'weight_decay': 1e-2}),
     'chain': (cbp_chain, {}),
+    'cbp_robust': (cbp.cbp_robust, {}),
 }
 NAMES = sorted(OPTIMIZERS)
 FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)

@@ -24,12 +24,15 @@ except "cbp_transformer, not centered", the optimizer side alone):
   relative damping, zero-moment identity, M1 off).
 * cbp_transformer, not centered: the combination on the plain model (the
   optimizer side alone).
+* cbp_robust: ``cbp.cbp_robust``, the recommended configuration (relative
+  damping, normalized first step, update clip, M1's scales at one).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
 import pathlib
 import sys
@@ -93,6 +96,7 @@ CANDIDATES = (
     _cbp('cbp_transformer', transformer_alias=True, grid=(3e-3, 1e-2, 3e-2)),
     _cbp('cbp_transformer, not centered', centered=False,
          transformer_alias=True, grid=(3e-3, 1e-2, 3e-2)),
+    _cbp('cbp_robust', robust_alias=True, grid=(3e-3, 1e-2, 3e-2)),
 )
 
 
@@ -103,8 +107,11 @@ def make_tx(candidate: Candidate, model, steps: int):
     base = optax.adamw(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask)
   else:
     kwargs = dict(candidate.cbp_kwargs)
-    factory = (cbp.cbp_transformer if kwargs.pop('transformer_alias', False)
-               else cbp.cbp)
+    factory = cbp.cbp
+    if kwargs.pop('transformer_alias', False):
+      factory = cbp.cbp_transformer
+    if kwargs.pop('robust_alias', False):
+      factory = cbp.cbp_robust
     base = factory(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask,
                    stacked=lm.stacked_for(model, candidate.centered), **kwargs)
   return lm.peak_scaled(base)
@@ -146,11 +153,22 @@ def tune(trainer, corpus, val, grid, bar) -> dict[float, lm.Run]:
   return dict(sorted(runs.items()))
 
 
+def _changed_defaults(factory) -> dict[str, Any]:
+  """The keyword defaults of ``factory`` that differ from ``cbp.cbp``'s."""
+  base = inspect.signature(cbp.cbp).parameters
+  return {name: p.default
+          for name, p in inspect.signature(factory).parameters.items()
+          if name in base and p.default is not inspect.Parameter.empty
+          and p.default != base[name].default}
+
+
 def options(candidate: Candidate) -> dict[str, Any]:
   """The CBP keywords an arm changes from ``cbp.cbp``'s defaults."""
   kwargs = dict(candidate.cbp_kwargs or {})
   if kwargs.pop('transformer_alias', False):
     kwargs = {**cbp.alias.TRANSFORMER_DEFAULTS, **kwargs}
+  if kwargs.pop('robust_alias', False):
+    kwargs = {**_changed_defaults(cbp.cbp_robust), **kwargs}
   return {k: getattr(v, '__name__', v) for k, v in kwargs.items()}
 
 
