@@ -183,6 +183,7 @@ FACTORIES = {
         {'learning_rate': 1e-2, 'stacked': lambda path, leaf: leaf.ndim == 3,
          'block_fn': cbp.layer_blocks},
         ('stacked', 'block_fn')),
+    'cbp_robust': (cbp.cbp_robust, {'learning_rate': 1e-2}, ()),
     'equalize': (cbp.equalize, {}, ()),
     'precondition': (cbp.precondition, {}, ()),
 }
