@@ -24,6 +24,9 @@ ARCH = models.mlp(64)
 BATCH = 16
 
 
+# Minutes of training on 2 cores: the benchmarks are run by hand (see
+# CONTRIBUTING.md, test tiers); the default tier keeps the HLO checks.
+@pytest.mark.slow
 def test_quick_suite_runs_and_prints_its_table(tmp_path):
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'benchmarks', 'run.py'), '--quick',
@@ -123,6 +126,9 @@ def test_mnist_section_skips_without_data(tmp_path):
   assert 'no MNIST data' in result['skipped']
 
 
+# Minutes of training on 2 cores: the benchmarks are run by hand (see
+# CONTRIBUTING.md, test tiers); the default tier keeps the HLO checks.
+@pytest.mark.slow
 def test_mnist_section_quick_run_reports_both_methods():
   from benchmarks import mnist
   if not os.path.isdir(mnist.DEFAULT_DATA_DIR):
