@@ -65,10 +65,17 @@ class Transformer(nnx.Module):
     self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
     self.pos = nnx.Embed(context, width, rngs=rngs)
 
+    # Centered inside the vmap, with the stack axis named: the means then
+    # carry it, so center never has to guess it from the shapes (depth ==
+    # heads would be ambiguous). center(model) below finds these already
+    # centered and wraps the rest.
     @nnx.split_rngs(splits=depth)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def create(rngs):
-      return Block(width, heads, rngs)
+      block = Block(width, heads, rngs)
+      cbp.nnx.center(block)
+      return block
 
     self.blocks = create(rngs)  # every parameter gets a leading depth axis
     self.norm = nnx.LayerNorm(width, rngs=rngs)
