@@ -221,7 +221,7 @@ def validation_windows(corpus: Corpus, config: Config) -> np.ndarray:
 class Block(nnx.Module):
   """Pre-LayerNorm block: causal self-attention and a GELU MLP, residual."""
 
-  def __init__(self, config: Config, rngs: nnx.Rngs):
+  def __init__(self, config: Config, rngs: nnx.Rngs, centered: bool = False):
     width = config.width
     self.norm1 = nnx.LayerNorm(width, rngs=rngs)
     self.attn = nnx.MultiHeadAttention(
@@ -246,15 +246,21 @@ class TransformerLM(nnx.Module):
   Dropout draws from ``rngs.dropout`` and is off when ``rngs`` is None.
   """
 
-  def __init__(self, config: Config, rngs: nnx.Rngs):
+  def __init__(self, config: Config, rngs: nnx.Rngs, centered: bool = False):
     self.depth = config.depth
     self.embed = nnx.Embed(VOCAB, config.width, rngs=rngs)
     self.pos = nnx.Embed(config.context, config.width, rngs=rngs)
 
+    # Centered inside the vmap with the stack axis named, so that center
+    # never guesses it from shapes (depth == heads is ambiguous).
     @nnx.split_rngs(splits=config.depth)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def create(rngs):
-      return Block(config, rngs)
+      block = Block(config, rngs)
+      if centered:
+        cbp.nnx.center(block)
+      return block
 
     self.blocks = create(rngs)
     self.norm = nnx.LayerNorm(config.width, rngs=rngs)
@@ -277,7 +283,7 @@ class TransformerLM(nnx.Module):
 
 
 def build_model(config: Config, seed: int, centered: bool) -> TransformerLM:
-  model = TransformerLM(config, nnx.Rngs(params=seed))
+  model = TransformerLM(config, nnx.Rngs(params=seed), centered)
   if centered:
     cbp.nnx.center(model)
   return model
