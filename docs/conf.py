@@ -74,11 +74,13 @@ class _TopLevelLinks(SphinxPostTransform):
     for node in self.document.findall(addnodes.pending_xref):
       if node.get('reftype') != 'myst':
         continue
-      page = _top_level_page(node.get('reftarget'))
+      target, _, anchor = (node.get('reftarget') or '').partition('#')
+      page = _top_level_page(target)
       if page is not None:
         node['refdomain'] = 'doc'
         node['reftarget'] = page
-        node.setdefault('reftargetid', None)
+        # An unresolved 'FILE.md#section' keeps its anchor in the target.
+        node['reftargetid'] = anchor or node.get('reftargetid')
 
 
 def setup(app):
