@@ -34,7 +34,9 @@ def saved_arrays(path):
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize('api', ['linen', 'nnx'])
+# One framework in the default tier: both share the resume code path.
+@pytest.mark.parametrize('api', [pytest.param('linen', marks=pytest.mark.slow),
+                                 'nnx'])
 def test_resume_in_new_process_is_bit_exact(api, tmp_path):
   train(api, 7, tmp_path / 'first')
   train(api, 5, tmp_path / 'resumed', resume_from=tmp_path / 'first')

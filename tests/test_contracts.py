@@ -338,7 +338,7 @@ def test_sharding_contract_on_eight_simulated_devices():
                       f' --xla_force_host_platform_device_count={DEVICES}')
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+      [sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'no:cacheprovider',
        str(pathlib.Path(__file__).relative_to(ROOT)), '-k',
        'sharding_types'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

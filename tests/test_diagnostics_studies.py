@@ -123,6 +123,7 @@ def test_studies_are_registered_as_real_data_subcommands():
 
 
 @needs_mnist
+@pytest.mark.slow
 def test_gradient_flow_quick(tmp_path):
   result = gradient_flow.run(quick(tmp_path, 'gf'))
   payload = outputs(tmp_path / 'gf')
@@ -157,6 +158,7 @@ def test_batchnorm_model_uses_batch_statistics_only_in_training():
 
 
 @needs_mnist
+@pytest.mark.slow
 def test_normalization_quick(tmp_path):
   result = normalization.run(quick(tmp_path, 'norm'))
   outputs(tmp_path / 'norm')
@@ -167,6 +169,7 @@ def test_normalization_quick(tmp_path):
 
 
 @needs_mnist
+@pytest.mark.slow
 def test_init_scale_quick(tmp_path):
   result = init_scale.run(quick(tmp_path, 'is'))
   payload = outputs(tmp_path / 'is')
@@ -182,6 +185,7 @@ def test_init_scale_quick(tmp_path):
 
 
 @needs_mnist
+@pytest.mark.slow
 def test_classic_mlp_example_trains_every_optimizer():
   import re  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top

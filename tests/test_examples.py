@@ -41,7 +41,8 @@ def test_compare_job_prints_a_table():
 
 
 @needs_mnist
-@pytest.mark.parametrize('script', ['center_nnx.py', 'center_linen.py'])
+@pytest.mark.parametrize('script', [
+    'center_nnx.py', pytest.param('center_linen.py', marks=pytest.mark.slow)])
 def test_one_call_centering_example_trains_the_unmodified_cnn(script):
   out = run(f'examples/{script}', '--steps', '60', '--data-dir',
             str(MNIST_DIR))

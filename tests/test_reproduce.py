@@ -176,6 +176,7 @@ def test_conditioning_spectra_on_a_known_factor():
   assert out['kappa_raw'] == pytest.approx(10.001 / 1.001)
 
 
+@pytest.mark.slow
 def test_disparity_grows_with_depth_and_m1_lowers_it(tmp_path):
   result = disparity.run(quick(tmp_path, 'd'))
   outputs(tmp_path / 'd')
@@ -184,6 +185,7 @@ def test_disparity_grows_with_depth_and_m1_lowers_it(tmp_path):
   assert np.all(m1 < raw)
 
 
+@pytest.mark.slow
 def test_head_to_head_quick(tmp_path):
   result = head_to_head.run(quick(tmp_path, 'h'))
   payload = outputs(tmp_path / 'h')
@@ -196,6 +198,7 @@ def test_head_to_head_quick(tmp_path):
   assert 'Validation profile' in (tmp_path / 'h' / 'results.md').read_text()
 
 
+@pytest.mark.slow
 def test_factorial_quick_preconditioning_buys_speed(tmp_path):
   result = factorial.run(quick(tmp_path, 'f'))
   outputs(tmp_path / 'f')
@@ -206,6 +209,7 @@ def test_factorial_quick_preconditioning_buys_speed(tmp_path):
   assert np.isfinite(default['mean_train_loss'])
 
 
+@pytest.mark.slow
 def test_sensitivity_settings_share_one_program_and_match_separate_runs():
   # Table 8's vmapped settings give what one setting run alone gives.
   data = training.spiral(points_per_arm=40)
@@ -233,6 +237,7 @@ def test_factorial_has_all_eight_cells_in_the_papers_order():
   assert centered == ['M2' in n for n in names]
 
 
+@pytest.mark.slow
 def test_depth_training_quick(tmp_path):
   result = depth_training.run(quick(tmp_path, 't'))
   outputs(tmp_path / 't')

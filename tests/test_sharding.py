@@ -42,8 +42,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAVE_MESH = jax.device_count() >= DEVICES
 needs_mesh = pytest.mark.skipif(
     not HAVE_MESH,
-    reason='needs 8 devices; run by test_sharded_suite_on_eight_simulated_'
-    'devices in a subprocess',
+    reason='needs 8 devices; the slow tier reruns this file with 8 simulated '
+    'devices (test_sharded_suite_on_eight_simulated_devices)',
 )
 
 STEPS = 10
@@ -53,6 +53,7 @@ HPARAMS = dict(b1=0.9, b2=0.99, damping=1e-3, decay=0.95)
 LR = 1e-3
 
 
+@pytest.mark.slow
 def test_sharded_suite_on_eight_simulated_devices():
   if HAVE_MESH:
     pytest.skip('this process has the devices: the tests below ran here')
@@ -63,7 +64,7 @@ def test_sharded_suite_on_eight_simulated_devices():
   ).strip()
   env['JAX_PLATFORMS'] = 'cpu'
   result = subprocess.run(
-      [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+      [sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'no:cacheprovider',
        str(pathlib.Path(__file__).relative_to(ROOT))],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -29,6 +29,7 @@ def tokens(config, seed=0, batch=None):
                      jnp.int32)
 
 
+@pytest.mark.slow
 def test_quick_study_end_to_end(tmp_path):
   assert cli.STUDIES['transformer'] == 'transformer'
   assert cli.parse(['transformer', '--data', 'x.txt']).data.name == 'x.txt'
@@ -166,6 +167,7 @@ def kernel_sized_copies(hlo_text, params):
   return found
 
 
+@pytest.mark.slow
 def test_full_cbp_step_on_scanned_transformer_has_no_parameter_copies():
   # Sizes all distinct, so a shape names one kind of buffer.
   config = tf.Config(depth=3, width=24, heads=2, context=20, batch=5)
@@ -185,6 +187,7 @@ def test_full_cbp_step_on_scanned_transformer_has_no_parameter_copies():
     assert kernel_sized_copies(plain.as_text(), params)
 
 
+@pytest.mark.slow
 def test_ablation_quick_pairs_seeds_and_reports_each_arm(tmp_path):
   from cbp_optax_experiments.reproduce import transformer_ablation as ab  # pylint: disable=g-import-not-at-top
   assert cli.STUDIES['transformer-ablation'] == 'transformer_ablation'

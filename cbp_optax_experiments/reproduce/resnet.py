@@ -140,7 +140,9 @@ def load_data(data_dir: Optional[os.PathLike], quick: bool
 
 
 def parameter_count(model: nn.Module, x: np.ndarray) -> int:
-  params = model.init(jax.random.key(0), jnp.asarray(x[:1]))['params']
+  # Shapes only: nothing is computed.
+  params = jax.eval_shape(model.init, jax.random.key(0),
+                          jnp.asarray(x[:1]))['params']
   return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
 
