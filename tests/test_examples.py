@@ -22,7 +22,8 @@ def run(*args):
 
 
 @needs_mnist
-@pytest.mark.parametrize('script', ['mnist_nnx.py', 'mnist_linen.py'])
+@pytest.mark.parametrize('script', [
+    'mnist_nnx.py', pytest.param('mnist_linen.py', marks=pytest.mark.slow)])
 def test_example_trains_on_real_mnist(script):
   out = run(f'examples/{script}', '--epochs', '1', '--data-dir',
             str(MNIST_DIR))
@@ -31,6 +32,8 @@ def test_example_trains_on_real_mnist(script):
   assert accuracy > 0.8, out
 
 
+# The default tier runs the compare job offline (tests/test_cli.py).
+@pytest.mark.slow
 @needs_mnist
 def test_compare_job_prints_a_table():
   out = run('-m', 'cbp_optax_experiments.cli', 'compare', '--steps', '20', '--width',

@@ -114,7 +114,9 @@ def test_centered_transformer_outputs_unchanged_by_transport():
   assert change <= 1e-6, change
 
 
-@pytest.mark.parametrize('centered', [False, True], ids=['plain', 'centered'])
+@pytest.mark.parametrize('centered', [
+    pytest.param(False, id='plain', marks=pytest.mark.slow),
+    pytest.param(True, id='centered')])
 def test_m1_sees_one_block_per_layer_slice(centered):
   model = tf.build_model(SMALL, 0, centered)
   stacked = tf.stacked_for(model, centered)
