@@ -104,11 +104,15 @@ class Workload:
 # median seed reaches it. Fixed here so that every later run, and every user
 # arm, races against the same number. Another data source (the bundled
 # subset, the full MNIST) gives other metrics: rerun with --set-targets.
+# resnet8 has no fixed target yet (its full run has not been made): a run
+# sets it from that run's tuned AdamW and says so in its results.
 TARGETS: dict[str, float] = {
     'mnist-mlp': 0.952,
     'init-scale-4': 0.719,
     'spiral': 0.878,
     'deep-mlp': 0.224,
+    'tutorial-cnn': 0.966,
+    'transformer': 3.483,
 }
 
 
