@@ -44,8 +44,9 @@ def test_compare_job_prints_a_table():
 
 
 @needs_mnist
-@pytest.mark.parametrize('script', [
-    'center_nnx.py', pytest.param('center_linen.py', marks=pytest.mark.slow)])
+# tests/test_centering_models.py centers the same CNN in the default tier.
+@pytest.mark.slow
+@pytest.mark.parametrize('script', ['center_nnx.py', 'center_linen.py'])
 def test_one_call_centering_example_trains_the_unmodified_cnn(script):
   out = run(f'examples/{script}', '--steps', '60', '--data-dir',
             str(MNIST_DIR))

@@ -232,6 +232,7 @@ def test_example_prints_the_same_final_loss_on_two_processes_as_on_one():
 
 
 @needs_gloo
+@pytest.mark.slow
 def test_checkpoint_from_two_processes_resumes_on_two(runs):
   uninterrupted = runs.get(2, 2)
   resumed = runs.get(2, 2, restore=(2, 2))

@@ -136,6 +136,7 @@ def test_bfloat16_gradient_overflow_skips_the_step():
   chex.assert_trees_all_equal(after, before)
 
 
+@pytest.mark.slow
 def test_bfloat16_training_tracks_float32():
   """bf16 parameters and activations, float32 statistics (moments, energies,
   centering means): within 0.1 nats of the float32 run on the spiral."""

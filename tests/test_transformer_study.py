@@ -90,6 +90,7 @@ def test_data_option_reads_a_folder_by_file_and_a_single_file(tmp_path):
   assert (corpus.train.size, corpus.validation.size) == (2304, 256)
 
 
+@pytest.mark.slow  # The default tier: test_centering_models' scanned transformer.
 def test_centered_transformer_outputs_unchanged_by_transport():
   model = tf.build_model(SMALL, 0, centered=False)
   x_eval = tokens(SMALL, 1)[:, :-1]
@@ -114,9 +115,10 @@ def test_centered_transformer_outputs_unchanged_by_transport():
   assert change <= 1e-6, change
 
 
-@pytest.mark.parametrize('centered', [
-    pytest.param(False, id='plain', marks=pytest.mark.slow),
-    pytest.param(True, id='centered')])
+# tests/test_centering_models.py checks the scanned transformer's stack
+# blocks in the default tier.
+@pytest.mark.slow
+@pytest.mark.parametrize('centered', [False, True], ids=['plain', 'centered'])
 def test_m1_sees_one_block_per_layer_slice(centered):
   model = tf.build_model(SMALL, 0, centered)
   stacked = tf.stacked_for(model, centered)
