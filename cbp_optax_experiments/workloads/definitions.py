@@ -214,17 +214,23 @@ def _mlp_mnist(quick: bool) -> Workload:
       (3e-4, 1e-3, 3e-3, 1e-2), TARGETS.get('mnist-mlp'), build)
 
 
+def _fan_in_mlp(width: int, depth: int, classes: int,
+                centered: bool) -> nn.Module:
+  """The studies' ReLU MLP with N(0, 1/d_in) kernels (signal halves/layer)."""
+  return flow.NormMLP(hidden=(width,) * depth, classes=classes,
+                      centered=centered,
+                      kernel_init=nn.initializers.variance_scaling(
+                          1.0, 'fan_in', 'normal'))
+
+
 def _deep_mlp(quick: bool) -> Workload:
   """Gradient-flow study: depth 40, N(0, 1/d_in) kernels (signal halves)."""
   width, depth, batch = (16, 8, 64) if quick else (48, 40, 128)
   steps, every = (40, 10) if quick else (400, 20)
 
   def build(centered):
-    model = flow.NormMLP(hidden=(width,) * depth, classes=10,
-                         centered=centered,
-                         kernel_init=nn.initializers.variance_scaling(
-                             1.0, 'fan_in', 'normal'))
-    return linen_task(model, mnist_data(quick), batch)
+    return linen_task(_fan_in_mlp(width, depth, 10, centered),
+                      mnist_data(quick), batch)
   return Workload(
       'deep-mlp', f'ReLU MLP depth {depth}, width {width}, N(0, '
       f'1/d_in) init (gradient-flow study), MNIST, batch {batch}, {steps} '
@@ -238,11 +244,8 @@ def _init_scale(quick: bool) -> Workload:
   steps, every = (40, 10) if quick else (300, 15)
 
   def build(centered):
-    model = flow.NormMLP(hidden=(width,) * depth, classes=2,
-                         centered=centered,
-                         kernel_init=nn.initializers.variance_scaling(
-                             1.0, 'fan_in', 'normal'))
-    return linen_task(model, init_scale.binary(mnist_data(quick)), batch,
+    return linen_task(_fan_in_mlp(width, depth, 2, centered),
+                      init_scale.binary(mnist_data(quick)), batch,
                       init_scale_=alpha)
   return Workload(
       'init-scale-4', f'ReLU MLP depth {depth}, width {width}, {alpha:g} x '
