@@ -18,7 +18,6 @@ FSDP, float32, the plain one-device run, restoring a 1-process checkpoint on
 from __future__ import annotations
 
 import io
-import os
 import pathlib
 import re
 import subprocess
@@ -46,12 +45,12 @@ def run_workers(processes: int, devices: int, out: pathlib.Path,
                 *worker_args: str, timeout: float = TIMEOUT
                 ) -> launch.LaunchResult:
   """``processes`` workers with ``devices`` CPU devices each; returns once done."""
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)
+  # launch replaces any device count in XLA_FLAGS with cpu_devices and keeps
+  # the other flags (the test session's compile settings).
   return launch.launch(
       ['-m', 'tests.multiprocess_worker', '--out', str(out), *worker_args],
       processes, cpu_devices=devices, timeout=timeout, cwd=str(ROOT),
-      env=env, stream=sys.stdout)
+      stream=sys.stdout)
 
 
 def load(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -293,13 +292,11 @@ def test_survivors_of_a_dead_worker_abort_on_their_own(tmp_path):
   # Without the launcher stopping them, JAX's coordination service notices
   # the missing heartbeats (initialize_from_env: 30 s) and aborts the
   # survivor: a bounded failure, not a hang, but slower than the launcher.
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)
   with pytest.raises(launch.WorkerFailed) as info:
     launch.launch(
         ['-m', 'tests.multiprocess_worker', '--die-at', '3',
          '--out', str(tmp_path / 'never.npz')],
-        2, cpu_devices=2, timeout=TIMEOUT, cwd=str(ROOT), env=env,
+        2, cpu_devices=2, timeout=TIMEOUT, cwd=str(ROOT),
         stream=sys.stdout, stop_on_failure=False)
   message = str(info.value)
   print(f'\n{message}')
