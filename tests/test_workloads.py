@@ -1,5 +1,6 @@
 """``cbp-optax workloads``: schema, user arms, divergence, pairing, score, merge."""
 
+import dataclasses
 import json
 import math
 
@@ -123,6 +124,22 @@ def test_paired_seeds_see_identical_batches():
   _, data_key, _ = protocol.seed_keys(0)
   key_a = protocol.step_keys(data_key, data_key, 3)[0]
   chex.assert_trees_all_equal(plain.batch(key_a), centered.batch(key_a))
+
+
+@pytest.mark.parametrize('name', ['spiral', 'tutorial-cnn'])
+def test_stepping_one_by_one_trains_as_the_scan_does(name):
+  # The convolutional workloads call one compiled step per step (XLA:CPU
+  # runs convolutions inside a loop many times slower); both paths must give
+  # the same run: losses, metrics and the state the chunks hand on.
+  workload = definitions.workload(name, quick=True)
+  arm = arms_lib.builtin_arms()['cbp']
+  task = workload.build(arm.centered)
+  runs = {}
+  for scan_steps in (True, False):
+    variant = dataclasses.replace(workload, scan_steps=scan_steps)
+    runs[scan_steps] = protocol.make_runner(task, arm, variant)(1, 3e-3)
+  chex.assert_trees_all_close(runs[True], runs[False], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(runs[True][0][0], runs[True][0][-1])
 
 
 def test_profile_score_hand_example():

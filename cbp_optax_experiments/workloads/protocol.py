@@ -1,10 +1,12 @@
 """External tuning in miniature: grid, tuning seed, evaluation seeds, cost.
 
 Per (workload, arm): one compiled chunk of ``eval_every`` steps (a
-``lax.scan``; the seed and the peak learning rate are traced arguments, so
-the whole grid and every seed reuse it), plus compiled init and evaluation. The arm's rate is chosen from the workload's grid on the tuning seed
-(fastest to the target, then best metric; rates on which the tuning run
-diverged are discarded); a choice at an edge of the grid extends it once by
+``lax.scan``, or a compiled step called ``eval_every`` times where the
+workload's ``scan_steps`` is False; the seed and the peak learning rate are
+traced arguments, so the whole grid and every seed reuse it), plus compiled
+init and evaluation. The arm's rate is chosen from the workload's grid on the
+tuning seed (fastest to the target, then best metric; rates on which the
+tuning run diverged are discarded); a choice at an edge of the grid extends it once by
 a factor 3 in that direction. The chosen rate then runs on the evaluation
 seeds, which every arm shares: the seed alone fixes the initialization, the
 minibatches and the dropout masks (``seed_keys``).
@@ -79,8 +81,9 @@ class Runner(NamedTuple):
   """The compiled pieces of one (workload, arm); seed and rate are traced.
 
   ``init(seed, lr) -> carry``; ``chunk(carry, c, seed, lr) -> (carry,
-  losses)`` runs steps ``c * eval_every ... (c + 1) * eval_every - 1`` as one
-  ``lax.scan``; ``evaluate(carry) -> metric``.
+  losses)`` runs steps ``c * eval_every ... (c + 1) * eval_every - 1`` (one
+  ``lax.scan``, or one compiled step at a time); ``evaluate(carry) ->
+  metric``.
   """
   init: Callable[..., Any]
   chunk: Callable[..., Any]
@@ -114,10 +117,25 @@ def make_runner(task: definitions.Task, arm: arms_lib.Arm,
     params, state = task.init(init_key)
     return params, state, arm.make(lr, ctx).init(params)
 
-  def chunk(carry, c, seed, lr):
+  def step(carry, index, seed, lr):
     _, data_key, dropout_key = seed_keys(seed)
-    step = make_step(task, arm, arm.make(lr, ctx), data_key, dropout_key)
-    return jax.lax.scan(step, carry, c * every + jnp.arange(every))
+    return make_step(task, arm, arm.make(lr, ctx), data_key, dropout_key)(
+        carry, index)
+
+  if workload.scan_steps:
+    def scanned(carry, c, seed, lr):
+      return jax.lax.scan(lambda carry, i: step(carry, i, seed, lr), carry,
+                          c * every + jnp.arange(every))
+    chunk = jax.jit(scanned)
+  else:
+    one_step = jax.jit(step)
+
+    def chunk(carry, c, seed, lr):
+      losses = []
+      for index in range(every):
+        carry, loss = one_step(carry, c * every + index, seed, lr)
+        losses.append(loss)
+      return carry, jnp.stack(losses)
 
   def evaluate(carry):
     params, state, opt_state = carry
@@ -125,7 +143,7 @@ def make_runner(task: definitions.Task, arm: arms_lib.Arm,
       params = arm.eval_params(opt_state, params)
     return task.evaluate(params, state)
 
-  return Runner(jax.jit(init), jax.jit(chunk), jax.jit(evaluate), workload)
+  return Runner(jax.jit(init), chunk, jax.jit(evaluate), workload)
 
 
 # ---------------------------------------------------------------------------
