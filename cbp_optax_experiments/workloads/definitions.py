@@ -85,9 +85,10 @@ class Workload:
     build: ``build(centered) -> Task``.
     scan_steps: run each chunk of ``eval_every`` steps as one ``lax.scan``;
       False: one compiled step at a time. XLA:CPU runs a convolution inside
-      a loop far slower than alone (measured: tutorial CNN 300 vs 42 ms a
-      step, ResNet-8 548 vs 36 ms), so the convolutional workloads step
-      one by one; the others keep the scan (transformer 45 vs 69 ms).
+      a loop far slower than alone (side by side in one process, idle:
+      tutorial CNN 188 vs 27 ms a step, ResNet-8 338 vs 24 ms), so the
+      convolutional workloads step one by one; the others keep the scan
+      (transformer 45 vs 69 ms, measured under load).
   """
   name: str
   description: str

@@ -6,8 +6,8 @@ workload's ``scan_steps`` is False; the seed and the peak learning rate are
 traced arguments, so the whole grid and every seed reuse it), plus compiled
 init and evaluation. The arm's rate is chosen from the workload's grid on the
 tuning seed (fastest to the target, then best metric; rates on which the
-tuning run diverged are discarded); a choice at an edge of the grid extends it once by
-a factor 3 in that direction. The chosen rate then runs on the evaluation
+tuning run diverged are discarded); a choice at an edge of the grid extends
+it once by a factor 3 in that direction. The chosen rate then runs on the evaluation
 seeds, which every arm shares: the seed alone fixes the initialization, the
 minibatches and the dropout masks (``seed_keys``).
 
