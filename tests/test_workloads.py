@@ -130,7 +130,8 @@ def test_paired_seeds_see_identical_batches():
 def test_stepping_one_by_one_trains_as_the_scan_does(name):
   # The convolutional workloads call one compiled step per step (XLA:CPU
   # runs convolutions inside a loop many times slower); both paths must give
-  # the same run: losses, metrics and the state the chunks hand on.
+  # the same run: the per-step losses, and the metrics evaluated on the state
+  # each chunk hands on.
   workload = definitions.workload(name, quick=True)
   arm = arms_lib.builtin_arms()['cbp']
   task = workload.build(arm.centered)

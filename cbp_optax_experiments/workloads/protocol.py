@@ -7,9 +7,9 @@ traced arguments, so the whole grid and every seed reuse it), plus compiled
 init and evaluation. The arm's rate is chosen from the workload's grid on the
 tuning seed (fastest to the target, then best metric; rates on which the
 tuning run diverged are discarded); a choice at an edge of the grid extends
-it once by a factor 3 in that direction. The chosen rate then runs on the evaluation
-seeds, which every arm shares: the seed alone fixes the initialization, the
-minibatches and the dropout masks (``seed_keys``).
+it once by a factor 3 in that direction. The chosen rate then runs on the
+evaluation seeds, which every arm shares: the seed alone fixes the
+initialization, the minibatches and the dropout masks (``seed_keys``).
 
 A run diverged when a loss or metric is not finite or the smoothed training
 loss exceeds ``BLOWUP`` times the first step's loss; it is recorded per seed
@@ -117,18 +117,18 @@ def make_runner(task: definitions.Task, arm: arms_lib.Arm,
     params, state = task.init(init_key)
     return params, state, arm.make(lr, ctx).init(params)
 
-  def step(carry, index, seed, lr):
+  def seeded_step(seed, lr):
     _, data_key, dropout_key = seed_keys(seed)
-    return make_step(task, arm, arm.make(lr, ctx), data_key, dropout_key)(
-        carry, index)
+    return make_step(task, arm, arm.make(lr, ctx), data_key, dropout_key)
 
   if workload.scan_steps:
     def scanned(carry, c, seed, lr):
-      return jax.lax.scan(lambda carry, i: step(carry, i, seed, lr), carry,
+      return jax.lax.scan(seeded_step(seed, lr), carry,
                           c * every + jnp.arange(every))
     chunk = jax.jit(scanned)
   else:
-    one_step = jax.jit(step)
+    one_step = jax.jit(
+        lambda carry, index, seed, lr: seeded_step(seed, lr)(carry, index))
 
     def chunk(carry, c, seed, lr):
       losses = []
