@@ -143,6 +143,28 @@ def test_stepping_one_by_one_trains_as_the_scan_does(name):
   assert not np.allclose(runs[True][0][0], runs[True][0][-1])
 
 
+@pytest.mark.parametrize('name', definitions.NAMES)
+def test_batch_norm_flag_says_whether_the_model_has_batch_norm(name):
+  workload = definitions.workload(name, quick=True)
+  _, state = workload.build(False).init(jax.random.key(0))
+  paths = [jax.tree_util.keystr(path).lower()
+           for path, _ in jax.tree_util.tree_leaves_with_path(state)]
+  has_batch_norm = any('batch_norm' in p or 'batch_stats' in p
+                       for p in paths)
+  assert workload.batch_norm == has_batch_norm
+
+
+def test_cbp_robust_trains_batch_norm_models_plain():
+  arms = arms_lib.builtin_arms()
+  cnn = definitions.workload('tutorial-cnn', quick=True)
+  mlp = definitions.workload('mnist-mlp', quick=True)
+  assert not arms['cbp_robust'].centers(cnn)
+  assert arms['cbp_robust'].centers(mlp)
+  assert arms['cbp'].centers(cnn) and arms['adamw_centered'].centers(cnn)
+  assert not arms['adamw'].centers(mlp)
+  user = arms_lib.user_arm(f'mine={__name__}:user_sgd', centered=True)
+  assert user.centers(cnn)
+
 def test_profile_score_hand_example():
   inf = math.inf
   times = {'w1': {'a': 10.0, 'b': 10.0, 'c': inf},   # tie a/b, c misses

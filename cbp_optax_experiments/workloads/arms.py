@@ -66,6 +66,9 @@ class Arm:
     make: builds the transform; ``peak_lr`` may be a tracer (the grid is
       one compiled program per arm).
     centered: train the centered model (M2) and transport after each update.
+    center_batch_norm_models: with ``centered``, center also the models that
+      have BatchNorm layers (``Workload.batch_norm``); False trains their
+      plain model (``cbp_robust``'s recipe: see :meth:`centers`).
     eval_params: ``eval_params(opt_state, params)``: the parameters the
       metric is computed at (schedule-free's averaged iterate); None: params.
     description: one line for the report.
@@ -73,8 +76,21 @@ class Arm:
   name: str
   make: Callable[[Any, Context], optax.GradientTransformation]
   centered: bool = False
+  center_batch_norm_models: bool = True
   eval_params: Optional[Callable[[Any, Any], Any]] = None
   description: str = ''
+
+  def centers(self, workload: Any) -> bool:
+    """Whether this arm trains ``workload``'s centered model.
+
+    ``cbp_robust`` leaves a model with BatchNorm plain: BatchNorm already
+    removes the mean that M2 removes (the paper's §7 reads M2 as the
+    mean-removal half of normalization), and a centered layer downstream of
+    a BatchNorm made the tutorial CNN's running-average evaluation lose 2-7
+    points that its batch statistics did not (docs/reproduction/workloads.md).
+    """
+    return self.centered and (self.center_batch_norm_models
+                              or not workload.batch_norm)
 
 
 def _adamw(lr, ctx):
@@ -148,8 +164,9 @@ def builtin_arms() -> dict[str, Arm]:
   if hasattr(cbp, 'cbp_robust'):
     arms.append(Arm('cbp_robust',
                     lambda lr, ctx: _with_supported(cbp.cbp_robust, lr, ctx),
-                    centered=True,
-                    description='cbp.cbp_robust on the centered model'))
+                    centered=True, center_batch_norm_models=False,
+                    description='cbp.cbp_robust on the centered model (the '
+                    'plain one where the model has BatchNorm)'))
   return {arm.name: arm for arm in arms}
 
 

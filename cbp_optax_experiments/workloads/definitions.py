@@ -89,6 +89,8 @@ class Workload:
       tutorial CNN 188 vs 27 ms a step, ResNet-8 338 vs 24 ms), so the
       convolutional workloads step one by one; the others keep the scan
       (transformer 45 vs 69 ms, measured under load).
+    batch_norm: the model has BatchNorm layers, evaluated with their running
+      averages (``Arm.centers`` reads it).
   """
   name: str
   description: str
@@ -100,6 +102,7 @@ class Workload:
   target: Optional[float]
   build: Callable[[bool], Task]
   scan_steps: bool = True
+  batch_norm: bool = False
 
 
 # The targets: tuned AdamW's median over the evaluation seeds 0, 1, 2 of its
@@ -412,7 +415,7 @@ def _tutorial_cnn(quick: bool) -> Workload:
       f'Linear {widths[2]}), batch {batch}, {steps} steps, evaluated with '
       'running averages', ACCURACY, True, steps, every,
       (1.5e-3, 5e-3, 1.5e-2), TARGETS.get('tutorial-cnn'), build,
-      scan_steps=False)
+      scan_steps=False, batch_norm=True)
 
 
 def transformer_muon_dims(params):

@@ -57,9 +57,10 @@ def step_keys(data_key, dropout_key, index):
           jax.random.fold_in(dropout_key, index))
 
 
-def make_step(task: definitions.Task, arm: arms_lib.Arm,
+def make_step(task: definitions.Task, centered: bool,
               tx: optax.GradientTransformation, data_key, dropout_key):
-  """``step((params, state, opt_state), index) -> (carry, loss)``."""
+  """``step((params, state, opt_state), index) -> (carry, loss)``; a
+  ``centered`` task is transported after each update."""
   def step(carry, index):
     params, state, opt_state = carry
     batch_key, drop_key = step_keys(data_key, dropout_key, index)
@@ -67,7 +68,7 @@ def make_step(task: definitions.Task, arm: arms_lib.Arm,
         params, state, batch_key, drop_key)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    if arm.centered:
+    if centered:
       params, state = task.transport(params, state)
     return (params, state, opt_state), loss
   return step
@@ -119,7 +120,8 @@ def make_runner(task: definitions.Task, arm: arms_lib.Arm,
 
   def seeded_step(seed, lr):
     _, data_key, dropout_key = seed_keys(seed)
-    return make_step(task, arm, arm.make(lr, ctx), data_key, dropout_key)
+    return make_step(task, arm.centers(workload), arm.make(lr, ctx),
+                     data_key, dropout_key)
 
   if workload.scan_steps:
     def scanned(carry, c, seed, lr):
@@ -251,6 +253,7 @@ class ArmOutcome:
   seconds_per_step: float
   reference_seconds_per_step: float
   wall_seconds: float
+  centered: bool  # trained the centered model (``Arm.centers``)
 
 
 def evaluate_arm(
@@ -264,7 +267,8 @@ def evaluate_arm(
 ) -> ArmOutcome:
   """Grid (extended once at an edge) on ``tuning_seeds``, then ``seeds``."""
   start = time.perf_counter()
-  run = make_runner(workload.build(arm.centered), arm, workload)
+  centered = arm.centers(workload)
+  run = make_runner(workload.build(centered), arm, workload)
 
   def one(seed, lr):
     losses, metrics = run(seed, lr)
@@ -290,9 +294,9 @@ def evaluate_arm(
     ref_seconds = own
   else:
     if key not in _REFERENCE:
-      _REFERENCE[key] = make_runner(workload.build(reference.centered),
-                                    reference, workload)
+      _REFERENCE[key] = make_runner(
+          workload.build(reference.centers(workload)), reference, workload)
     own, ref_seconds = step_cost([run, _REFERENCE[key]], chosen)
     cost = own / ref_seconds
   return ArmOutcome(chosen, tuning, runs, cost, own, ref_seconds,
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, centered)

@@ -70,7 +70,7 @@ def arm_entry(arm: arms_lib.Arm, outcome: protocol.ArmOutcome,
                           r.metrics.tolist(), entry['higher_is_better'])
                                               for r in runs])}
           for lr, runs in sorted(outcome.tuning.items())},
-      'centered': arm.centered,
+      'centered': outcome.centered,
       'description': arm.description,
       'wall_seconds': outcome.wall_seconds,
   }
