@@ -109,7 +109,7 @@ def _storable(leaf: Any) -> Any:
     return {} if math.prod(leaf.shape) == 0 else leaf
   array = jnp.asarray(leaf)
   # orbax refuses zero-size arrays (M1's energies when no leaf is in a block,
-  # e.g. cbp_transformer or an empty tree). They hold no data: stored as an
+  # e.g. block_fn=no_blocks or an empty tree). They hold no data: stored as an
   # empty node, they are rebuilt from `like` at restore.
   return {} if array.size == 0 else array
 

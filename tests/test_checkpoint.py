@@ -103,8 +103,9 @@ def test_nnx_state_roundtrip(tmp_path):
                                 model.layers[0].layer.kernel[...])
 
 
-@pytest.mark.parametrize('make_tx', [cbp.cbp_transformer,
-                                     lambda lr: cbp.cbp(lr, block_fn=cbp.no_blocks)])
+@pytest.mark.parametrize('make_tx', [
+    lambda lr: cbp.cbp(lr, **cbp.alias.TRANSFORMER_COMBINATION),
+    lambda lr: cbp.cbp(lr, block_fn=cbp.no_blocks)])
 def test_state_with_no_m1_blocks_roundtrips(tmp_path, make_tx):
   # M1 with no blocks keeps a zero-size energy vector, which orbax refuses to
   # write; it is stored as an empty node and rebuilt from `like`.

@@ -181,9 +181,8 @@ def assert_injected_matches(opt, injected, grads):
 # static_args for callables). A new factory is one more line here.
 FACTORIES = {
     'cbp': (cbp.cbp, {'learning_rate': 1e-2}, ()),
-    'cbp_transformer': (cbp.cbp_transformer, {'learning_rate': 1e-2}, ()),
-    'cbp_transformer_stacked': (
-        cbp.cbp_transformer,
+    'cbp_robust_stacked': (
+        cbp.cbp_robust,
         {'learning_rate': 1e-2, 'stacked': lambda path, leaf: leaf.ndim == 3,
          'block_fn': cbp.layer_blocks},
         ('stacked', 'block_fn')),
@@ -195,18 +194,18 @@ FACTORIES = {
 
 def test_every_public_factory_is_in_the_contract():
   public = {
-      name for name in cbp.__all__
+      getattr(cbp, name) for name in cbp.__all__
       if inspect.isfunction(getattr(cbp, name))
       and 'GradientTransformation' in str(
           inspect.signature(getattr(cbp, name)).return_annotation)}
-  assert public == {f.__name__ for f, _, _ in FACTORIES.values()}
+  assert public == {f for f, _, _ in FACTORIES.values()}
 
 
 @pytest.mark.parametrize('name', sorted(FACTORIES))
 def test_public_factory_under_inject_hyperparams(name):
   """optax/contrib/_common_test.py's inject_hyperparams contract, on each
-  public factory with its own defaults: ``cbp_transformer(**kwargs)`` used
-  to fail ("cbp() got an unexpected keyword argument 'kwargs'")."""
+  public factory with its own defaults: ``cbp_transformer(**kwargs)``, when
+  it was its own function, used to fail ("cbp() got an unexpected keyword argument 'kwargs'")."""
   factory, kwargs, static_args = FACTORIES[name]
   assert_injected_matches(
       factory(**kwargs),
@@ -225,15 +224,11 @@ def test_public_factory_signature_is_explicit(factory):
     factory(dampnig=1e-3)
 
 
-def test_cbp_transformer_is_cbp_with_other_defaults():
-  ours = inspect.signature(cbp.cbp_transformer).parameters
-  theirs = inspect.signature(cbp.cbp).parameters
-  assert list(ours) == list(theirs)
-  changed = {k for k in ours if ours[k].default is not theirs[k].default}
-  # block_fn: None in both; cbp_transformer reads it as no_blocks (M1 off).
-  assert changed | {'block_fn'} == set(cbp.alias.TRANSFORMER_DEFAULTS)
-  for k in changed:
-    assert ours[k].default == cbp.alias.TRANSFORMER_DEFAULTS[k]
+def test_cbp_transformer_is_an_alias_of_cbp_robust():
+  assert cbp.cbp_transformer is cbp.cbp_robust
+  # The configuration it replaced stays spelled out for the ablation study.
+  assert set(cbp.alias.TRANSFORMER_COMBINATION) < set(
+      inspect.signature(cbp.cbp).parameters)
 
 
 @pytest.mark.parametrize('name', NAMES)

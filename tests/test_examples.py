@@ -96,7 +96,7 @@ def test_example_help_lists_the_defaults():
                      + re.escape(default) + r'\)', out), (flag, out)
 
 
-def test_transformer_example_trains_a_centered_stack_with_cbp_transformer():
+def test_transformer_example_trains_a_centered_stack_with_cbp_robust():
   # Reduced size: two blocks of width 16 (the example's defaults: 4 x 128).
   out = run('examples/transformer_nnx.py', '--steps', '10', '--depth', '2',
             '--width', '16', '--heads', '2', '--context', '16',

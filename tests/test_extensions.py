@@ -1,8 +1,8 @@
 """The opt-in extensions of Algorithm 1 against the float64 NumPy reference.
 
 ``relative_damping`` (damping relative to each tensor's stored second-moment
-scale), ``block_fn`` presets that leave leaves out of M1, and the
-``cbp_transformer`` alias built from them. The defaults stay Algorithm 1:
+scale), ``block_fn`` presets that leave leaves out of M1, and the combination
+that ``cbp_transformer`` was built from. The defaults stay Algorithm 1:
 tests/test_reference.py checks those, unchanged.
 """
 
@@ -184,29 +184,11 @@ def test_relative_damping_can_be_injected():
   assert np.all(np.isfinite(updates['w']))
 
 
-def test_cbp_transformer_matches_numpy_reference():
-  # M1 off (no_blocks), relative damping on an absolute floor of 1e-8.
+def test_transformer_combination_matches_numpy_reference():
+  # What cbp_transformer was (the ablation's combination): M1 off
+  # (no_blocks), relative damping on an absolute floor of 1e-8.
   reference = ref.CBPReference(SHAPES, lr=LR, damping=1e-8, equalize=False,
                                relative_damping=0.03)
-  worst, _, _ = run_both(lambda: cbp.cbp_transformer(LR), reference)
+  worst, _, _ = run_both(
+      lambda: cbp.cbp(LR, **cbp.alias.TRANSFORMER_COMBINATION), reference)
   assert worst <= 1e-10, worst
-
-
-def test_cbp_transformer_is_cbp_with_its_documented_arguments():
-  params = {'a': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)}}
-  grads = [jax.tree.map(lambda x, t=t: jnp.cos(x + t), params)
-           for t in range(3)]
-  alias = cbp.cbp_transformer(1e-2, weight_decay=0.1)
-  spelled = cbp.cbp(1e-2, weight_decay=0.1, damping=1e-8,
-                    relative_damping=0.03, zero_moment_identity=True,
-                    block_fn=cbp.no_blocks)
-  alias_state, spelled_state = alias.init(params), spelled.init(params)
-  for g in grads:
-    alias_u, alias_state = alias.update(g, alias_state, params)
-    spelled_u, spelled_state = spelled.update(g, spelled_state, params)
-    chex.assert_trees_all_equal(alias_u, spelled_u)
-  # Any argument can be overridden, M1 included.
-  assert cbp.cbp_transformer(1e-2, block_fn=cbp.layer_blocks).init(
-      params)[0].energy.shape == (1,)
-  with pytest.raises(TypeError, match='unexpected keyword'):
-    cbp.cbp_transformer(1e-2, not_an_argument=1)

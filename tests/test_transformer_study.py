@@ -196,24 +196,24 @@ def test_ablation_quick_pairs_seeds_and_reports_each_arm(tmp_path):
   from cbp_optax_experiments.reproduce import transformer_ablation as ab  # pylint: disable=g-import-not-at-top
   assert cli.STUDIES['transformer-ablation'] == 'transformer_ablation'
   out = tmp_path / 'ablation'
+  name = 'former cbp_transformer'
   result = ab.run(StudyContext(out=out, quick=True, progress=False),
-                  arms=['cbp_transformer'])
+                  arms=[name])
   per_arm = result.summary['per_arm']
-  assert list(per_arm) == ['AdamW', 'cbp_transformer']  # AdamW always runs
+  assert list(per_arm) == ['AdamW', name]  # AdamW always runs
   assert per_arm['AdamW']['paired_t_pvalue'] is None
-  assert 0.0 <= per_arm['cbp_transformer']['paired_t_pvalue'] <= 1.0
-  assert len(per_arm['cbp_transformer']['final_bpb']) == 2
+  assert 0.0 <= per_arm[name]['paired_t_pvalue'] <= 1.0
+  assert len(per_arm[name]['final_bpb']) == 2
   # Same seed, same batches and initialization: the step-0 evaluation agrees
   # across the uncentered and centered models (centering is exact).
   runs = json.loads((out / 'results.json').read_text())['seed_runs']
-  first = {name: [r['val_bpb'][0] for r in rs] for name, rs in runs.items()}
-  np.testing.assert_allclose(first['AdamW'], first['cbp_transformer'],
-                             rtol=1e-5)
-  assert per_arm['cbp_transformer']['options']['block_fn'] == 'no_blocks'
+  first = {arm: [r['val_bpb'][0] for r in rs] for arm, rs in runs.items()}
+  np.testing.assert_allclose(first['AdamW'], first[name], rtol=1e-5)
+  assert per_arm[name]['options']['block_fn'] == 'no_blocks'
   assert per_arm['AdamW']['step_ratio'] > 0
-  assert 0.2 < per_arm['cbp_transformer']['step_ratio'] < 5.0
+  assert 0.2 < per_arm[name]['step_ratio'] < 5.0
   table = (out / 'results.md').read_text()
-  assert all(f'| {name} |' in table for name in per_arm)
+  assert all(f'| {arm} |' in table for arm in per_arm)
 
 
 def test_ablation_paper_arms_build_and_step():

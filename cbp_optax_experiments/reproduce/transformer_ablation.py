@@ -11,7 +11,7 @@ so AdamW and each CBP variant are compared by a paired t-test over seeds.
 
 Arms (all CBP arms are full CBP, i.e. the model centered by
 ``cbp_optax.nnx.center`` and ``cbp.cbp`` with one M1 block per layer slice,
-except "cbp_transformer, not centered", the optimizer side alone):
+except "former cbp_transformer, not centered", the optimizer side alone):
 
 * AdamW: ``optax.adamw`` (eps 1e-8), the reference.
 * CBP (Algorithm 1): ``cbp.cbp`` with its defaults.
@@ -20,11 +20,12 @@ except "cbp_transformer, not centered", the optimizer side alone):
 * + zero-moment identity: ``zero_moment_identity=True``.
 * + kernel blocks: ``block_fn=cbp.kernel_blocks`` (M1 on matrices only).
 * + M1 off: ``block_fn=cbp.no_blocks`` (S_t = I).
-* cbp_transformer: ``cbp.cbp_transformer``, the combination (small damping,
-  relative damping, zero-moment identity, M1 off).
-* cbp_transformer, not centered: the combination on the plain model (the
-  optimizer side alone).
-* cbp_robust: ``cbp.cbp_robust``, the recommended configuration (relative
+* former cbp_transformer: the combination (small damping, relative damping,
+  zero-moment identity, M1 off; ``cbp.alias.TRANSFORMER_COMBINATION``), what
+  ``cbp.cbp_transformer`` was until it became an alias of ``cbp_robust``.
+* former cbp_transformer, not centered: the combination on the plain model
+  (the optimizer side alone).
+* cbp_robust: ``cbp.cbp_robust``, the recommended configuration (small
   damping, normalized first step, update clip, M1's scales at one).
 """
 
@@ -65,8 +66,9 @@ REFERENCE = 'AdamW'
 CONFIG = lm.Config(depth=4, width=64, heads=4, context=64, batch=32,
                    steps=240, eval_every=24, eval_windows=64)
 QUICK = lm.QUICK
-# --quick: a smoke test of the reference, Algorithm 1 and the alias.
-QUICK_ARMS = ('AdamW', 'CBP (Algorithm 1)', 'cbp_transformer')
+# --quick: a smoke test of the reference, Algorithm 1 and the recommended
+# configuration.
+QUICK_ARMS = ('AdamW', 'CBP (Algorithm 1)', 'cbp_robust')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +95,10 @@ CANDIDATES = (
     _cbp('+ zero-moment identity', zero_moment_identity=True),
     _cbp('+ kernel blocks', block_fn=cbp.kernel_blocks),
     _cbp('+ M1 off', block_fn=cbp.no_blocks),
-    _cbp('cbp_transformer', transformer_alias=True, grid=(3e-3, 1e-2, 3e-2)),
-    _cbp('cbp_transformer, not centered', centered=False,
-         transformer_alias=True, grid=(3e-3, 1e-2, 3e-2)),
+    _cbp('former cbp_transformer', grid=(3e-3, 1e-2, 3e-2),
+         **cbp.alias.TRANSFORMER_COMBINATION),
+    _cbp('former cbp_transformer, not centered', centered=False,
+         grid=(3e-3, 1e-2, 3e-2), **cbp.alias.TRANSFORMER_COMBINATION),
     _cbp('cbp_robust', robust_alias=True, grid=(3e-3, 1e-2, 3e-2)),
 )
 
@@ -108,8 +111,6 @@ def make_tx(candidate: Candidate, model, steps: int):
   else:
     kwargs = dict(candidate.cbp_kwargs)
     factory = cbp.cbp
-    if kwargs.pop('transformer_alias', False):
-      factory = cbp.cbp_transformer
     if kwargs.pop('robust_alias', False):
       factory = cbp.cbp_robust
     base = factory(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask,
@@ -165,8 +166,6 @@ def _changed_defaults(factory) -> dict[str, Any]:
 def options(candidate: Candidate) -> dict[str, Any]:
   """The CBP keywords an arm changes from ``cbp.cbp``'s defaults."""
   kwargs = dict(candidate.cbp_kwargs or {})
-  if kwargs.pop('transformer_alias', False):
-    kwargs = {**cbp.alias.TRANSFORMER_DEFAULTS, **kwargs}
   if kwargs.pop('robust_alias', False):
     kwargs = {**_changed_defaults(cbp.cbp_robust), **kwargs}
   return {k: getattr(v, '__name__', v) for k, v in kwargs.items()}
@@ -354,7 +353,8 @@ def paper_arms() -> list[training.Method]:
                       centered=True),
       training.Method('+ zero-moment identity', variant(
           zero_moment_identity=True), centered=True),
-      training.Method('cbp_transformer', cbp.cbp_transformer, centered=True),
+      training.Method('former cbp_transformer', variant(
+          **cbp.alias.TRANSFORMER_COMBINATION), centered=True),
   ]
 
 

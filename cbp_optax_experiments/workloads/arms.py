@@ -128,9 +128,11 @@ def _cbp(lr, ctx):
                  mask=decay_mask, stacked=ctx.stacked)
 
 
-def _cbp_transformer(lr, ctx):
-  return cbp.cbp_transformer(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
-                             mask=decay_mask, stacked=ctx.stacked)
+def _former_cbp_transformer(lr, ctx):
+  """What ``cbp.cbp_transformer`` was before it became ``cbp_robust``."""
+  return cbp.cbp(ctx.schedule(lr), **cbp.alias.TRANSFORMER_COMBINATION,
+                 weight_decay=WEIGHT_DECAY, mask=decay_mask,
+                 stacked=ctx.stacked)
 
 
 def _with_supported(factory, lr, ctx):
@@ -158,8 +160,10 @@ def builtin_arms() -> dict[str, Arm]:
       Arm('cbp', _cbp, centered=True,
           description='cbp.cbp (Algorithm 1) on the centered model (full '
           'CBP)'),
-      Arm('cbp_transformer', _cbp_transformer, centered=True,
-          description='cbp.cbp_transformer on the centered model'),
+      Arm('former_cbp_transformer', _former_cbp_transformer, centered=True,
+          description='the former cbp.cbp_transformer (cbp.cbp with '
+          'damping 1e-8, relative damping 0.03, zero-moment identity, M1 '
+          'off; now an alias of cbp_robust) on the centered model'),
   ]
   if hasattr(cbp, 'cbp_robust'):
     arms.append(Arm('cbp_robust',

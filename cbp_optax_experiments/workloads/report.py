@@ -198,7 +198,7 @@ def verdict(name: str, entry: dict[str, Any]) -> str:
   if best != arms_lib.REFERENCE and math.isfinite(adamw):
     parts.append(f'; {adamw / best_t:.2f}x faster than AdamW')
   parts.append(')')
-  for cbp_arm in ('cbp', 'cbp_transformer', 'cbp_robust'):
+  for cbp_arm in ('cbp', 'former_cbp_transformer', 'cbp_robust'):
     if cbp_arm in per_arm and cbp_arm != best:
       t = per_arm[cbp_arm]
       parts.append(f'; {cbp_arm}: ' + (f'{t / best_t:.2f}x the best' if
