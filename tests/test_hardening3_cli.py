@@ -201,13 +201,17 @@ def test_new_registry_entries_reach_help_and_arguments(
   builtin = arms_lib.builtin_arms
   extra = arms_lib.Arm('extra_arm', lambda lr, ctx: None,
                        description='an arm added to the registry')
+  bare = arms_lib.Arm('bare_arm', lambda lr, ctx: None)  # no description
   monkeypatch.setattr(arms_lib, 'builtin_arms',
-                      lambda: {**builtin(), 'extra_arm': extra})
+                      lambda: {**builtin(), 'extra_arm': extra,
+                               'bare_arm': bare})
   with pytest.raises(SystemExit):
     cli.main(['--help'])
   text = capsys.readouterr().out
   assert any(line.split()[:1] == ['spiral-2'] for line in text.splitlines())
   assert 'extra_arm  ' in text and 'an arm added to the registry' in text
+  assert any(line.split() == ['bare_arm', '(no', 'description)']
+             for line in text.splitlines())
   # Accepted by name, and shadowing it is refused.
   checked = cli.plan(cli.parse(quick_argv(tmp_path / 'o') + [
       '--workloads', 'spiral-2', '--arms', 'extra_arm,adamw']))

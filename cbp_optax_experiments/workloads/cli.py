@@ -83,7 +83,7 @@ def _listing(title: str, rows: Sequence[tuple[str, str]]) -> str:
   lines = [title]
   for name, text in rows:
     lines.append(textwrap.fill(
-        text, width, initial_indent=f'  {name:<{column - 4}}  ',
+        text or '(no description)', width, initial_indent=f'  {name:<{column - 4}}  ',
         subsequent_indent=' ' * column, break_on_hyphens=False))
   return '\n'.join(lines)
 
