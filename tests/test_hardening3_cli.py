@@ -13,6 +13,7 @@ replaced by a stub where a run must get that far.
 
 import copy
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -492,20 +493,22 @@ def test_an_interrupted_write_leaves_the_previous_results_whole(
   results = valid_results()
   report.write(tmp_path, copy.deepcopy(results))
   before = (tmp_path / report.RESULTS).read_text()
-  real = report.plotting.write_json
+  changed = copy.deepcopy(results)
+  changed['workloads']['spiral']['description'] = 'the new results'
 
-  def write_json(path, payload):
-    path.write_text('{"workloads": {"spir')  # the disk fills up here
+  def replace(src, dst):  # the process dies between writing and renaming
     raise OSError(28, 'No space left on device')
 
-  monkeypatch.setattr(report.plotting, 'write_json', write_json)
+  monkeypatch.setattr(os, 'replace', replace)
   with pytest.raises(OSError, match='No space left'):
-    report.write(tmp_path, copy.deepcopy(results))
+    report.write(tmp_path, changed)
   assert (tmp_path / report.RESULTS).read_text() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       'performance_profile.png', report.RESULTS, 'results.md']
-  monkeypatch.setattr(report.plotting, 'write_json', real)
-  assert report.load(tmp_path)['workloads'].keys() == {'spiral'}
+  monkeypatch.undo()
+  report.write(tmp_path, changed)
+  assert report.load(tmp_path)['workloads']['spiral']['description'] == (
+      'the new results')
 
 
 # ---------------------------------------------------------------------------
