@@ -92,7 +92,7 @@ def quick_argv(out):
     (['--seeds', '0,1'], "got '0,1'"),
     (['--seeds', '1001'], 'the tuning seed(s) [1000]'),
     (['--arm', f'{REFERENCE}=optax:adam'],
-     f"'{REFERENCE}' is a built-in arm (the reference"),
+     f"'{REFERENCE}' is a built-in arm (it sets the targets)"),
     (['--arm', 'nadamw=optax:adam', '--arms', 'nadamw'],
      "'nadamw' is a built-in arm"),
     (['--arm', MINE, '--arm', MINE, '--arms', 'mine'],
@@ -114,7 +114,7 @@ def quick_argv(out):
     (['--centered', 'cbp'], '--centered cbp: a built-in arm'),
     (['--arm', MINE, '--arms', 'mine,adamw', '--centered', 'mine',
       '--centered', 'mine'], '--centered mine: given more than once'),
-    (['--arms', 'nadamw'], 'spiral has no target to race to (--quick'),
+    (['--arms', 'cbp'], 'spiral has no target to race to (--quick'),
 ])
 def test_a_bad_argument_is_one_error_before_anything_trains(
     tmp_path, capsys, no_training, extra, message):
@@ -126,7 +126,7 @@ def test_a_bad_argument_is_one_error_before_anything_trains(
 def test_set_targets_without_the_reference_is_an_error(
     tmp_path, capsys, no_training):
   fails_with(capsys, ['--set-targets', '--workloads', 'spiral', '--arms',
-                      'nadamw', '--out', str(tmp_path / 'o')],
+                      'cbp', '--out', str(tmp_path / 'o')],
              'spiral has no target to race to (--set-targets')
 
 
@@ -220,6 +220,25 @@ def test_new_registry_entries_reach_help_and_arguments(
   assert [w.name for w in checked.workloads] == ['spiral']  # its factory
   fails_with(capsys, quick_argv(tmp_path / 'o') + [
       '--arm', 'extra_arm=optax:adam'], "'extra_arm' is a built-in arm")
+
+
+def test_targets_come_from_the_registry_s_baselines(
+    monkeypatch, tmp_path, capsys, stub_training):
+  # AlgoPerf's rule: several baselines set the target, where the arms
+  # module names them; any of them in --arms gives a --quick run a target.
+  monkeypatch.setattr(arms_lib, 'BASELINES', (REFERENCE, 'nadamw'),
+                      raising=False)
+  checked = cli.plan(cli.parse(quick_argv(tmp_path) + [
+      '--arms', 'cbp,nadamw']))
+  assert [a.name for a in checked.arms] == ['nadamw', 'cbp']
+  calls, fail = stub_training
+  fail.update({REFERENCE, 'nadamw'})
+  assert cli.main(quick_argv(tmp_path) + [
+      '--arms', f'cbp,nadamw,{REFERENCE}']) == 1
+  # Both baselines are tried before the others are given up.
+  assert calls == [('spiral', 'nadamw'), ('spiral', REFERENCE)]
+  assert ('spiral / cbp: not run (no target: adamw, which sets it, failed)'
+          in capsys.readouterr().err)
 
 
 def test_plan_of_good_arguments(tmp_path):
@@ -431,10 +450,10 @@ def stub_training(monkeypatch):
 def test_every_arm_failing_exits_1_and_writes_nothing(
     tmp_path, capsys, stub_training):
   calls, fail = stub_training
-  fail.update({REFERENCE, 'nadamw'})
+  fail.update({REFERENCE, 'cbp'})
   out = tmp_path / 'out'
   code = cli.main(['--quick', '--no-progress', '--workloads',
-                   'spiral,mnist-mlp', '--arms', f'nadamw,{REFERENCE}',
+                   'spiral,mnist-mlp', '--arms', f'cbp,{REFERENCE}',
                    '--out', str(out)])
   assert code == 1
   captured = capsys.readouterr()
@@ -446,8 +465,8 @@ def test_every_arm_failing_exits_1_and_writes_nothing(
   # AdamW sets a --quick run's target: the others are not trained for
   # nothing, and say why.
   assert calls == [('spiral', REFERENCE), ('mnist-mlp', REFERENCE)]
-  assert ('spiral / nadamw: not run (adamw failed, and it sets this '
-          "workload's target)") in captured.err
+  assert ('spiral / cbp: not run (no target: adamw, which sets it, failed)'
+          in captured.err)
 
 
 def test_a_partly_failed_run_writes_the_rest_and_exits_1(

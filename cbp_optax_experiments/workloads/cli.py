@@ -88,6 +88,13 @@ def _listing(title: str, rows: Sequence[tuple[str, str]]) -> str:
   return '\n'.join(lines)
 
 
+def target_setters() -> tuple[str, ...]:
+  """The arms whose tuned runs set a workload's target where the code fixes
+  none (``--quick``, ``--set-targets``): ``arms.BASELINES`` where the arms
+  module defines it (AlgoPerf's rule), else the reference arm alone."""
+  return tuple(getattr(arms_lib, 'BASELINES', (arms_lib.REFERENCE,)))
+
+
 def _description(name: str) -> str:
   try:
     return definitions.workload(name, False).description
@@ -105,8 +112,8 @@ def epilog() -> str:
   status."""
   workloads = [(name, _description(name)) for name in definitions.NAMES]
   arms = [(arm.name, arm.description + (
-      ' (the reference: sets the targets of a --quick or --set-targets '
-      'run)' if arm.name == arms_lib.REFERENCE else ''))
+      ' (sets the targets of a --quick or --set-targets run)'
+      if arm.name in target_setters() else ''))
           for arm in arms_lib.builtin_arms().values()]
   width = _width()
   return '\n\n'.join([
@@ -202,8 +209,8 @@ class Plan:
 
   Attributes:
     workloads: the workloads, in run order.
-    arms: the arms to run, the reference first (it sets the targets of a
-      ``--quick`` / ``--set-targets`` run).
+    arms: the arms to run, those of ``target_setters()`` first (they set
+      the targets of a ``--quick`` / ``--set-targets`` run).
     reference: the reference arm (``arms.REFERENCE``), run or not.
     seeds: the evaluation seeds.
     results: the ``--out`` results.json being merged into (checked), or
@@ -216,8 +223,9 @@ class Plan:
   results: Optional[dict[str, Any]]
 
   @property
-  def runs_reference(self) -> bool:
-    return any(arm.name == self.reference.name for arm in self.arms)
+  def sets_targets(self) -> bool:
+    """Whether an arm of ``target_setters()`` runs."""
+    return any(arm.name in target_setters() for arm in self.arms)
 
 
 def _names(flag: str, text: str, known: Sequence[str], what: str
@@ -254,8 +262,8 @@ def _user_arms(specs: Sequence[str], centered: Sequence[str]
     if name in builtin:
       raise ValueError(
           f'--arm {spec!r}: {name!r} is a built-in arm'
-          + (' (the reference, which sets the targets)'
-             if name == arms_lib.REFERENCE else '')
+          + (' (it sets the targets)' if name in target_setters()
+             else '')
           + '; give your arm another name')
     if name == ALL or (name and not _ARM_NAME.fullmatch(name)):
       raise ValueError(f'--arm {spec!r}: the name {name!r} must be letters, '
@@ -300,7 +308,7 @@ def _check_builds(spec: str, arm: arms_lib.Arm) -> None:
 
 
 def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
-  """The arms to run, the reference first."""
+  """The arms to run, those that set targets first."""
   user = _user_arms(args.arm or [], args.centered or [])
   available = {**arms_lib.builtin_arms(), **user}
   names = _names('--arms', args.arms, list(available), 'arm')
@@ -308,8 +316,8 @@ def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
   if left_out:
     raise ValueError(f'--arms {args.arms!r} leaves out the --arm '
                      f'{", ".join(left_out)}: add it to --arms or drop it')
-  # AdamW first: it sets the targets of a --quick / --set-targets run.
-  names.sort(key=lambda name: name != arms_lib.REFERENCE)
+  # They set the targets of a --quick / --set-targets run (a stable sort).
+  names.sort(key=lambda name: name not in target_setters())
   return [available[name] for name in names]
 
 
@@ -361,7 +369,8 @@ def _check_merge(results: dict[str, Any], args: argparse.Namespace,
 
 def _needs_run_target(workload: definitions.Workload,
                       args: argparse.Namespace) -> bool:
-  """Whether the workload's target comes from this run's reference arm."""
+  """Whether the workload's target comes from this run's
+  ``target_setters()``."""
   return workload.target is None or args.set_targets
 
 
@@ -370,7 +379,8 @@ def _check_targets(plan_arms: Sequence[arms_lib.Arm],
                    results: Optional[dict[str, Any]],
                    args: argparse.Namespace) -> None:
   """Every workload has a target to race to."""
-  if any(arm.name == arms_lib.REFERENCE for arm in plan_arms):
+  setters = target_setters()
+  if any(arm.name in setters for arm in plan_arms):
     return
   for workload in workloads:
     old = (results or {}).get('workloads', {}).get(workload.name, {})
@@ -379,9 +389,9 @@ def _check_targets(plan_arms: Sequence[arms_lib.Arm],
              '--quick' if args.quick else 'no target is fixed in the code')
       raise ValueError(
           f'--arms {args.arms!r}: {workload.name} has no target to race to '
-          f'({why}: {arms_lib.REFERENCE} sets it in this run, and '
+          f'({why}: {" or ".join(setters)} sets it in this run, and '
           f'{args.out / report.RESULTS} holds none); add '
-          f'{arms_lib.REFERENCE} to --arms')
+          f'{" or ".join(setters)} to --arms')
 
 
 def _check_data_dir(data_dir: Optional[pathlib.Path]) -> None:
@@ -464,14 +474,13 @@ def _runs_per_arm(workload: definitions.Workload, seeds) -> int:
 def _new_entry(workload: definitions.Workload, old: dict[str, Any],
                args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
   """The workload's results entry before this run's arms: its earlier arms,
-  and the target (the earlier one where this run's reference cannot set
-  it)."""
+  and the target (the earlier one where no arm of this run can set it)."""
   entry = report.workload_entry(workload, workload.target,
                                 'fixed in code (definitions.TARGETS)')
   entry['arms'] = dict(old.get('arms', {}))
   if _needs_run_target(workload, args):
     entry['target'], entry['target_source'] = None, 'none'
-    if old.get('target') is not None and not plan_.runs_reference:
+    if old.get('target') is not None and not plan_.sets_targets:
       entry['target'] = old['target']
       entry['target_source'] = old.get('target_source', 'earlier run')
   return entry
@@ -528,6 +537,7 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
                             for w in plan_.workloads) * len(plan_.arms),
                   unit='run', disable=args.no_progress)
   start = time.perf_counter()
+  setters = target_setters()
   failures: list[str] = []
   written = 0
   for workload in plan_.workloads:
@@ -537,12 +547,12 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
       outcome, failure = _evaluate(workload, arm, plan_, entry['target'], bar)
       if failure:
         failures.append(failure)
-        if arm.name == plan_.reference.name and entry['target'] is None:
+        rest = plan_.arms[i + 1:]
+        if (entry['target'] is None and arm.name in setters
+            and not any(a.name in setters for a in rest)):
           # Nothing else on this workload has a target to race to.
-          rest = plan_.arms[i + 1:]
-          failures += [f'{workload.name} / {a.name}: not run ({arm.name} '
-                       'failed, and it sets this workload\'s target)'
-                       for a in rest]
+          failures += [f'{workload.name} / {a.name}: not run (no target: '
+                       f'{arm.name}, which sets it, failed)' for a in rest]
           bar.update(_runs_per_arm(workload, plan_.seeds) * len(rest))
           break
         continue
