@@ -384,9 +384,10 @@ def test_score_only_of_valid_results_still_works(tmp_path, capsys):
     (dict(quick=False, seeds=(0, 1, 2)), [],
      "holds a full-size run's results and this is a --quick run"),
     (dict(quick=True, seeds=(0, 1)), ['--seeds', '3'],
-     '--seeds 3: '),
+     'on the evaluation seeds [0, 1], not [0, 1, 2]: give --seeds 2, or '
+     'another --out'),
     (dict(quick=True, seeds=(5, 6)), [], 'on the evaluation seeds [5, 6], '
-     'not [0, 1]'),
+     'not [0, 1]: give the same seeds'),
 ])
 def test_merging_unpaired_results_is_an_error_and_keeps_them(
     tmp_path, capsys, no_training, old, extra, message):

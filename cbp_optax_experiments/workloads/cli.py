@@ -348,11 +348,13 @@ def _check_merge(results: dict[str, Any], args: argparse.Namespace,
                   if arm['seeds'] != list(seeds)})
   if other:
     held = sorted({tuple(arm['seeds']) for arm in measured.values()})
+    same = (f'--seeds {len(held[0])}' if len(held) == 1 and list(held[0]) == (
+        list(range(len(held[0])))) else 'the same seeds')
     raise ValueError(
         f'--seeds {len(seeds)}: {path} holds {", ".join(other)} on the '
         f'evaluation seeds {" / ".join(map(str, map(list, held)))}, not '
-        f'{list(seeds)}: give the same --seeds, or another --out (seeds are '
-        'paired across arms)')
+        f'{list(seeds)}: give {same}, or another --out (seeds are paired '
+        'across arms)')
   for workload in workloads:
     old = results['workloads'].get(workload.name)
     if not old or not old['arms']:
