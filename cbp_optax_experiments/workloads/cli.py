@@ -251,19 +251,15 @@ def _names(flag: str, text: str, known: Sequence[str], what: str
   return names
 
 
-def _user_arms(specs: Sequence[str], centered: Sequence[str]
-               ) -> dict[str, arms_lib.Arm]:
-  """The ``--arm`` arms by name; ``--centered`` names some of them."""
-  builtin = arms_lib.builtin_arms()
-  names = [spec.partition('=')[0] for spec in specs]
+def _check_arm_names(specs: Sequence[str], names: Sequence[str],
+                     builtin: dict[str, arms_lib.Arm]) -> None:
   for spec, name in zip(specs, names):
     if '=' not in spec:
       raise ValueError(f'--arm expects NAME=module:function, got {spec!r}')
     if name in builtin:
       raise ValueError(
           f'--arm {spec!r}: {name!r} is a built-in arm'
-          + (' (it sets the targets)' if name in target_setters()
-             else '')
+          + (' (it sets the targets)' if name in target_setters() else '')
           + '; give your arm another name')
     if name == ALL or (name and not _ARM_NAME.fullmatch(name)):
       raise ValueError(f'--arm {spec!r}: the name {name!r} must be letters, '
@@ -273,6 +269,10 @@ def _user_arms(specs: Sequence[str], centered: Sequence[str]
   if repeated:
     raise ValueError(f'--arm: {", ".join(map(repr, repeated))} given more '
                      'than once')
+
+
+def _check_centered(centered: Sequence[str], names: Sequence[str],
+                    builtin: dict[str, arms_lib.Arm]) -> None:
   for name, count in collections.Counter(centered).items():
     if count > 1:
       raise ValueError(f'--centered {name}: given more than once')
@@ -286,6 +286,15 @@ def _user_arms(specs: Sequence[str], centered: Sequence[str]
       raise ValueError(f'--centered {name}: no --arm of that name ('
                        + (f'--arm names: {", ".join(names)}' if names else
                           'no --arm given') + ')')
+
+
+def _user_arms(specs: Sequence[str], centered: Sequence[str]
+               ) -> dict[str, arms_lib.Arm]:
+  """The ``--arm`` arms by name; ``--centered`` names some of them."""
+  builtin = arms_lib.builtin_arms()
+  names = [spec.partition('=')[0] for spec in specs]
+  _check_arm_names(specs, names, builtin)
+  _check_centered(centered, names, builtin)
   arms = {name: arms_lib.user_arm(spec, name in centered)
           for spec, name in zip(specs, names)}
   for spec, arm in zip(specs, arms.values()):
