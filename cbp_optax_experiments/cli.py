@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
+import os
 import pathlib
 import sys
 import time
@@ -87,6 +89,53 @@ def _methods(lr_adam: float, lr_cbp: float):
 _EMA = 0.9  # smoothing of the reported training loss
 
 
+def _integer(minimum: int, why: str = ''):
+  """An argparse ``type``: an integer at least ``minimum``."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = minimum - 1
+    if value < minimum:
+      raise argparse.ArgumentTypeError(
+          f'expected an integer >= {minimum}{why}, got {text!r}')
+    return value
+  return parse
+
+
+def _learning_rate(text: str) -> float:
+  """An argparse ``type``: a finite number > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(
+        f'expected a finite learning rate > 0, got {text!r}')
+  return value
+
+
+def check_out_dir(out: pathlib.Path, flag: str = '--out') -> None:
+  """Raises ValueError unless ``out`` is a folder or can be made one (so a
+  command fails before it trains, not when it writes).
+
+  Args:
+    out: the output folder.
+    flag: the option that named it, for the message.
+  """
+  if out.exists() and not out.is_dir():
+    raise ValueError(f'{flag} {out}: a file, not a folder')
+  parent = out
+  while not parent.exists():
+    if parent.is_symlink():
+      raise ValueError(f'{flag} {out}: {parent} is a broken link')
+    parent = parent.parent
+  if not parent.is_dir():
+    raise ValueError(f'{flag} {out}: {parent} is a file, not a folder')
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ValueError(f'{flag} {out}: {parent} is not writable')
+
+
 def compare_parser() -> argparse.ArgumentParser:
   """The ``cbp-optax compare`` argument parser (every flag with its default)."""
   parser = argparse.ArgumentParser(
@@ -103,19 +152,21 @@ def compare_parser() -> argparse.ArgumentParser:
       'package')
   parser.add_argument('--no-download', action='store_true',
                       help='never download MNIST')
-  parser.add_argument('--steps', type=int, default=300,
-                      help='training steps per method')
-  parser.add_argument('--batch-size', type=int, default=256,
+  parser.add_argument(
+      '--steps', type=_integer(2, ' (the first step compiles and is not '
+                               'timed)'), default=300,
+      help='training steps per method')
+  parser.add_argument('--batch-size', type=_integer(1), default=256,
                       help='images per step (sampled with replacement)')
-  parser.add_argument('--width', type=int, default=256,
+  parser.add_argument('--width', type=_integer(1), default=256,
                       help='units per hidden layer')
-  parser.add_argument('--depth', type=int, default=4,
-                      help='number of hidden layers')
-  parser.add_argument('--lr-adam', type=float, default=1e-3,
+  parser.add_argument('--depth', type=_integer(0), default=4,
+                      help='number of hidden layers (0: a linear model)')
+  parser.add_argument('--lr-adam', type=_learning_rate, default=1e-3,
                       help='learning rate of Adam and Adam + Center')
-  parser.add_argument('--lr-cbp', type=float, default=3e-3,
+  parser.add_argument('--lr-cbp', type=_learning_rate, default=3e-3,
                       help='learning rate of CBP')
-  parser.add_argument('--seed', type=int, default=0,
+  parser.add_argument('--seed', type=_integer(0), default=0,
                       help='seed of the initialization and the batches')
   parser.add_argument(
       '--out', type=pathlib.Path, default=None,
@@ -195,12 +246,26 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
     argv: the command's arguments (see ``cbp-optax compare --help``).
 
   Returns:
-    The exit status, 0.
+    The exit status, 0. A bad argument exits with status 2 before any
+    data is read; MNIST not found in ``--data-dir`` exits with status 1 and
+    one line saying why.
   """
-  args = compare_parser().parse_args(argv)
+  parser = compare_parser()
+  args = parser.parse_args(argv)
+  try:
+    if args.out is not None:
+      check_out_dir(args.out)
+    if args.data_dir is not None and args.data_dir.exists() and (
+        not args.data_dir.is_dir()):
+      raise ValueError(f'--data-dir {args.data_dir}: a file, not a folder')
+  except ValueError as e:
+    parser.error(str(e))
   plt = _require_matplotlib() if args.out is not None else None
-  data = datasets.find_mnist(args.data_dir, download=not args.no_download,
-                             bundled=True)
+  try:
+    data = datasets.find_mnist(args.data_dir, download=not args.no_download,
+                               bundled=True)
+  except datasets.DataError as e:
+    raise SystemExit(f'cbp-optax compare: error: {e}') from e
   header = [
       f'data: {data.source}',
       f'model: MLP 784 -> {args.width} x {args.depth} -> 10, batch '

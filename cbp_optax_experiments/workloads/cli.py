@@ -1,190 +1,626 @@
 """``cbp-optax workloads``: time to target of optimizer arms on fixed workloads.
 
-``cbp-optax workloads [--quick] [--workloads a,b] [--arms a,b] [--seeds N]
-[--out DIR] [--arm NAME=module:function [--centered NAME]] [--score-only]``
+``cbp-optax workloads [--quick] [--workloads all|a,b] [--arms all|a,b]
+[--seeds N] [--out DIR] [--arm NAME=module:function [--centered NAME]]
+[--set-targets] [--score-only]``
 
 Each arm tunes its learning rate on the workload's grid (tuning seed), then
-runs on the evaluation seeds; the report compares the time to each
+runs on the evaluation seeds 0..N-1; the report compares the time to each
 workload's target (tuned AdamW's median) over all workloads with AlgoPerf's
 performance profile. Running into an ``--out`` that already holds
 results.json replaces the (workload, arm) pairs measured now and keeps the
 others; ``--score-only`` rewrites results.md and the profile from
 results.json without training (with the targets now fixed in the code, for a
 full-size run).
+
+Every argument is checked before anything trains (names against the
+registries ``definitions.FACTORIES`` and ``arms.builtin_arms``, the seed
+count, ``--out`` and the results.json there): a bad one exits with status 2
+and one ``error:`` line naming it. A (workload, arm) that raises loses its
+own row, not the run; the run then exits with status 1 and lists the
+failures (see ``EPILOG_EXIT``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import datetime
+import os
 import pathlib
+import re
+import shutil
 import sys
+import textwrap
 import time
 import traceback
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+from cbp_optax_experiments import cli as top_cli
+from cbp_optax_experiments import datasets
+from cbp_optax_experiments.reproduce import cli as reproduce_cli
+from cbp_optax_experiments.workloads import arms as arms_lib
+from cbp_optax_experiments.workloads import definitions
+from cbp_optax_experiments.workloads import protocol
+from cbp_optax_experiments.workloads import report
+
+ALL = 'all'
+EXIT_FAILED = 1  # some (workload, arm) failed, or results.json not written
+# A user arm's name is a results.json key, a markdown table cell and an item
+# of the comma-separated --arms.
+_ARM_NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.+-]*')
+# What a workload's results must share with its rerun to be compared in one
+# table (its budget, evaluation interval, grid and metric).
+_WORKLOAD_IDENTITY = ('metric', 'higher_is_better', 'budget_steps',
+                      'eval_every', 'grid')
+
+EPILOG_EXIT = (
+    'exit status: 0 when every (workload, arm) ran and the results were '
+    'written; 1 when some or all of them failed (those that ran are written, '
+    'the failures are listed last on stderr; nothing is written when all '
+    'failed) or the results could not be written; 2 for a bad argument or '
+    'an unreadable --out/results.json, found before anything trains.')
 
 
-def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+  """Each flag's default as "(default: X)", except where it is None: those
+  flags say in their own text what happens without them. The epilog (the
+  workload and arm lists) keeps its lines."""
+
+  def _get_help_string(self, action):
+    if action.default is None:
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _listing(title: str, rows: Sequence[tuple[str, str]]) -> str:
+  """``title`` and one entry per row, ``name  text``, wrapped under the
+  text's column."""
+  width = _width()
+  column = min(max(len(name) for name, _ in rows) + 4, 28)
+  lines = [title]
+  for name, text in rows:
+    lines.append(textwrap.fill(
+        text or '(no description)', width, initial_indent=f'  {name:<{column - 4}}  ',
+        subsequent_indent=' ' * column, break_on_hyphens=False))
+  return '\n'.join(lines)
+
+
+def target_setters() -> tuple[str, ...]:
+  """The arms whose tuned runs set a workload's target where the code fixes
+  none (``--quick``, ``--set-targets``): ``arms.BASELINES`` where the arms
+  module defines it (AlgoPerf's rule), else the reference arm alone."""
+  return tuple(getattr(arms_lib, 'BASELINES', (arms_lib.REFERENCE,)))
+
+
+def _description(name: str) -> str:
+  try:
+    return definitions.workload(name, False).description
+  except Exception as e:  # pylint: disable=broad-except
+    # --help must not fail with the workload; running it will say why.
+    return f'(cannot be built here: {type(e).__name__}: {e})'
+
+
+def _width() -> int:
+  return max(40, shutil.get_terminal_size().columns - 2)  # argparse's
+
+
+def epilog() -> str:
+  """The workloads and arms, read from their registries, and the exit
+  status."""
+  workloads = [(name, _description(name)) for name in definitions.NAMES]
+  arms = [(arm.name, arm.description + (
+      ' (sets the targets of a --quick or --set-targets run)'
+      if arm.name in target_setters() else ''))
+          for arm in arms_lib.builtin_arms().values()]
+  width = _width()
+  return '\n\n'.join([
+      _listing("workloads (--workloads; 'all' runs them in this order):",
+               workloads),
+      _listing("built-in arms (--arms; 'all' runs these and every --arm):",
+               arms),
+      textwrap.fill(EPILOG_EXIT, width, break_on_hyphens=False)])
+
+
+def make_parser() -> argparse.ArgumentParser:
+  """The ``cbp-optax workloads`` parser; its --help lists every workload
+  and arm."""
   parser = argparse.ArgumentParser(
       prog='cbp-optax workloads',
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-      description='Time to target of optimizer arms (AdamW, NAdamW, Muon, '
-      'schedule-free AdamW, centered AdamW, CBP variants, your own) on fixed '
-      'small workloads, scored with AlgoPerf\'s performance profile.')
+      formatter_class=_HelpFormatter,
+      description=textwrap.fill(
+          'Time to target of optimizer arms (AdamW, NAdamW, Muon, '
+          'schedule-free AdamW, centered AdamW, CBP variants, your own) on '
+          'fixed small workloads, scored with AlgoPerf\'s performance '
+          'profile.', _width()),
+      epilog=epilog())
   parser.add_argument('--quick', action='store_true',
                       help='tiny sizes (a smoke test; targets from the '
                       'run\'s own AdamW)')
-  parser.add_argument('--workloads', default=None,
-                      help='comma-separated workloads (default: all)')
-  parser.add_argument('--arms', default=None,
-                      help='comma-separated arms (default: every built-in '
-                      'arm and every --arm)')
-  parser.add_argument('--arm', action='append', default=[],
+  parser.add_argument('--workloads', default=ALL, metavar='NAMES',
+                      help="'all' or comma-separated workloads (listed "
+                      'below)')
+  parser.add_argument('--arms', default=ALL, metavar='NAMES',
+                      help="'all' (every built-in arm and every --arm) or "
+                      'comma-separated arms (listed below, or --arm names)')
+  parser.add_argument('--arm', action='append', default=None,
                       metavar='NAME=module:function',
                       help='a user arm: function(schedule) returns an optax '
-                      'GradientTransformation (repeatable)')
-  parser.add_argument('--centered', action='append', default=[],
+                      'GradientTransformation; NAME (letters, digits, '
+                      '_.+-) must not be a built-in arm\'s, and must be in '
+                      '--arms when --arms is given (repeatable; none '
+                      'without it)')
+  parser.add_argument('--centered', action='append', default=None,
                       metavar='NAME',
-                      help='train the user arm NAME on the centered model '
-                      '(M2) with the transport after each update')
-  parser.add_argument('--seeds', type=int, default=None,
-                      help='evaluation seeds (default 3; 2 with --quick)')
-  parser.add_argument('--out', type=pathlib.Path,
+                      help='train the --arm arm NAME on the centered model '
+                      '(M2) with the transport after each update '
+                      '(repeatable; built-in arms are centered or not by '
+                      'definition, e.g. adamw_centered)')
+  parser.add_argument('--seeds', type=_seed_count, default=None, metavar='N',
+                      help='evaluate on the seeds 0..N-1, N >= 1 (without '
+                      'it: 3, or 2 with --quick); an --out that holds '
+                      'results must hold them on the same seeds')
+  parser.add_argument('--out', type=pathlib.Path, metavar='DIR',
                       default=pathlib.Path('workloads'),
-                      help='output folder (results.json there is merged)')
+                      help='output folder, created if missing (its '
+                      'results.json is merged: same --quick and --seeds)')
   parser.add_argument('--set-targets', action='store_true',
                       help='ignore the targets fixed in the code and set '
                       'each workload\'s from this run\'s AdamW (how the '
                       'fixed targets were made)')
   parser.add_argument('--score-only', action='store_true',
                       help='rescore --out/results.json into results.md and '
-                      'the profile PNG; no training')
+                      'the profile PNG; no training (takes only --out and '
+                      '--no-progress)')
   parser.add_argument('--data-dir', type=pathlib.Path, default=None,
-                      help='MNIST IDX files (default: $CBP_OPTAX_MNIST, '
-                      'then the bundled subset)')
+                      metavar='DIR',
+                      help='folder with the MNIST IDX files (without it: '
+                      '$CBP_OPTAX_MNIST, then the bundled subset)')
   parser.add_argument('--no-progress', action='store_true',
                       help='hide the progress bar')
-  return parser.parse_args(argv)
+  return parser
 
 
-def _split(text: Optional[str]) -> Optional[list[str]]:
-  return None if text is None else [t for t in text.split(',') if t]
+def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  return make_parser().parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  args = parse(argv)
-  # pylint: disable=g-import-not-at-top
-  from cbp_optax_experiments.reproduce import cli as reproduce_cli
-  reproduce_cli._prefer_fast_cpu_convolutions()  # pylint: disable=protected-access
-  import os
-  if args.data_dir is not None:
-    os.environ['CBP_OPTAX_MNIST'] = str(args.data_dir)
-  import jax
-  import tqdm
-  from cbp_optax_experiments.workloads import arms as arms_lib
-  from cbp_optax_experiments.workloads import definitions
-  from cbp_optax_experiments.workloads import protocol
-  from cbp_optax_experiments.workloads import report
-  # pylint: enable=g-import-not-at-top
-
-  out = args.out
-  if args.score_only:
-    results = report.load(out)
-    if results is None:
-      raise SystemExit(f'--score-only: no {out / report.RESULTS}')
-    if not results.get('meta', {}).get('quick'):
-      report.use_code_targets(results)
-    report.write(out, results)
-    print(f'rescored {out / report.RESULTS} -> results.md, '
-          'performance_profile.png')
-    return 0
-
-  available = arms_lib.builtin_arms()
+def _seed_count(text: str) -> int:
   try:
-    for spec in args.arm:
-      name = spec.partition('=')[0]
-      available[name] = arms_lib.user_arm(spec, name in args.centered)
-    names = _split(args.workloads) or list(definitions.NAMES)
-    for name in names:
-      definitions.workload(name, args.quick)
-  except ValueError as e:
-    raise SystemExit(f'cbp-optax workloads: {e}') from e
-  chosen = _split(args.arms) or [
-      n for n in available if n in arms_lib.builtin_arms() or
-      any(spec.startswith(n + '=') for spec in args.arm)]
-  unknown = [a for a in chosen if a not in available]
-  if unknown:
-    raise SystemExit(f'cbp-optax workloads: unknown arm(s) {unknown}; '
-                     f'choose from {", ".join(available)} or add --arm')
-  # AdamW first: it sets the targets of a --quick / --set-targets run.
-  chosen.sort(key=lambda a: a != arms_lib.REFERENCE)
-  reference = available[arms_lib.REFERENCE]
-  seeds = list(range(args.seeds or (2 if args.quick else 3)))
+    count = int(text)
+  except ValueError:
+    count = 0
+  if count < 1:
+    raise argparse.ArgumentTypeError(
+        f'expected a count N >= 1 (evaluation seeds 0..N-1), got {text!r}')
+  return count
 
-  data = definitions.mnist_data(args.quick).description
-  meta = {'quick': args.quick, 'seeds': seeds,
-          'tuning_seeds': list(protocol.TUNING_SEEDS), 'data': data,
+
+# ---------------------------------------------------------------------------
+# Validation: everything below raises ValueError('--flag value: why'), before
+# anything trains.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A training run with every argument checked.
+
+  Attributes:
+    workloads: the workloads, in run order.
+    arms: the arms to run, those of ``target_setters()`` first (they set
+      the targets of a ``--quick`` / ``--set-targets`` run).
+    reference: the reference arm (``arms.REFERENCE``), run or not.
+    seeds: the evaluation seeds.
+    results: the ``--out`` results.json being merged into (checked), or
+      None for a new one.
+  """
+  workloads: tuple[definitions.Workload, ...]
+  arms: tuple[arms_lib.Arm, ...]
+  reference: arms_lib.Arm
+  seeds: tuple[int, ...]
+  results: Optional[dict[str, Any]]
+
+  @property
+  def sets_targets(self) -> bool:
+    """Whether an arm of ``target_setters()`` runs."""
+    return any(arm.name in target_setters() for arm in self.arms)
+
+
+def _names(flag: str, text: str, known: Sequence[str], what: str
+           ) -> list[str]:
+  """``'all'``: ``known``; otherwise each comma-separated name, once each,
+  all of them in ``known``."""
+  if text.strip() == ALL:
+    return list(known)
+  names = [name.strip() for name in text.split(',')]
+  if not all(names):
+    raise ValueError(f'{flag} {text!r}: an empty name (a stray comma?); give '
+                     f"'{ALL}' or names separated by commas")
+  unknown = [name for name in names if name not in known]
+  if unknown:
+    raise ValueError(f'{flag} {text!r}: unknown {what} '
+                     f'{", ".join(map(repr, unknown))}; choose from '
+                     f'{", ".join(known)} (or {ALL!r} alone)')
+  repeated = [n for n, count in collections.Counter(names).items()
+              if count > 1]
+  if repeated:
+    raise ValueError(f'{flag} {text!r}: {", ".join(map(repr, repeated))} '
+                     'named more than once')
+  return names
+
+
+def _check_arm_names(specs: Sequence[str], names: Sequence[str],
+                     builtin: dict[str, arms_lib.Arm]) -> None:
+  for spec, name in zip(specs, names):
+    if '=' not in spec:
+      raise ValueError(f'--arm expects NAME=module:function, got {spec!r}')
+    if name in builtin:
+      raise ValueError(
+          f'--arm {spec!r}: {name!r} is a built-in arm'
+          + (' (it sets the targets)' if name in target_setters() else '')
+          + '; give your arm another name')
+    if name == ALL or (name and not _ARM_NAME.fullmatch(name)):
+      raise ValueError(f'--arm {spec!r}: the name {name!r} must be letters, '
+                       f"digits and _.+- (and not {ALL!r})")
+  repeated = [n for n, count in collections.Counter(names).items()
+              if count > 1]
+  if repeated:
+    raise ValueError(f'--arm: {", ".join(map(repr, repeated))} given more '
+                     'than once')
+
+
+def _check_centered(centered: Sequence[str], names: Sequence[str],
+                    builtin: dict[str, arms_lib.Arm]) -> None:
+  for name, count in collections.Counter(centered).items():
+    if count > 1:
+      raise ValueError(f'--centered {name}: given more than once')
+    if name in builtin:
+      raise ValueError(
+          f'--centered {name}: a built-in arm, centered or not by its '
+          'definition (centered: '
+          + ', '.join(a.name for a in builtin.values() if a.centered)
+          + '); --centered names an --arm')
+    if name not in names:
+      raise ValueError(f'--centered {name}: no --arm of that name ('
+                       + (f'--arm names: {", ".join(names)}' if names else
+                          'no --arm given') + ')')
+
+
+def _user_arms(specs: Sequence[str], centered: Sequence[str]
+               ) -> dict[str, arms_lib.Arm]:
+  """The ``--arm`` arms by name; ``--centered`` names some of them."""
+  builtin = arms_lib.builtin_arms()
+  names = [spec.partition('=')[0] for spec in specs]
+  _check_arm_names(specs, names, builtin)
+  _check_centered(centered, names, builtin)
+  arms = {name: arms_lib.user_arm(spec, name in centered)
+          for spec, name in zip(specs, names)}
+  for spec, arm in zip(specs, arms.values()):
+    _check_builds(spec, arm)
+  return arms
+
+
+def _check_builds(spec: str, arm: arms_lib.Arm) -> None:
+  """The user's function, called on a schedule, returns an optax
+  transformation (building one is cheap; training it is not)."""
+  try:
+    tx = arm.make(1e-3, arms_lib.Context(steps=100))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f'--arm {spec!r}: calling it on a schedule raised '
+                     f'{type(e).__name__}: {e}') from e
+  if not (callable(getattr(tx, 'init', None))
+          and callable(getattr(tx, 'update', None))):
+    raise ValueError(f'--arm {spec!r}: it returned {type(tx).__name__}, not '
+                     'an optax GradientTransformation')
+
+
+def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
+  """The arms to run, those that set targets first."""
+  user = _user_arms(args.arm or [], args.centered or [])
+  available = {**arms_lib.builtin_arms(), **user}
+  names = _names('--arms', args.arms, list(available), 'arm')
+  left_out = [name for name in user if name not in names]
+  if left_out:
+    raise ValueError(f'--arms {args.arms!r} leaves out the --arm '
+                     f'{", ".join(left_out)}: add it to --arms or drop it')
+  # They set the targets of a --quick / --set-targets run (a stable sort).
+  names.sort(key=lambda name: name not in target_setters())
+  return [available[name] for name in names]
+
+
+def _check_seeds(seeds: Sequence[int]) -> None:
+  shared = sorted(set(seeds) & set(protocol.TUNING_SEEDS))
+  if shared:
+    raise ValueError(f'--seeds {len(seeds)}: the evaluation seeds would '
+                     f'include the tuning seed(s) {shared}; give at most '
+                     f'{min(shared)}')
+
+
+def _check_merge(results: dict[str, Any], args: argparse.Namespace,
+                 workloads: Sequence[definitions.Workload],
+                 seeds: Sequence[int]) -> None:
+  """The results already in ``--out`` can share tables with this run's."""
+  path = args.out / report.RESULTS
+  measured = {(w, a): arm for w, entry in results['workloads'].items()
+              for a, arm in entry['arms'].items()}
+  if not measured:
+    return
+  if results['meta']['quick'] != args.quick:
+    kinds = ('a --quick run', 'a full-size run')
+    raise ValueError(
+        f'--out {args.out}: {path} holds {kinds[args.quick]}\'s results and '
+        f'this is {kinds[not args.quick]}; use another --out (the two '
+        'sizes do not share a table)')
+  other = sorted({a for (_, a), arm in measured.items()
+                  if arm['seeds'] != list(seeds)})
+  if other:
+    held = sorted({tuple(arm['seeds']) for arm in measured.values()})
+    same = (f'--seeds {len(held[0])}' if len(held) == 1 and list(held[0]) == (
+        list(range(len(held[0])))) else 'the same seeds')
+    raise ValueError(
+        f'--seeds {len(seeds)}: {path} holds {", ".join(other)} on the '
+        f'evaluation seeds {" / ".join(map(str, map(list, held)))}, not '
+        f'{list(seeds)}: give {same}, or another --out (seeds are paired '
+        'across arms)')
+  for workload in workloads:
+    old = results['workloads'].get(workload.name)
+    if not old or not old['arms']:
+      continue
+    new = report.workload_entry(workload, None, '')
+    changed = [key for key in _WORKLOAD_IDENTITY if old[key] != new[key]]
+    if changed:
+      raise ValueError(
+          f'--out {args.out}: {path} holds {workload.name} with another '
+          + ', '.join(f'{key} ({old[key]} there, {new[key]} now)'
+                      for key in changed)
+          + '; use another --out, or drop the workload there')
+
+
+def _needs_run_target(workload: definitions.Workload,
+                      args: argparse.Namespace) -> bool:
+  """Whether the workload's target comes from this run's
+  ``target_setters()``."""
+  return workload.target is None or args.set_targets
+
+
+def _check_targets(plan_arms: Sequence[arms_lib.Arm],
+                   workloads: Sequence[definitions.Workload],
+                   results: Optional[dict[str, Any]],
+                   args: argparse.Namespace) -> None:
+  """Every workload has a target to race to."""
+  setters = target_setters()
+  if any(arm.name in setters for arm in plan_arms):
+    return
+  for workload in workloads:
+    old = (results or {}).get('workloads', {}).get(workload.name, {})
+    if _needs_run_target(workload, args) and old.get('target') is None:
+      why = ('--set-targets' if args.set_targets else
+             '--quick' if args.quick else 'no target is fixed in the code')
+      raise ValueError(
+          f'--arms {args.arms!r}: {workload.name} has no target to race to '
+          f'({why}: {" or ".join(setters)} sets it in this run, and '
+          f'{args.out / report.RESULTS} holds none); add '
+          f'{" or ".join(setters)} to --arms')
+
+
+def _check_data_dir(data_dir: Optional[pathlib.Path]) -> None:
+  if data_dir is None:
+    return
+  try:
+    datasets.load_mnist(data_dir)
+  except datasets.DataError as e:
+    raise ValueError(f'--data-dir {data_dir}: {e}') from e
+
+
+def plan(args: argparse.Namespace) -> Plan:
+  """Checks every argument of a training run, and the results.json it
+  merges into.
+
+  Raises:
+    ValueError: a bad argument; the message starts with the flag and its
+      value. ``report.ResultsError``: an unreadable results.json.
+  """
+  top_cli.check_out_dir(args.out)
+  arms = _chosen_arms(args)
+  workloads = [definitions.workload(name, args.quick) for name in _names(
+      '--workloads', args.workloads, list(definitions.NAMES), 'workload')]
+  seeds = list(range(args.seeds or (2 if args.quick else 3)))
+  _check_seeds(seeds)
+  _check_data_dir(args.data_dir)
+  results = report.load(args.out)
+  if results is not None:
+    _check_merge(results, args, workloads, seeds)
+  _check_targets(arms, workloads, results, args)
+  return Plan(tuple(workloads), tuple(arms),
+              arms_lib.builtin_arms()[arms_lib.REFERENCE], tuple(seeds),
+              results)
+
+
+def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
+  """The results.json to rescore; a training flag beside --score-only is an
+  error (it would be ignored)."""
+  given = [flag for flag, value in (
+      ('--quick', args.quick), ('--workloads', args.workloads != ALL),
+      ('--arms', args.arms != ALL), ('--arm', args.arm),
+      ('--centered', args.centered), ('--seeds', args.seeds is not None),
+      ('--set-targets', args.set_targets),
+      ('--data-dir', args.data_dir is not None)) if value]
+  if given:
+    raise ValueError(f'--score-only rescores {args.out / report.RESULTS} as '
+                     f'it stands: it takes no {", ".join(given)}')
+  top_cli.check_out_dir(args.out)
+  results = report.load(args.out)
+  if results is None:
+    raise ValueError(f'--score-only: no {args.out / report.RESULTS}')
+  return results
+
+
+# ---------------------------------------------------------------------------
+# The run
+
+
+def _write(out: pathlib.Path, results: dict[str, Any]) -> None:
+  try:
+    report.write(out, results)
+  except OSError as e:
+    raise SystemExit(f'cbp-optax workloads: error: cannot write the results '
+                     f'into {out} ({e}); stopped') from e
+
+
+def _score_only(args: argparse.Namespace, results: dict[str, Any]) -> int:
+  if not results['meta']['quick']:
+    report.use_code_targets(results)
+  _write(args.out, results)
+  print(f'rescored {args.out / report.RESULTS} -> results.md, '
+        'performance_profile.png')
+  return 0
+
+
+def _runs_per_arm(workload: definitions.Workload, seeds) -> int:
+  return (len(workload.grid) + 1) * len(protocol.TUNING_SEEDS) + len(seeds)
+
+
+def _new_entry(workload: definitions.Workload, old: dict[str, Any],
+               args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
+  """The workload's results entry before this run's arms: its earlier arms,
+  and the target (the earlier one where no arm of this run can set it)."""
+  entry = report.workload_entry(workload, workload.target,
+                                'fixed in code (definitions.TARGETS)')
+  entry['arms'] = dict(old.get('arms', {}))
+  if _needs_run_target(workload, args):
+    entry['target'], entry['target_source'] = None, 'none'
+    if old.get('target') is not None and not plan_.sets_targets:
+      entry['target'] = old['target']
+      entry['target_source'] = old.get('target_source', 'earlier run')
+  return entry
+
+
+def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
+              plan_: Plan, target: Optional[float], bar
+              ) -> tuple[Optional[protocol.ArmOutcome], Optional[str]]:
+  """(outcome, None), or (None, what failed) when the arm raised."""
+  runs = 0
+
+  def on_run():
+    nonlocal runs
+    runs += 1
+    bar.update(1)
+
+  bar.set_description(f'{workload.name} / {arm.name}')
+  try:
+    return protocol.evaluate_arm(workload, arm, plan_.reference, target,
+                                 list(plan_.seeds), on_run=on_run), None
+  except Exception as e:  # pylint: disable=broad-except
+    # A broken arm (a user factory that raises, say) loses its own row,
+    # not the run: divergence is recorded, errors are reported.
+    traceback.print_exc()
+    print(f'{workload.name} / {arm.name}: failed ({e!r}); skipped',
+          file=sys.stderr)
+    return None, (f'{workload.name} / {arm.name}: {type(e).__name__}: {e} '
+                  f'(after {runs} completed runs)')
+  finally:
+    bar.update(_runs_per_arm(workload, plan_.seeds) - runs)
+
+
+def _meta(args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
+  import jax  # pylint: disable=g-import-not-at-top
+  return {'quick': args.quick, 'seeds': list(plan_.seeds),
+          'tuning_seeds': list(protocol.TUNING_SEEDS),
+          'data': definitions.mnist_data(args.quick).description,
           'jax': jax.__version__, 'platform': jax.devices()[0].platform,
           'started': datetime.datetime.now(datetime.timezone.utc).isoformat(
               timespec='seconds')}
-  results = report.load(out)
-  if results is not None and results.get('meta', {}).get('quick') != args.quick:
-    print(f'{out / report.RESULTS} holds a {"non-" if args.quick else ""}'
-          'quick run: starting a new one there')
-    results = None
-  if results is None:
+
+
+def _train(args: argparse.Namespace, plan_: Plan) -> int:
+  """Runs the plan, saving after every arm; the exit status."""
+  import tqdm  # pylint: disable=g-import-not-at-top
+  meta = _meta(args, plan_)
+  results = plan_.results
+  if results is None or not any(e['arms']
+                                for e in results['workloads'].values()):
     results = report.empty(meta)
   else:
     results['meta'].update({k: v for k, v in meta.items() if k != 'started'})
-
-  workloads = [definitions.workload(n, args.quick) for n in names]
-  per_arm = lambda w: (len(w.grid) + 1) * len(protocol.TUNING_SEEDS) + len(
-      seeds)
-  bar = tqdm.tqdm(total=sum(per_arm(w) for w in workloads) * len(chosen),
+  bar = tqdm.tqdm(total=sum(_runs_per_arm(w, plan_.seeds)
+                            for w in plan_.workloads) * len(plan_.arms),
                   unit='run', disable=args.no_progress)
   start = time.perf_counter()
-  for workload in workloads:
-    old = results['workloads'].get(workload.name, {})
-    entry = report.workload_entry(workload, workload.target,
-                                  'fixed in code (definitions.TARGETS)')
-    entry['arms'] = dict(old.get('arms', {}))
-    if workload.target is None or args.set_targets:
-      entry['target'], entry['target_source'] = None, 'none'
-      if old.get('target') is not None and reference.name not in chosen:
-        entry['target'] = old['target']
-        entry['target_source'] = old.get('target_source', 'earlier run')
-    results['workloads'][workload.name] = entry
-    for name in chosen:
-      arm = available[name]
-      bar.set_description(f'{workload.name} / {name}')
-      before = bar.n
-      try:
-        outcome = protocol.evaluate_arm(
-            workload, arm, reference, entry['target'], seeds,
-            on_run=lambda: bar.update(1))
-      except Exception as e:  # pylint: disable=broad-except
-        # A broken arm (a user factory that raises, say) loses its own row,
-        # not the run: divergence is recorded, errors are reported.
-        traceback.print_exc()
-        print(f'{workload.name} / {name}: failed ({e!r}); skipped',
-              file=sys.stderr)
+  setters = target_setters()
+  failures: list[str] = []
+  written = 0
+  for workload in plan_.workloads:
+    entry = _new_entry(workload, results['workloads'].get(workload.name, {}),
+                       args, plan_)
+    for i, arm in enumerate(plan_.arms):
+      outcome, failure = _evaluate(workload, arm, plan_, entry['target'], bar)
+      if failure:
+        failures.append(failure)
+        rest = plan_.arms[i + 1:]
+        if (entry['target'] is None and arm.name in setters
+            and not any(a.name in setters for a in rest)):
+          # Nothing else on this workload has a target to race to.
+          failures += [f'{workload.name} / {a.name}: not run (no target: '
+                       f'{arm.name}, which sets it, failed)' for a in rest]
+          bar.update(_runs_per_arm(workload, plan_.seeds) * len(rest))
+          break
         continue
-      bar.update(per_arm(workload) - (bar.n - before))
-      entry['arms'][name] = report.arm_entry(arm, outcome, entry)
-      if name == reference.name and (workload.target is None or
-                                     args.set_targets):
+      entry['arms'][arm.name] = report.arm_entry(arm, outcome, entry)
+      if arm.name == plan_.reference.name and _needs_run_target(
+          workload, args):
         entry['target'] = report.median_target(
-            entry, name, workload.higher_is_better)
+            entry, arm.name, workload.higher_is_better)
         entry['target_source'] = ('set from this run\'s tuned AdamW '
                                   '(median over its evaluation seeds)')
       report.apply_target(entry)
+      # The entry replaces the earlier one only once one of its arms ran.
+      results['workloads'][workload.name] = entry
       results['meta']['wall_seconds'] = time.perf_counter() - start
-      report.write(out, results)  # saved after every arm and workload
+      _write(args.out, results)  # saved after every arm and workload
+      written += 1
   bar.close()
-  print(report.score_table(results))
-  print(f'wrote {out / "results.md"}, {report.RESULTS}, '
-        f'performance_profile.png ({time.perf_counter() - start:.0f} s)')
-  return 0
+  return _summary(args.out, results, written, failures,
+                  len(plan_.workloads) * len(plan_.arms),
+                  time.perf_counter() - start)
+
+
+def _summary(out: pathlib.Path, results: dict[str, Any], written: int,
+             failures: Sequence[str], total: int, seconds: float) -> int:
+  """Prints the score and what was written, then the failures; the exit
+  status."""
+  if written:
+    print(report.score_table(results))
+    print(f'wrote {out / "results.md"}, {report.RESULTS}, '
+          f'performance_profile.png ({seconds:.0f} s)')
+  if not failures:
+    return 0
+  print(f'cbp-optax workloads: error: {len(failures)} of {total} (workload, '
+        'arm) failed' + ('' if written else '; nothing was written') + ':\n'
+        + '\n'.join(f'  {line}' for line in failures), file=sys.stderr)
+  return EXIT_FAILED
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs ``cbp-optax workloads``; returns the exit status (``EPILOG_EXIT``).
+
+  Args:
+    argv: the command's arguments (default: ``sys.argv[1:]``).
+  """
+  # Before anything makes JAX create its backend, which reads the flag.
+  reproduce_cli._prefer_fast_cpu_convolutions()  # pylint: disable=protected-access
+  parser = make_parser()
+  args = parser.parse_args(argv)
+  try:
+    checked = _check_score_only(args) if args.score_only else plan(args)
+  except ValueError as e:  # report.ResultsError included
+    parser.error(str(e))
+  if args.score_only:
+    return _score_only(args, checked)
+  if args.data_dir is not None:
+    os.environ['CBP_OPTAX_MNIST'] = str(args.data_dir)
+  return _train(args, checked)
 
 
 if __name__ == '__main__':

@@ -4,12 +4,16 @@
 a later run replaces the (workload, arm) pairs it measures and keeps the
 others, so one more arm can be added without rerunning the rest; the score is
 recomputed over everything there (``rescore``), after every workload.
+``load`` checks what it reads back (a damaged file is a ``ResultsError``
+that names the file and the field), and ``write`` replaces results.json in
+one step, so that an interrupted write leaves the previous file whole.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from typing import Any, Optional
 
@@ -24,9 +28,142 @@ from cbp_optax_experiments.workloads import scoring
 RESULTS = 'results.json'
 
 
+class ResultsError(ValueError):
+  """A results.json that cannot be used; the message names the file and the
+  field."""
+
+
+def _is_number(value) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def _is_positive(value) -> bool:
+  return _is_number(value) and value > 0
+
+
+def _is_count(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_integer(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(check):
+  return lambda value: value is None or check(value)
+
+
+def _list_of(check):
+  return lambda value: isinstance(value, list) and all(map(check, value))
+
+
+def _is(kind):
+  return lambda value: isinstance(value, kind)
+
+
+_NUMBERS_OR_NULLS = (_list_of(_optional(_is_number)),
+                     'a list of numbers or nulls')
+
+# Key -> (check, what the value must be): the fields that ``write``,
+# ``use_code_targets`` and a resumed run read back. Other keys are kept as
+# they are, unchecked.
+_META_FIELDS = {'quick': (_is(bool), 'true or false')}
+_WORKLOAD_FIELDS = {
+    'metric': (_is(str), 'a string'),
+    'target': (_optional(_is_number), 'a number or null'),
+    'higher_is_better': (_is(bool), 'true or false'),
+    'budget_steps': (_is_count, 'a positive integer'),
+    'eval_every': (_is_count, 'a positive integer'),
+    'grid': (_list_of(_is_positive), 'a list of positive learning rates'),
+    'description': (_is(str), 'a string'),
+    'target_source': (_is(str), 'a string'),
+    'arms': (_is(dict), 'an object (arm name -> record)'),
+}
+_ARM_FIELDS = {
+    'learning_rate': (_is_positive, 'a positive number'),
+    'seeds': (_list_of(_is_integer), 'a list of integers'),
+    'steps_to_target': (_list_of(_optional(_is_count)),
+                        'a list of positive integers or nulls'),
+    'diverged': (_list_of(_is(bool)), 'a list of true or false'),
+    'final_metric': _NUMBERS_OR_NULLS,
+    'best_metric': _NUMBERS_OR_NULLS,
+    'curves': (_list_of(_NUMBERS_OR_NULLS[0]),
+               'a list of lists of numbers or nulls'),
+    'cost_vs_adamw': (_is_positive, 'a positive number'),
+}
+# One value per evaluation seed.
+_PER_SEED = ('seeds', 'steps_to_target', 'diverged', 'final_metric',
+             'best_metric', 'curves')
+
+
+def _shown(value) -> str:
+  text = json.dumps(value) if not isinstance(value, float) else repr(value)
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _check_fields(record, fields, where: str) -> None:
+  """``where``: the record's dotted path in the file ('' at the top)."""
+  for key, (check, what) in fields.items():
+    field = f'{where}.{key}' if where else key
+    if key not in record:
+      raise ResultsError(f'{field} is missing')
+    if not check(record[key]):
+      raise ResultsError(f'{field} must be {what}, got '
+                         f'{_shown(record[key])}')
+
+
+def validate(results) -> None:
+  """Raises ``ResultsError`` (naming the field) unless ``results`` has the
+  shape that ``write`` gives results.json."""
+  if not isinstance(results, dict):
+    raise ResultsError(f'the top level must be an object, got '
+                       f'{_shown(results)}')
+  _check_fields(results, {'meta': (_is(dict), 'an object'),
+                          'workloads': (_is(dict), 'an object')}, '')
+  _check_fields(results['meta'], _META_FIELDS, 'meta')
+  for name, entry in results['workloads'].items():
+    where = f'workloads.{name}'
+    if not isinstance(entry, dict):
+      raise ResultsError(f'{where} must be an object, got {_shown(entry)}')
+    _check_fields(entry, _WORKLOAD_FIELDS, where)
+    for arm_name, arm in entry['arms'].items():
+      arm_where = f'{where}.arms.{arm_name}'
+      if not isinstance(arm, dict):
+        raise ResultsError(f'{arm_where} must be an object, got '
+                           f'{_shown(arm)}')
+      _check_fields(arm, _ARM_FIELDS, arm_where)
+      lengths = {key: len(arm[key]) for key in _PER_SEED}
+      if not arm['seeds'] or len(set(lengths.values())) > 1:
+        raise ResultsError(
+            f'{arm_where} must hold one value per evaluation seed (at least '
+            'one) in each of ' + ', '.join(_PER_SEED) + '; lengths '
+            + ', '.join(f'{k} {n}' for k, n in lengths.items()))
+
+
 def load(out: pathlib.Path) -> Optional[dict[str, Any]]:
+  """``out/results.json``, checked; None when there is none.
+
+  Raises:
+    ResultsError: the file cannot be read, is not JSON, or lacks a field (or
+      has one of the wrong type) that the report reads: the message names
+      the file, the field and the value.
+  """
   path = pathlib.Path(out) / RESULTS
-  return json.loads(path.read_text()) if path.exists() else None
+  if not (path.exists() or path.is_symlink()):
+    return None
+  try:
+    results = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ResultsError(f'{path} is damaged: not valid JSON ({e.msg} at line '
+                       f'{e.lineno}, column {e.colno})') from e
+  except (OSError, UnicodeDecodeError) as e:
+    raise ResultsError(f'{path} cannot be read ({e})') from e
+  try:
+    validate(results)
+  except ResultsError as e:
+    raise ResultsError(f'{path} is damaged: {e}') from e
+  return results
 
 
 def empty(meta: dict[str, Any]) -> dict[str, Any]:
@@ -228,10 +365,15 @@ def score_table(results: dict[str, Any]) -> str:
 
 
 def write(out: pathlib.Path, results: dict[str, Any]) -> None:
-  """results.json, results.md and performance_profile.png in ``out``."""
+  """results.json, results.md and performance_profile.png in ``out``.
+
+  Raises:
+    OSError: ``out`` cannot be written; results.json is then the previous
+      one (or absent), never a part of the new one.
+  """
   out = pathlib.Path(out)
   rescore(results)
-  plotting.write_json(out / RESULTS, results)
+  _replace_json(out / RESULTS, results)
   meta = results.get('meta', {})
   lines = [
       ('**QUICK RUN (--quick): tiny sizes, targets set from this run\'s '
@@ -255,6 +397,18 @@ def write(out: pathlib.Path, results: dict[str, Any]) -> None:
   plotting.write_markdown(out / 'results.md',
                           'Workloads: time to target vs AdamW', sections)
   plot_profile(out / 'performance_profile.png', results)
+
+
+def _replace_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
+  """Writes a temporary file beside ``path``, then renames it over ``path``:
+  a crash or a full disk mid-write leaves the previous file whole (the
+  rename is atomic on POSIX and Windows)."""
+  partial = path.with_name(f'.{path.name}.partial')
+  try:
+    plotting.write_json(partial, payload)
+    os.replace(partial, path)
+  finally:
+    partial.unlink(missing_ok=True)
 
 
 def plot_profile(path: pathlib.Path, results: dict[str, Any]) -> None:

@@ -1,0 +1,582 @@
+"""Hardening, round three: the command line fails before it trains.
+
+``cbp-optax workloads``: every argument is checked before anything trains (an
+empty or repeated name, a seed count below one, a user arm that shadows a
+built-in one, a ``--centered`` that names no ``--arm``, an ``--out`` that is a
+file, results in ``--out`` that this run cannot be compared with); a damaged
+results.json is one error naming the file and the field, on every path that
+reads it; a run whose arms fail says so and exits non-zero; results.json is
+replaced in one step. ``cbp-optax compare``: the same classes of bad
+arguments. All cheap: validation stops before training, and training is
+replaced by a stub where a run must get that far.
+"""
+
+import copy
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from cbp_optax_experiments import cli as top_cli
+from cbp_optax_experiments import datasets
+from cbp_optax_experiments.workloads import arms as arms_lib
+from cbp_optax_experiments.workloads import cli
+from cbp_optax_experiments.workloads import definitions
+from cbp_optax_experiments.workloads import protocol
+from cbp_optax_experiments.workloads import report
+
+REFERENCE = arms_lib.REFERENCE
+
+
+def sgd(schedule):
+  """A user arm for the arguments below (never trained)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  return optax.sgd(schedule)
+
+
+MINE = f'mine={__name__}:sgd'
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+  """Training, and the data a run loads, fail the test if reached."""
+  def evaluate_arm(*args, **kwargs):
+    pytest.fail('trained although an argument is bad')
+
+  def mnist_data(quick):
+    pytest.fail('loaded the data although an argument is bad')
+
+  monkeypatch.setattr(protocol, 'evaluate_arm', evaluate_arm)
+  monkeypatch.setattr(definitions, 'mnist_data', mnist_data)
+
+
+def fails_with(capsys, argv, message):
+  """``argv`` exits with status 2 and one ``error:`` line holding
+  ``message``."""
+  with pytest.raises(SystemExit) as info:
+    cli.main(argv)
+  assert info.value.code == 2, info.value.code
+  err = capsys.readouterr().err
+  errors = [line for line in err.splitlines() if 'error:' in line]
+  assert len(errors) == 1, err
+  assert errors[0].startswith('cbp-optax workloads: error: '), err
+  assert message in errors[0], err
+  return errors[0]
+
+
+def quick_argv(out):
+  return ['--quick', '--no-progress', '--workloads', 'spiral', '--arms',
+          REFERENCE, '--out', str(out)]
+
+
+# ---------------------------------------------------------------------------
+# Item 11: every argument checked before anything trains.
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--workloads', ','], "--workloads ',': an empty name"),
+    (['--workloads', 'spiral,'], "--workloads 'spiral,': an empty name"),
+    (['--workloads', ''], "--workloads '': an empty name"),
+    (['--workloads', 'spirl'], "unknown workload 'spirl'"),
+    (['--workloads', 'all,spiral'], "unknown workload 'all'"),
+    (['--workloads', 'spiral,spiral'], "'spiral' named more than once"),
+    (['--arms', ','], "--arms ',': an empty name"),
+    (['--arms', 'adamw,,nadamw'], 'an empty name'),
+    (['--arms', 'adam'], "unknown arm 'adam'"),
+    (['--arms', 'adamw,adamw'], "'adamw' named more than once"),
+    (['--seeds', '0'], "argument --seeds: expected a count N >= 1"),
+    (['--seeds', '-2'], "got '-2'"),
+    (['--seeds', '1.5'], "got '1.5'"),
+    (['--seeds', '0,1'], "got '0,1'"),
+    (['--seeds', '1001'], 'the tuning seed(s) [1000]'),
+    (['--arm', f'{REFERENCE}=optax:adam'],
+     f"'{REFERENCE}' is a built-in arm (it sets the targets)"),
+    (['--arm', 'nadamw=optax:adam', '--arms', 'nadamw'],
+     "'nadamw' is a built-in arm"),
+    (['--arm', MINE, '--arm', MINE, '--arms', 'mine'],
+     "'mine' given more than once"),
+    (['--arm', f'a|b={__name__}:sgd', '--arms', 'a|b'], "the name 'a|b'"),
+    (['--arm', f'a,b={__name__}:sgd'], "the name 'a,b'"),
+    (['--arm', f'all={__name__}:sgd'], "the name 'all'"),
+    (['--arm', 'nonsense'], 'NAME=module:function'),
+    (['--arm', 'x=no_such_module_xyz:f', '--arms', 'x'], 'cannot load'),
+    (['--arm', 'x=os:getcwd', '--arms', 'x'],
+     "--arm 'x=os:getcwd': calling it on a schedule raised TypeError"),
+    (['--arm', 'x=builtins:str', '--arms', 'x'],
+     'it returned str, not an optax GradientTransformation'),
+    (['--arm', MINE], '--arms \'adamw\' leaves out the --arm mine'),
+    (['--centered', 'mnie'], '--centered mnie: no --arm of that name'),
+    (['--arm', MINE, '--arms', 'mine,adamw', '--centered', 'mnie'],
+     '--centered mnie: no --arm of that name (--arm names: mine)'),
+    (['--centered', REFERENCE], f'--centered {REFERENCE}: a built-in arm'),
+    (['--centered', 'cbp'], '--centered cbp: a built-in arm'),
+    (['--arm', MINE, '--arms', 'mine,adamw', '--centered', 'mine',
+      '--centered', 'mine'], '--centered mine: given more than once'),
+    (['--arms', 'cbp'], 'spiral has no target to race to (--quick'),
+])
+def test_a_bad_argument_is_one_error_before_anything_trains(
+    tmp_path, capsys, no_training, extra, message):
+  out = tmp_path / 'out'
+  fails_with(capsys, quick_argv(out) + extra, message)
+  assert not out.exists()
+
+
+def test_set_targets_without_the_reference_is_an_error(
+    tmp_path, capsys, no_training):
+  fails_with(capsys, ['--set-targets', '--workloads', 'spiral', '--arms',
+                      'cbp', '--out', str(tmp_path / 'o')],
+             'spiral has no target to race to (--set-targets')
+
+
+@pytest.mark.parametrize('where', ['file', 'below_a_file'])
+def test_out_naming_a_file_is_an_error_before_training(
+    tmp_path, capsys, no_training, where):
+  (tmp_path / 'f').write_text('keep me')
+  out = tmp_path / 'f' if where == 'file' else tmp_path / 'f' / 'sub'
+  fails_with(capsys, quick_argv(out), 'is a file, not a folder'
+             if where != 'file' else 'a file, not a folder')
+  assert (tmp_path / 'f').read_text() == 'keep me'
+
+
+def test_data_dir_without_mnist_is_an_error(tmp_path, capsys, no_training):
+  (tmp_path / 'empty').mkdir()
+  fails_with(capsys, quick_argv(tmp_path / 'o') + [
+      '--data-dir', str(tmp_path / 'empty')],
+             f'--data-dir {tmp_path / "empty"}: No MNIST IDX files')
+
+
+@pytest.mark.parametrize('extra, flag', [
+    (['--quick'], '--quick'), (['--arms', 'nadamw'], '--arms'),
+    (['--workloads', 'spiral'], '--workloads'), (['--seeds', '2'], '--seeds'),
+    (['--arm', MINE], '--arm'), (['--set-targets'], '--set-targets'),
+])
+def test_score_only_refuses_the_flags_it_would_ignore(
+    tmp_path, capsys, no_training, extra, flag):
+  write_results(tmp_path, valid_results())
+  before = (tmp_path / report.RESULTS).read_text()
+  fails_with(capsys, ['--score-only', '--out', str(tmp_path)] + extra,
+             f'it takes no {flag}')
+  assert (tmp_path / report.RESULTS).read_text() == before
+  assert not (tmp_path / 'results.md').exists()
+
+
+def test_score_only_without_results_is_an_error(tmp_path, capsys):
+  fails_with(capsys, ['--score-only', '--out', str(tmp_path)],
+             f'--score-only: no {tmp_path / report.RESULTS}')
+
+
+# ---------------------------------------------------------------------------
+# The registries: --help lists them, the arguments accept them.
+
+
+def test_help_lists_every_workload_and_arm_and_each_default_once(capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(['--help'])
+  assert info.value.code == 0
+  text = capsys.readouterr().out
+  lines = text.splitlines()
+  for name in definitions.NAMES:
+    words = definitions.workload(name, False).description.split()[:2]
+    assert any(line.split()[:3] == [name, *words] for line in lines), name
+  for name, arm in arms_lib.builtin_arms().items():
+    words = arm.description.split()[:1]
+    assert any(line.split()[:2] == [name, *words] for line in lines), name
+  assert '(default: None)' not in text
+  # One "(default: ...)" at most per flag, none doubled.
+  flat = ' '.join(text.split())
+  assert '(default: all) (default' not in flat
+  for action in cli.make_parser()._actions:
+    if action.help:
+      shown = cli._HelpFormatter('x')._get_help_string(action)
+      assert shown.count('(default:') <= 1, action.option_strings
+  assert 'exit status: 0 when every' in flat and '2 for a bad argument' in flat
+
+
+def test_new_registry_entries_reach_help_and_arguments(
+    monkeypatch, capsys, tmp_path, no_training):
+  spiral = definitions.FACTORIES['spiral']
+  monkeypatch.setitem(definitions.FACTORIES, 'spiral-2', spiral)
+  monkeypatch.setattr(definitions, 'NAMES', (*definitions.NAMES, 'spiral-2'))
+  builtin = arms_lib.builtin_arms
+  extra = arms_lib.Arm('extra_arm', lambda lr, ctx: None,
+                       description='an arm added to the registry')
+  bare = arms_lib.Arm('bare_arm', lambda lr, ctx: None)  # no description
+  monkeypatch.setattr(arms_lib, 'builtin_arms',
+                      lambda: {**builtin(), 'extra_arm': extra,
+                               'bare_arm': bare})
+  with pytest.raises(SystemExit):
+    cli.main(['--help'])
+  text = capsys.readouterr().out
+  assert any(line.split()[:1] == ['spiral-2'] for line in text.splitlines())
+  assert 'extra_arm  ' in text and 'an arm added to the registry' in text
+  assert any(line.split() == ['bare_arm', '(no', 'description)']
+             for line in text.splitlines())
+  # Accepted by name, and shadowing it is refused.
+  checked = cli.plan(cli.parse(quick_argv(tmp_path / 'o') + [
+      '--workloads', 'spiral-2', '--arms', 'extra_arm,adamw']))
+  assert [a.name for a in checked.arms] == [REFERENCE, 'extra_arm']
+  assert [w.name for w in checked.workloads] == ['spiral']  # its factory
+  fails_with(capsys, quick_argv(tmp_path / 'o') + [
+      '--arm', 'extra_arm=optax:adam'], "'extra_arm' is a built-in arm")
+
+
+def test_targets_come_from_the_registry_s_baselines(
+    monkeypatch, tmp_path, capsys, stub_training):
+  # AlgoPerf's rule: several baselines set the target, where the arms
+  # module names them; any of them in --arms gives a --quick run a target.
+  monkeypatch.setattr(arms_lib, 'BASELINES', (REFERENCE, 'nadamw'),
+                      raising=False)
+  checked = cli.plan(cli.parse(quick_argv(tmp_path) + [
+      '--arms', 'cbp,nadamw']))
+  assert [a.name for a in checked.arms] == ['nadamw', 'cbp']
+  calls, fail = stub_training
+  fail.update({REFERENCE, 'nadamw'})
+  assert cli.main(quick_argv(tmp_path) + [
+      '--arms', f'cbp,nadamw,{REFERENCE}']) == 1
+  # Both baselines are tried before the others are given up.
+  assert calls == [('spiral', 'nadamw'), ('spiral', REFERENCE)]
+  assert ('spiral / cbp: not run (no target: adamw, which sets it, failed)'
+          in capsys.readouterr().err)
+
+
+def test_plan_of_good_arguments(tmp_path):
+  checked = cli.plan(cli.parse([
+      '--workloads', ' spiral , mnist-mlp', '--arms', f'mine,{REFERENCE}',
+      '--arm', MINE, '--centered', 'mine', '--seeds', '4', '--out',
+      str(tmp_path / 'new' / 'deeper')]))
+  assert [w.name for w in checked.workloads] == ['spiral', 'mnist-mlp']
+  assert [a.name for a in checked.arms] == [REFERENCE, 'mine']
+  assert checked.arms[1].centered
+  assert checked.seeds == (0, 1, 2, 3)
+  assert checked.results is None
+  every = cli.plan(cli.parse(['--quick', '--out', str(tmp_path / 'o')]))
+  assert [w.name for w in every.workloads] == list(definitions.NAMES)
+  assert {a.name for a in every.arms} == set(arms_lib.builtin_arms())
+  assert every.seeds == (0, 1)
+  assert not (tmp_path / 'new').exists()  # planning writes nothing
+
+
+# ---------------------------------------------------------------------------
+# Item 10: damaged results.json, on every reading path.
+
+
+def valid_results(quick=True, seeds=(0, 1)):
+  """A results.json as a run writes it: spiral, AdamW, ``seeds``."""
+  workload = definitions.workload('spiral', quick)
+  entry = report.workload_entry(workload, 0.5, 'set by hand')
+  chunks = workload.steps // workload.eval_every
+  curve = [0.1 * (i + 1) for i in range(chunks)]
+  entry['arms'][REFERENCE] = {
+      'learning_rate': 0.001, 'seeds': list(seeds),
+      'steps_to_target': [None] * len(seeds),
+      'diverged': [False] * len(seeds), 'final_metric': [curve[-1]] * len(
+          seeds), 'best_metric': [curve[-1]] * len(seeds),
+      'curves': [curve] * len(seeds), 'cost_vs_adamw': 1.0,
+      'description': 'optax.adamw'}
+  report.apply_target(entry)
+  return {'workloads': {'spiral': entry}, 'score': {},
+          'meta': {'quick': quick, 'seeds': list(seeds)}}
+
+
+def write_results(out, results):
+  out.mkdir(parents=True, exist_ok=True)
+  (out / report.RESULTS).write_text(json.dumps(results))
+
+
+def _set(path, value):
+  def damage(results):
+    *parents, last = path
+    node = results
+    for key in parents:
+      node = node[key]
+    if value is KeyError:
+      del node[last]
+    else:
+      node[last] = value
+    return results
+  return damage
+
+
+ARM = ('workloads', 'spiral', 'arms', REFERENCE)
+DAMAGES = {
+    'not_json': ('{"workloads": {', 'not valid JSON (Expecting'),
+    'a_list': ('[1, 2]', 'the top level must be an object, got [1, 2]'),
+    'no_meta': (_set(('meta',), KeyError), 'meta is missing'),
+    'no_quick': (_set(('meta', 'quick'), KeyError), 'meta.quick is missing'),
+    'workloads_list': (_set(('workloads',), []),
+                       'workloads must be an object, got []'),
+    'entry_number': (_set(('workloads', 'spiral'), 3),
+                     'workloads.spiral must be an object, got 3'),
+    'no_eval_every': (_set(('workloads', 'spiral', 'eval_every'), KeyError),
+                      'workloads.spiral.eval_every is missing'),
+    'target_text': (_set(('workloads', 'spiral', 'target'), 'high'),
+                    'workloads.spiral.target must be a number or null, got '
+                    '"high"'),
+    'arms_list': (_set(('workloads', 'spiral', 'arms'), [1]),
+                  'workloads.spiral.arms must be an object'),
+    'no_curves': (_set(ARM + ('curves',), KeyError),
+                  'workloads.spiral.arms.adamw.curves is missing'),
+    'diverged_text': (_set(ARM + ('diverged',), 'yes'),
+                      'arms.adamw.diverged must be a list of true or false'),
+    'nan_cost': (_set(ARM + ('cost_vs_adamw',), float('nan')),
+                 'cost_vs_adamw must be a positive number, got nan'),
+    'short_curves': (_set(ARM + ('curves',), [[0.5]]),
+                     'lengths seeds 2, steps_to_target 2, diverged 2, '
+                     'final_metric 2, best_metric 2, curves 1'),
+    'no_seeds': (lambda r: {**r, 'workloads': {'spiral': {
+        **r['workloads']['spiral'], 'arms': {REFERENCE: {
+            **r['workloads']['spiral']['arms'][REFERENCE],
+            **{k: [] for k in ('seeds', 'steps_to_target', 'diverged',
+                               'final_metric', 'best_metric',
+                               'curves')}}}}}},
+                 'one value per evaluation seed (at least one)'),
+}
+
+
+@pytest.mark.parametrize('path', ['score_only', 'resume'])
+@pytest.mark.parametrize('damage', list(DAMAGES))
+def test_damaged_results_is_one_error_naming_the_file_and_field(
+    tmp_path, capsys, no_training, path, damage):
+  change, message = DAMAGES[damage]
+  text = change if isinstance(change, str) else json.dumps(
+      change(valid_results()))
+  (tmp_path / report.RESULTS).write_text(text)
+  argv = (['--score-only', '--out', str(tmp_path)] if path == 'score_only'
+          else quick_argv(tmp_path))
+  line = fails_with(capsys, argv, message)
+  assert f'{tmp_path / report.RESULTS} is damaged: ' in line
+  assert (tmp_path / report.RESULTS).read_text() == text  # left as it was
+  assert not (tmp_path / 'results.md').exists()
+
+
+def test_results_that_cannot_be_read_name_the_file(
+    tmp_path, capsys, no_training):
+  (tmp_path / report.RESULTS).mkdir()
+  fails_with(capsys, quick_argv(tmp_path),
+             f'{tmp_path / report.RESULTS} cannot be read')
+  (tmp_path / report.RESULTS).rmdir()
+  (tmp_path / report.RESULTS).write_bytes(b'\xff\xfe{')
+  fails_with(capsys, ['--score-only', '--out', str(tmp_path)],
+             f'{tmp_path / report.RESULTS} cannot be read')
+
+
+def test_the_committed_suite_results_pass_the_check():
+  path = (pathlib.Path(__file__).parent.parent / 'docs' / 'reproduction'
+          / 'workloads_results.json')
+  report.validate(json.loads(path.read_text()))
+
+
+def test_score_only_of_valid_results_still_works(tmp_path, capsys):
+  write_results(tmp_path, valid_results())
+  assert cli.main(['--score-only', '--out', str(tmp_path),
+                   '--no-progress']) == 0
+  assert 'rescored' in capsys.readouterr().out
+  assert 'Verdict (spiral)' in (tmp_path / 'results.md').read_text()
+
+
+# ---------------------------------------------------------------------------
+# Results in --out that this run cannot share tables with.
+
+
+@pytest.mark.parametrize('old, extra, message', [
+    (dict(quick=False, seeds=(0, 1, 2)), [],
+     "holds a full-size run's results and this is a --quick run"),
+    (dict(quick=True, seeds=(0, 1)), ['--seeds', '3'],
+     'on the evaluation seeds [0, 1], not [0, 1, 2]: give --seeds 2, or '
+     'another --out'),
+    (dict(quick=True, seeds=(5, 6)), [], 'on the evaluation seeds [5, 6], '
+     'not [0, 1]: give the same seeds'),
+])
+def test_merging_unpaired_results_is_an_error_and_keeps_them(
+    tmp_path, capsys, no_training, old, extra, message):
+  write_results(tmp_path, valid_results(**old))
+  before = (tmp_path / report.RESULTS).read_text()
+  fails_with(capsys, quick_argv(tmp_path) + extra, message)
+  assert (tmp_path / report.RESULTS).read_text() == before
+
+
+def test_merging_a_changed_workload_is_an_error(tmp_path, capsys,
+                                                no_training):
+  results = valid_results()
+  results['workloads']['spiral']['budget_steps'] *= 2
+  write_results(tmp_path, results)
+  fails_with(capsys, quick_argv(tmp_path),
+             'holds spiral with another budget_steps (80 there, 40 now)')
+
+
+def test_a_user_arm_merges_into_results_that_hold_the_target(tmp_path):
+  # The README's recipe: one more arm into an earlier run's folder, without
+  # rerunning AdamW (its target is in results.json).
+  write_results(tmp_path, valid_results())
+  checked = cli.plan(cli.parse(quick_argv(tmp_path) + [
+      '--arm', MINE, '--arms', 'mine']))
+  assert [a.name for a in checked.arms] == ['mine']
+
+
+# ---------------------------------------------------------------------------
+# Item 10: failed arms, and writing.
+
+
+def fake_outcome(workload, seeds):
+  chunks = workload.steps // workload.eval_every
+  metrics = np.linspace(0.2, 0.9, chunks)
+  runs = [protocol.RunRecord(s, 1e-3, np.ones(workload.steps), metrics,
+                             False) for s in seeds]
+  return protocol.ArmOutcome(1e-3, {1e-3: runs[:1]}, runs, 1.0, 1e-3, 1e-3,
+                             0.1, False)
+
+
+@pytest.fixture
+def stub_training(monkeypatch):
+  """``evaluate_arm`` returns a made-up outcome at once, or raises on the
+  third run of the (workload, arm) pairs (or arms) in ``fail``; ``calls``
+  records what ran."""
+  calls, fail = [], set()
+
+  def evaluate_arm(workload, arm, reference, target, seeds, on_run=None,
+                   **kwargs):
+    calls.append((workload.name, arm.name))
+    if (workload.name, arm.name) in fail or arm.name in fail:
+      on_run()
+      on_run()  # two runs done, then the third raises
+      raise RuntimeError(f'{arm.name} broke')
+    return fake_outcome(workload, seeds)
+
+  monkeypatch.setattr(protocol, 'evaluate_arm', evaluate_arm)
+  return calls, fail
+
+
+def test_every_arm_failing_exits_1_and_writes_nothing(
+    tmp_path, capsys, stub_training):
+  calls, fail = stub_training
+  fail.update({REFERENCE, 'cbp'})
+  out = tmp_path / 'out'
+  code = cli.main(['--quick', '--no-progress', '--workloads',
+                   'spiral,mnist-mlp', '--arms', f'cbp,{REFERENCE}',
+                   '--out', str(out)])
+  assert code == 1
+  captured = capsys.readouterr()
+  assert 'wrote' not in captured.out
+  assert not out.exists()
+  assert ('error: 4 of 4 (workload, arm) failed; nothing was written'
+          in captured.err)
+  assert 'spiral / adamw: RuntimeError: adamw broke' in captured.err
+  # AdamW sets a --quick run's target: the others are not trained for
+  # nothing, and say why.
+  assert calls == [('spiral', REFERENCE), ('mnist-mlp', REFERENCE)]
+  assert ('spiral / cbp: not run (no target: adamw, which sets it, failed)'
+          in captured.err)
+
+
+def test_a_partly_failed_run_writes_the_rest_and_exits_1(
+    tmp_path, capsys, stub_training):
+  calls, fail = stub_training
+  fail.add(('mnist-mlp', 'nadamw'))
+  code = cli.main(['--quick', '--no-progress', '--workloads',
+                   'spiral,mnist-mlp', '--arms', f'{REFERENCE},nadamw',
+                   '--out', str(tmp_path)])
+  assert code == 1
+  captured = capsys.readouterr()
+  assert f'wrote {tmp_path / "results.md"}' in captured.out
+  assert 'error: 1 of 4 (workload, arm) failed:' in captured.err
+  assert ('mnist-mlp / nadamw: RuntimeError: nadamw broke (after 2 completed '
+          'runs)') in captured.err
+  results = report.load(tmp_path)
+  assert set(results['workloads']['spiral']['arms']) == {REFERENCE, 'nadamw'}
+  assert set(results['workloads']['mnist-mlp']['arms']) == {REFERENCE}
+  assert len(calls) == 4
+
+
+def test_a_run_that_succeeds_exits_0(tmp_path, capsys, stub_training):
+  argv = [a for a in quick_argv(tmp_path) if a != '--no-progress']
+  assert cli.main(argv) == 0  # with the progress bar
+  assert 'error' not in capsys.readouterr().err
+  assert report.load(tmp_path)['workloads']['spiral']['target'] is not None
+
+
+def test_an_unwritable_out_is_one_message_not_a_traceback(
+    tmp_path, monkeypatch, stub_training):
+  def write(out, results):
+    raise PermissionError(13, 'Permission denied')
+
+  monkeypatch.setattr(report, 'write', write)
+  with pytest.raises(SystemExit) as info:
+    cli.main(quick_argv(tmp_path / 'o'))
+  assert 'error: cannot write the results into' in str(info.value.code)
+  assert 'Permission denied' in str(info.value.code)
+
+
+def test_an_interrupted_write_leaves_the_previous_results_whole(
+    tmp_path, monkeypatch):
+  results = valid_results()
+  report.write(tmp_path, copy.deepcopy(results))
+  before = (tmp_path / report.RESULTS).read_text()
+  changed = copy.deepcopy(results)
+  changed['workloads']['spiral']['description'] = 'the new results'
+
+  def replace(src, dst):  # the process dies between writing and renaming
+    raise OSError(28, 'No space left on device')
+
+  monkeypatch.setattr(os, 'replace', replace)
+  with pytest.raises(OSError, match='No space left'):
+    report.write(tmp_path, changed)
+  assert (tmp_path / report.RESULTS).read_text() == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      'performance_profile.png', report.RESULTS, 'results.md']
+  monkeypatch.undo()
+  report.write(tmp_path, changed)
+  assert report.load(tmp_path)['workloads']['spiral']['description'] == (
+      'the new results')
+
+
+# ---------------------------------------------------------------------------
+# cbp-optax compare: the same classes.
+
+
+TINY = ['--steps', '3', '--width', '8', '--depth', '1', '--batch-size', '16']
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--steps', '0'], 'argument --steps: expected an integer >= 2'),
+    (['--steps', '1'], "(the first step compiles and is not timed), got '1'"),
+    (['--steps', '-5'], "got '-5'"),
+    (['--batch-size', '0'], 'argument --batch-size: expected an integer >= 1'),
+    (['--width', '0'], 'argument --width: expected an integer >= 1'),
+    (['--width', '-1'], 'argument --width'),
+    (['--depth', '-1'], 'argument --depth: expected an integer >= 0'),
+    (['--seed', '-1'], 'argument --seed: expected an integer >= 0'),
+    (['--lr-adam', '-1'], 'argument --lr-adam: expected a finite learning '
+     'rate > 0'),
+    (['--lr-adam', 'nan'], "got 'nan'"),
+    (['--lr-cbp', 'inf'], "argument --lr-cbp: expected a finite learning "
+     "rate > 0, got 'inf'"),
+    (['--lr-cbp', '0'], 'argument --lr-cbp'),
+    (['--out', '{file}'], '--out {file}: a file, not a folder'),
+    (['--out', '{file}/sub'], '{file} is a file, not a folder'),
+    (['--data-dir', '{file}'], '--data-dir {file}: a file, not a folder'),
+])
+def test_compare_bad_arguments_fail_before_reading_data(
+    tmp_path, capsys, monkeypatch, extra, message):
+  monkeypatch.setattr(datasets, 'find_mnist', lambda *a, **k: pytest.fail(
+      'read the data although an argument is bad'))
+  file = tmp_path / 'file'
+  file.write_text('keep me')
+  extra = [e.format(file=file) for e in extra]
+  with pytest.raises(SystemExit) as info:
+    top_cli.main(['compare', *TINY, *extra])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1].startswith('cbp-optax compare: error: ')
+  assert message.format(file=file) in err
+  assert file.read_text() == 'keep me'
+
+
+def test_compare_without_mnist_is_one_line(tmp_path, monkeypatch):
+  monkeypatch.delenv('CBP_OPTAX_MNIST', raising=False)
+  with pytest.raises(SystemExit) as info:
+    top_cli.main(['compare', *TINY, '--no-download', '--data-dir',
+                  str(tmp_path / 'nowhere')])
+  assert str(info.value.code).startswith(
+      f'cbp-optax compare: error: No MNIST IDX files in {tmp_path}')
