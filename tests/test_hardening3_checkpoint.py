@@ -12,6 +12,7 @@ import hashlib
 import os
 import pathlib
 import sys
+import time
 
 import chex
 import jax
@@ -321,6 +322,7 @@ def test_a_state_without_arrays_round_trips(tmp_path, state):
 
 REFUSED_ON_EVERY_PROCESS = '''
 import sys
+import time
 from cbp_optax import launch
 launch.initialize_from_env()
 import jax
@@ -353,3 +355,82 @@ def test_a_refusal_on_process_0_is_raised_on_every_process(tmp_path):
     assert (f"refused {process} holding 'results.csv'"
             in result.output(process)), result.output(process)
   assert (tmp_path / 'run' / 'results.csv').read_text() == 'keep me'
+
+
+# --- item 15: launch returns only once every process it ended is gone ---------------
+
+
+# A worker that starts a child ignoring SIGTERM and records its process group
+# and the child. Then both workers exit 0 ('exit0'), process 0 exits 1 once
+# process 1 has recorded ('exit1'), or the workers sleep ignoring SIGTERM
+# themselves until they are stopped.
+GROUP_WORKER = '''
+import os, pathlib, signal, subprocess, sys, time
+out, how = pathlib.Path(sys.argv[1]), sys.argv[2]
+index = os.environ['CBP_OPTAX_PROCESS_ID']
+child = subprocess.Popen(
+    [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, '
+     'signal.SIG_IGN); print("ready", flush=True); time.sleep(120)'],
+    stdout=subprocess.PIPE)
+child.stdout.readline()
+(out / f'{index}.tmp').write_text(f'{os.getpgid(0)} {child.pid}')
+(out / f'{index}.tmp').rename(out / f'{index}.pids')
+if how == 'exit0':
+  sys.exit(0)
+if how == 'exit1' and index == '0':
+  while not (out / '1.pids').exists():
+    time.sleep(0.01)
+  sys.exit(1)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+'''
+
+
+def group_gone(pgid):
+  try:
+    os.killpg(pgid, 0)
+  except ProcessLookupError:
+    return True
+  return False
+
+
+@pytest.mark.parametrize('how, grace', [
+    ('exit0', 0.2), ('exit1', 0.2), ('timeout', 0.2), ('interrupt', 0.2),
+    ('exit0', 0.0),
+    # Each waits for init to reap the killed children (about 2 s here).
+    pytest.param('exit1', 0.0, marks=pytest.mark.slow),
+    pytest.param('timeout', 0.0, marks=pytest.mark.slow),
+    pytest.param('interrupt', 0.0, marks=pytest.mark.slow)])
+def test_launch_returns_once_every_group_it_ended_is_gone(tmp_path, how, grace):
+  # Item 15: a worker's child was still present just after launch returned
+  # (gone 0.5 s later); with grace=0, still running.
+  import _thread
+  import threading
+  from cbp_optax import launch
+
+  def interrupt_once_both_recorded():
+    deadline = time.monotonic() + 60
+    while (len(list(tmp_path.glob('*.pids'))) < 2
+           and time.monotonic() < deadline):
+      time.sleep(0.02)
+    _thread.interrupt_main()
+
+  call = lambda: launch.launch(
+      ['-c', GROUP_WORKER, str(tmp_path), how], 2,
+      timeout=2.5 if how == 'timeout' else 60, grace=grace)
+  if how == 'exit0':
+    call()
+  else:
+    if how == 'interrupt':
+      threading.Thread(target=interrupt_once_both_recorded, daemon=True).start()
+    error = {'exit1': launch.WorkerFailed, 'timeout': launch.LaunchTimeout,
+             'interrupt': KeyboardInterrupt}[how]
+    with pytest.raises(error):
+      call()
+  recorded = [tuple(map(int, p.read_text().split()))
+              for p in sorted(tmp_path.glob('*.pids'))]
+  assert len(recorded) == 2, recorded
+  left = [(pgid, child) for pgid, child in recorded if not group_gone(pgid)]
+  assert not left, left
+  assert not any(pathlib.Path(f'/proc/{child}').exists()
+                 for _, child in recorded)
