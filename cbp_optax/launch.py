@@ -405,8 +405,8 @@ def _check_launch(
     raise TypeError(
         f'stream must be a text stream with a write method (sys.stdout, '
         f'io.StringIO()) or None, got {type(stream).__name__}.')
-  if not (os.path.isfile(python) or shutil.which(python)):
-    raise ValueError(f'python: no interpreter at {python!r}.')
+  if shutil.which(python) is None:  # a path is checked as it is, a name on PATH
+    raise ValueError(f'python: no executable interpreter at {python!r}.')
   return args, num_processes, cpu_devices, init_timeout, keep_lines
 
 

@@ -434,3 +434,14 @@ def test_launch_returns_once_every_group_it_ended_is_gone(tmp_path, how, grace):
   assert not left, left
   assert not any(pathlib.Path(f'/proc/{child}').exists()
                  for _, child in recorded)
+
+
+def test_launch_refuses_an_interpreter_it_cannot_run(tmp_path):
+  # Probed beside item 15: a `python` that is a file without the execute bit
+  # passed the checks, then Popen raised a raw PermissionError.
+  from cbp_optax import launch
+  python = tmp_path / 'python'
+  python.write_text('#!/bin/sh\n')
+  for bad in (str(python), str(tmp_path / 'missing'), 'no-such-python-3'):
+    with pytest.raises(ValueError, match='no executable interpreter at'):
+      launch.launch(['-c', 'pass'], 1, python=bad)
