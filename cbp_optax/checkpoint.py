@@ -332,8 +332,8 @@ def _remove(path: pathlib.Path) -> None:
 # database and its per-process parts. A folder holding anything else is not
 # replaced.
 _ORBAX_ENTRY = re.compile(
-    r'_\w+|d|manifest\.ocdbt|commit_success\.txt|array_metadatas|descriptor'
-    r'|ocdbt\.process_\d+')
+    r'_[A-Z][A-Z_]*|_sharding|d|manifest\.ocdbt|commit_success\.txt'
+    r'|array_metadatas|descriptor|ocdbt\.process_\d+')
 
 
 def _written_by_save(directory: pathlib.Path) -> bool:
