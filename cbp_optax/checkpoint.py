@@ -39,6 +39,7 @@ import hashlib
 import math
 import os
 import pathlib
+import re
 import shutil
 import threading
 from typing import Any, Optional, Union
@@ -124,12 +125,6 @@ def _raw_state_dict(tree: Any) -> Any:
   return state
 
 
-def _as_state_dict(tree: Any) -> Any:
-  # Python scalars (TrainState.create's step = 0) become the arrays a trained
-  # state holds, so a fresh state and a trained one compare equal.
-  return jax.tree.map(_storable, _raw_state_dict(tree))
-
-
 def _is_empty_node(x: Any) -> bool:
   return isinstance(x, (dict, list, tuple)) and not x
 
@@ -183,10 +178,10 @@ def _digest(leaf: Any) -> np.ndarray:
   return np.frombuffer(h.digest(), np.uint8)
 
 
-def _digests(state_dict: Any) -> np.ndarray:
+def _digests(state_dict: Any) -> Any:
   leaves = jax.tree.leaves(state_dict)
   if not leaves:
-    return np.zeros((0, _DIGEST_BYTES), np.uint8)
+    return {}  # no arrays: stored as an empty node, like a zero-size array
   return np.stack([_digest(leaf) for leaf in leaves])
 
 
@@ -206,28 +201,70 @@ def _sibling(directory: pathlib.Path, role: str) -> pathlib.Path:
   return directory.parent / f'.{directory.name}.cbp-{role}'
 
 
+def _open_lock_file(path: pathlib.Path, create: bool) -> tuple[int, bool]:
+  """An fd open on ``path`` and whether this call created the file; -1 when
+  ``create`` is False and there is no file."""
+  while True:
+    if create:
+      try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+      except FileExistsError:
+        pass
+    try:
+      return os.open(path, os.O_RDWR if create else os.O_RDONLY), False
+    except FileNotFoundError:
+      if not create:
+        return -1, False
+      # Removed by a failing save between the two opens: create it again.
+
+
+def _names_file(path: pathlib.Path, fd: int) -> bool:
+  try:
+    st = os.stat(path)
+  except FileNotFoundError:
+    return False
+  fst = os.fstat(fd)
+  return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
 @contextlib.contextmanager
-def _file_lock(path: pathlib.Path, *, shared: bool, wait: bool):
+def _file_lock(path: pathlib.Path, *, shared: bool, wait: bool,
+               create: bool = True):
   """``flock`` on ``path``: released when the holder ends, even if killed.
 
   Per open file, so it excludes threads of one process as well as other
-  processes. Yields False when ``wait`` is False and another holds it.
+  processes. Yields False when ``wait`` is False and another holds it, or
+  when ``create`` is False and there is no file (nothing to wait for).
+
+  A lock file this call created is removed again if the body raises, so a
+  failed save leaves the directory as it was. It is removed while held, and
+  a lock counts only while ``path`` still names the locked file, so no two
+  holders ever hold the same lock.
   """
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  try:
-    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    try:
-      fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
-    except BlockingIOError:
+  while True:
+    fd, created = _open_lock_file(path, create)
+    if fd < 0:
       yield False
       return
     try:
-      yield True
+      mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+      try:
+        fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
+      except BlockingIOError:
+        yield False
+        return
+      if _names_file(path, fd):
+        try:
+          yield True
+        except BaseException:
+          if created:
+            with contextlib.suppress(FileNotFoundError):
+              os.unlink(path)
+          raise
+        return
+      # Locked a file a failing save removed meanwhile: try the new one.
     finally:
-      fcntl.flock(fd, fcntl.LOCK_UN)
-  finally:
-    os.close(fd)
+      os.close(fd)  # releases the lock
 
 
 def _is_primary() -> bool:
@@ -271,9 +308,15 @@ def _recover(directory: pathlib.Path) -> None:
   interrupted = _interrupted_swap(directory)
   if interrupted is not None:
     os.rename(interrupted, directory)
-  new, old = _sibling(directory, 'new'), _sibling(directory, 'old')
-  for leftover in (old, new, *directory.parent.glob(
-      f'{glob.escape(new.name)}.orbax-checkpoint-tmp*')):
+  _remove(_sibling(directory, 'old'))
+  _remove_unfinished(directory)
+
+
+def _remove_unfinished(directory: pathlib.Path) -> None:
+  """Deletes the new checkpoint of an unfinished save (writer lock held)."""
+  new = _sibling(directory, 'new')
+  for leftover in (new, *directory.parent.glob(
+      f'{glob.escape(new.name)}{_ORBAX_TMP}*')):
     _remove(leftover)
 
 
@@ -284,18 +327,279 @@ def _remove(path: pathlib.Path) -> None:
     path.unlink()
 
 
-def _swap_in(directory: pathlib.Path, new: pathlib.Path) -> None:
+# What orbax writes at the top of a checkpoint folder: its metadata files
+# (`_METADATA`, `_CHECKPOINT_METADATA`, `_sharding`, ...), the OCDBT
+# database and its per-process parts. A folder holding anything else is not
+# replaced.
+_ORBAX_ENTRY = re.compile(
+    r'_[A-Z][A-Z_]*|_sharding|d|manifest\.ocdbt|commit_success\.txt'
+    r'|array_metadatas|descriptor|ocdbt\.process_\d+')
+
+
+def _written_by_save(directory: pathlib.Path) -> bool:
+  try:
+    tree = ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
+  except Exception:  # pylint: disable=broad-except
+    return False  # no orbax metadata, or unreadable
+  return isinstance(tree, dict) and set(tree) == {_STATE, _DIGESTS}
+
+
+def _foreign(directory: pathlib.Path) -> Optional[str]:
+  """What is at ``directory`` if save may not replace it; None if it is a
+  checkpoint save wrote (and nothing else) or an empty directory."""
+  if directory.is_symlink():
+    return f'a symbolic link (to {os.readlink(directory)})'
+  if not directory.is_dir():
+    return 'a file' if directory.is_file() else 'not a directory'
+  names = sorted((p.name for p in directory.iterdir()),
+                 key=lambda n: (n.startswith('.'), n))  # hidden ones last
+  others = [n for n in names if not _ORBAX_ENTRY.fullmatch(n)]
+  if others:
+    shown = ', '.join(map(repr, others[:5]))
+    more = f' and {len(others) - 5} more' if len(others) > 5 else ''
+    return f'a directory holding {shown}{more}'
+  if names and not _written_by_save(directory):
+    return ('a checkpoint that cbp_optax.checkpoint.save did not write (or '
+            'whose metadata cannot be read)')
+  return None
+
+
+def _refusal(directory: pathlib.Path,
+             force: bool) -> Optional[CheckpointError]:
+  """Why ``save(directory, force=force)`` may not put a checkpoint there."""
+  if not os.path.lexists(directory):
+    return None
+  what = _foreign(directory)
+  if what is not None:
+    return CheckpointError(
+        f'Cannot save to {directory}: it is {what}. save replaces only a '
+        'checkpoint it wrote itself (with force=True) or an empty '
+        'directory, and deletes nothing else: save to a new directory, or '
+        'move that one away yourself.'
+    )
+  if not force:
+    return CheckpointError(
+        f'Cannot save to {directory}: it exists. Pass force=True to '
+        'replace it (the old checkpoint is kept until the new one is '
+        'complete), or save to a new directory.'
+    )
+  return None
+
+
+def _swap_in(directory: pathlib.Path, new: pathlib.Path, force: bool) -> None:
   """Puts the complete checkpoint ``new`` at ``directory`` (writer lock held).
 
   The old checkpoint is kept until the new one is in place; readers wait
   while the two renames run, so a restore sees the old or the new one.
+  What is at ``directory`` is checked again first: it may have changed
+  while the new checkpoint was written.
   """
   old = _sibling(directory, 'old')
   with _file_lock(_sibling(directory, 'swap'), shared=False, wait=True):
-    if directory.exists():
+    refusal = _refusal(directory, force)
+    if refusal is not None:
+      raise refusal
+    if os.path.lexists(directory):
       os.rename(directory, old)
-    os.rename(new, directory)
+    try:
+      os.rename(new, directory)
+    except BaseException:
+      if os.path.lexists(old):
+        os.rename(old, directory)
+      raise
   _remove(old)
+
+
+# orbax reads the path of the folder it writes as a glob pattern (it lists
+# `<path>/ocdbt.process_*` to assemble the checkpoint): `step[1]` matches
+# `step1` only, so the data is never assembled and restore finds none; `*`
+# and `?` also match the folders of saves to other names being written
+# beside it. tensorstore reads a backslash as a separator.
+_UNSAFE_PATH_CHARACTERS = '[]*?\\'
+# orbax writes `<new>.orbax-checkpoint-tmp`, renamed to `<new>` when complete.
+_ORBAX_TMP = '.orbax-checkpoint-tmp'
+
+
+def _name_max(directory: pathlib.Path) -> int:
+  try:
+    return os.pathconf(directory, 'PC_NAME_MAX')
+  except (OSError, ValueError):  # pragma: no cover - no pathconf here
+    return 255
+
+
+def _check_target(directory: pathlib.Path) -> None:
+  """Refuses, before anything is written, a path save cannot write to."""
+  text = str(directory)
+  if '\0' in text:
+    raise CheckpointError(f'Cannot save to {directory!r}: it contains a NUL '
+                          'byte, which no file name can hold.')
+  unsafe = [c for c in _UNSAFE_PATH_CHARACTERS if c in text]
+  if unsafe:
+    raise CheckpointError(
+        f'Cannot save to {directory}: it contains {" ".join(unsafe)}, which '
+        "orbax reads as a pattern ('[', ']', '*', '?' are glob patterns, "
+        "'\\' a separator), so the checkpoint would not restore. Use a path "
+        'without them (e.g. lr_0.1/step_1 for lr[0.1]/step_1).'
+    )
+  if directory.name in ('', '..'):
+    raise CheckpointError(
+        f'Cannot save to {directory}: give the checkpoint folder its own '
+        f'name (e.g. {directory / "step_1"}).')
+  ancestor = directory.parent
+  while not os.path.lexists(ancestor):
+    ancestor = ancestor.parent
+  if not ancestor.is_dir():
+    raise CheckpointError(
+        f'Cannot save to {directory}: {ancestor} is '
+        f'{"a file" if ancestor.is_file() else "not a directory"}, not a '
+        'directory to hold it.')
+  longest = len(os.fsencode(f'.{directory.name}.cbp-new{_ORBAX_TMP}'))
+  limit = _name_max(ancestor)
+  if longest > limit:
+    raise CheckpointError(
+        f'Cannot save to {directory}: its name is {longest - 30} bytes '
+        f'long, and save writes beside it .<name>.cbp-new{_ORBAX_TMP}, '
+        f'{longest} bytes where this file system allows {limit}. Use a name '
+        f'of at most {limit - 30} bytes.')
+
+
+def _storable_entry(directory: pathlib.Path, path: Any, leaf: Any) -> Any:
+  try:
+    return _storable(leaf)
+  except (TypeError, ValueError, OverflowError) as e:
+    raise TypeError(
+        f'Cannot save to {directory}: the state\'s entry '
+        f'{jax.tree_util.keystr(path) or "(the whole state)"} is a '
+        f'{type(leaf).__name__}, not an array orbax can store ({e}).'
+    ) from e
+
+
+def _state_dict_to_save(directory: pathlib.Path, state: Any) -> Any:
+  """``state`` as the nested dict of arrays orbax writes, or a clear error
+  (before anything is written) where it cannot be stored."""
+  try:
+    jax.tree_util.tree_structure(state)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+        f'Cannot save to {directory}: the state is not a pytree JAX can '
+        f'flatten ({e}); give dict keys of one type.') from e
+  try:
+    raw = _raw_state_dict(state)
+  except ValueError as e:  # flax: keys 1 and '1' in one dict
+    raise CheckpointError(
+        f'Cannot save to {directory}: {str(e).split(" vs given")[0]}; '
+        'orbax stores keys as strings. Rename one of them.') from e
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: _storable_entry(directory, path, leaf), raw)
+
+
+def _check_storage_names(directory: pathlib.Path, tree: Any) -> None:
+  """Refuses two arrays orbax would store under one name.
+
+  orbax names an array by its keys joined with ``'.'`` (``{'a.b': x}`` and
+  ``{'a': {'b': y}}`` are both ``a.b``, and ``{'a': [x]}`` is ``a.0``), and
+  tensorstore drops a trailing ``'/'``: the second array would overwrite
+  the first, found only by restore's digest check.
+  """
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  names = jax.tree.leaves(
+      ocp.tree.get_param_names(tree, include_empty_nodes=False))
+  seen = {}
+  for path, name in zip(paths, names):
+    key = jax.tree_util.keystr(path[1:])
+    first = seen.setdefault(name.rstrip('/'), key)
+    if first != key:
+      raise CheckpointError(
+          f"Cannot save to {directory}: the state's entries {first} and "
+          f"{key} would be stored under one name ({name.partition('.')[2]!r}"
+          ": orbax joins keys with '.'), and one would overwrite the other. "
+          'Rename one of them.'
+      )
+
+
+@contextlib.contextmanager
+def _made_parents(directory: pathlib.Path, primary: bool):
+  """Creates the folders above ``directory``; removes them again, if still
+  empty, when the body raises."""
+  missing = []
+  parent = directory.parent
+  while primary and not os.path.lexists(parent):
+    missing.append(parent)
+    parent = parent.parent
+  if missing:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    yield
+  except BaseException:
+    for folder in missing:  # deepest first
+      with contextlib.suppress(OSError):
+        folder.rmdir()
+    raise
+
+
+_MESSAGE_BYTES = 2048
+
+
+def _agree(directory: pathlib.Path, error: Optional[BaseException]) -> None:
+  """Raises ``error`` (process 0's) on every process, or returns on all.
+
+  Process 0 alone looks at the files; the others get its message (as a
+  :class:`CheckpointError`, or the busy error) instead of waiting for it at
+  the next barrier.
+  """
+  if jax.process_count() > 1:
+    text = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
+    if error is not None:
+      message = f'{error} (raised on process 0)'.encode()[:_MESSAGE_BYTES]
+      text[0] = 2 if isinstance(error, CheckpointBusyError) else 1
+      text[1:1 + len(message)] = np.frombuffer(message, np.uint8)
+    text = np.asarray(multihost_utils.broadcast_one_to_all(text))
+    if text[0] and error is None:
+      kind = CheckpointBusyError if text[0] == 2 else CheckpointError
+      error = kind(bytes(text[1:]).rstrip(b'\0').decode(errors='replace'))
+  if error is not None:
+    raise error
+
+
+def _primary_step(primary: bool, step, *args) -> Optional[BaseException]:
+  """Runs ``step(*args)`` on process 0; returns what it raised."""
+  if not primary:
+    return None
+  try:
+    step(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+  return None
+
+
+def _prepare(directory: pathlib.Path, force: bool, acquired: bool) -> None:
+  if not acquired:
+    raise CheckpointBusyError(
+        f'Cannot save to {directory}: another save to it is in progress '
+        f'(it holds {_sibling(directory, "lock")}). Save to another '
+        'directory, or wait for that save to finish.'
+    )
+  _recover(directory)
+  refusal = _refusal(directory, force)
+  if refusal is not None:
+    raise refusal
+
+
+def _write(directory: pathlib.Path, tree: Any, force: bool,
+           primary: bool) -> None:
+  """Writes ``tree`` beside ``directory`` and swaps it in (lock held); a
+  failure deletes what was written."""
+  new = _sibling(directory, 'new')
+  try:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(new, tree, force=True)
+    checkpointer.wait_until_finished()
+    _sync('save_written')
+    _agree(directory, _primary_step(primary, _swap_in, directory, new, force))
+  except BaseException:
+    if primary:
+      _remove_unfinished(directory)
+    raise
 
 
 def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Path:
@@ -308,6 +612,21 @@ def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Pat
   complete, which :func:`restore` reads (and the next save tidies up). Each
   array is stored with its SHA-256 digest, which :func:`restore` verifies.
 
+  ``force`` replaces only a checkpoint that ``save`` wrote (recognized by
+  its metadata, holding nothing but orbax's files) or an empty directory:
+  a folder with anything else in it, a file or a symbolic link at
+  ``directory`` is refused and nothing is deleted. A save that is refused
+  or fails leaves the directory as it was (the folders it created, its lock
+  file and what it wrote are removed).
+
+  Refused before anything is written: a path with ``[``, ``]``, ``*``,
+  ``?`` or ``\\`` (orbax reads it as a pattern, and the checkpoint would
+  not restore), a name too long for the file system once ``save`` adds its
+  suffixes, a state orbax would store two arrays of under one name
+  (``{'a.b': x, 'a': {'b': y}}``: orbax joins keys with ``'.'``), and
+  entries that are not arrays. A state with no arrays (``{}``) is saved and
+  restores as itself.
+
   One save at a time per checkpoint: a second writer to the same
   ``directory`` (another thread or process) gets a
   :class:`CheckpointBusyError` at once, while saves to different
@@ -315,20 +634,24 @@ def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Pat
   orbax's writers share state). The lock is ``flock`` on the hidden file
   ``.<name>.cbp-lock`` beside the checkpoint; it is released when its
   holder ends, even if killed. In a multi-process run every process calls
-  ``save``, and the first process does the file operations.
+  ``save``, and the first process does the file operations (and its
+  refusals are raised on every process).
 
   Args:
     directory: the checkpoint folder; it must not exist unless ``force``.
     state: any pytree of arrays (an NNX state, a Linen ``TrainState``, a
       dict of them); typed PRNG keys are stored as their key data.
-    force: replace an existing checkpoint at ``directory``.
+    force: replace a checkpoint ``save`` wrote at ``directory``.
 
   Returns:
     The absolute path of the checkpoint.
 
   Raises:
-    CheckpointError: ``directory`` exists and ``force`` is False.
+    CheckpointError: ``directory`` exists and ``force`` is False, or holds
+      something other than a checkpoint ``save`` wrote; or the path or the
+      state's keys cannot be stored (see above).
     CheckpointBusyError: another save to ``directory`` is in progress.
+    TypeError: an entry of ``state`` is not an array.
 
   Examples:
     A whole CBP optimizer state (M1 energies, M3 moments, step counters):
@@ -349,36 +672,17 @@ def save(directory: PathLike, state: Any, *, force: bool = False) -> pathlib.Pat
   """
   _checks.check_bool('force', force)
   directory = _directory(directory)
-  state_dict = _as_state_dict(state)
-  digests = _digests(state_dict)
+  _check_target(directory)
+  state_dict = _state_dict_to_save(directory, state)
+  tree = {_STATE: state_dict, _DIGESTS: _digests(state_dict)}
+  _check_storage_names(directory, tree)
   primary = _is_primary()
   lock = (_file_lock(_sibling(directory, 'lock'), shared=False, wait=False)
           if primary else contextlib.nullcontext(True))
-  with _ORBAX_LOCK, lock as acquired:
-    if not acquired:
-      raise CheckpointBusyError(
-          f'Cannot save to {directory}: another save to it is in progress '
-          f'(it holds {_sibling(directory, "lock")}). Save to another '
-          'directory, or wait for that save to finish.'
-      )
-    if primary:
-      _recover(directory)
-      if directory.exists() and not force:
-        raise CheckpointError(
-            f'Cannot save to {directory}: it exists. Pass force=True to '
-            'replace it (the old checkpoint is kept until the new one is '
-            'complete), or save to a new directory.'
-        )
-    _sync('save_start')
-    new = _sibling(directory, 'new')
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(new, {_STATE: state_dict, _DIGESTS: digests},
-                      force=True)
-    checkpointer.wait_until_finished()
-    _sync('save_written')
-    if primary:
-      _swap_in(directory, new)
-    _sync('save_done')
+  with _ORBAX_LOCK, _made_parents(directory, primary), lock as acquired:
+    _agree(directory,
+           _primary_step(primary, _prepare, directory, force, acquired))
+    _write(directory, tree, force, primary)
   return directory
 
 
@@ -411,7 +715,8 @@ def _saved_tree(checkpointer: Any, directory: pathlib.Path) -> Any:
 
 def _verify(directory: pathlib.Path, restored: Any, digests: Any) -> None:
   leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
-  digests = np.asarray(digests)
+  digests = (np.zeros((0, _DIGEST_BYTES), np.uint8) if _is_empty_node(digests)
+             else np.asarray(digests))
   if digests.shape != (len(leaves), _DIGEST_BYTES):
     raise CheckpointError(
         f'Checkpoint {directory} is damaged: {digests.shape[0]} digests for '
@@ -495,7 +800,8 @@ def _read(source: pathlib.Path, directory: pathlib.Path, target: Any):
     digest_meta = saved[_DIGESTS]
     abstract = {
         _STATE: abstract,
-        _DIGESTS: jax.ShapeDtypeStruct(tuple(digest_meta.shape), np.uint8),
+        _DIGESTS: {} if _is_empty_node(digest_meta) else jax.ShapeDtypeStruct(
+            tuple(digest_meta.shape), np.uint8),
     }
   try:
     restored = checkpointer.restore(source, abstract)
@@ -558,12 +864,12 @@ def restore(directory: PathLike, like: Any) -> Any:
   directory = _directory(directory)
   raw_like = _raw_state_dict(like)
   target = jax.tree.map(_storable, raw_like)
-  swap = _sibling(directory, 'swap')
-  # Wait while a save swaps this checkpoint in (its two renames): the
-  # lock file exists once a save has run here.
-  lock = (_file_lock(swap, shared=True, wait=True) if swap.exists()
-          else contextlib.nullcontext(True))
-  with _ORBAX_LOCK, lock:
+  # Wait while a save swaps this checkpoint in (its two renames): the lock
+  # file exists once a save has run here. A reader never creates it (the
+  # storage may be read-only).
+  swap = _file_lock(_sibling(directory, 'swap'), shared=True, wait=True,
+                    create=False)
+  with _ORBAX_LOCK, swap:
     source = _interrupted_swap(directory) or directory
     restored, with_digests = _read(source, directory, target)
   if with_digests:

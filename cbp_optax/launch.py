@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import IO, Mapping, Optional, Sequence
 
 from cbp_optax import _checks
@@ -187,9 +188,33 @@ def _group_alive(pid: int) -> bool:
   return True
 
 
+# A killed process is gone (and its group with it) only once its parent has
+# reaped it; a worker's orphaned children are reaped by init, which in some
+# containers takes a while. How long the launcher waits for that after
+# SIGKILL, and for the workers' output pumps to read the rest.
+_KILL_WAIT = 10.0
+_MIN_PUMP_WAIT = 1.0
+
+
+def _wait_gone(workers: Sequence[_Worker], seconds: float) -> list[_Worker]:
+  """Waits up to ``seconds`` for the workers' process groups to be gone;
+  returns the workers whose group is still there."""
+  deadline = time.monotonic() + seconds
+  for w in workers:
+    try:
+      w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pass
+  while (time.monotonic() < deadline
+         and any(_group_alive(w.proc.pid) for w in workers)):
+    time.sleep(0.01)
+  return [w for w in workers if _group_alive(w.proc.pid)]
+
+
 def _stop(workers: Sequence[_Worker], grace: float) -> None:
-  """Ends every process of every worker's process group: SIGTERM, then
-  SIGKILL after ``grace``.
+  """Ends every process of every worker's process group and waits until
+  all are gone: SIGTERM, SIGKILL after ``grace``, then up to
+  :data:`_KILL_WAIT` seconds for the killed processes to be reaped.
 
   Each worker leads its own session (``start_new_session=True``), so its
   process group holds what it started: the worker, and children it left
@@ -199,24 +224,29 @@ def _stop(workers: Sequence[_Worker], grace: float) -> None:
   for w in workers:
     w.proc.poll()
   alive = [w for w in workers if _group_alive(w.proc.pid)]
-  for sig in (signal.SIGTERM, signal.SIGKILL):
+  for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, _KILL_WAIT)):
+    if not alive:
+      return
     for w in alive:
       try:
         os.killpg(w.proc.pid, sig)
       except (ProcessLookupError, PermissionError):
         pass
-    deadline = time.monotonic() + grace
-    for w in alive:
-      try:
-        w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        pass
-    while (time.monotonic() < deadline
-           and any(_group_alive(w.proc.pid) for w in alive)):
-      time.sleep(0.02)
-    alive = [w for w in alive if _group_alive(w.proc.pid)]
-    if not alive:
-      break
+    alive = _wait_gone(alive, wait)
+  if alive:
+    warnings.warn(
+        f'cbp_optax.launch: the process groups {[w.proc.pid for w in alive]} '
+        f'still exist {_KILL_WAIT:g} s after SIGKILL (a process in '
+        'uninterruptible sleep, or one its parent has not reaped).',
+        RuntimeWarning, stacklevel=2)
+
+
+def _finish(workers: Sequence[_Worker], grace: float) -> None:
+  """Stops what is left of every worker's process group (see :func:`_stop`)
+  and collects the rest of their output."""
+  _stop(workers, grace)
+  for w in workers:
+    w.pump.join(timeout=max(grace, _MIN_PUMP_WAIT))
 
 
 _MAX_PROCESSES = 1024
@@ -312,7 +342,11 @@ def launch(
 
   Every process a worker starts ends with the launch: once all workers have
   exited (or were stopped), whatever is left in their process groups gets
-  SIGTERM, then SIGKILL after ``grace``.
+  SIGTERM, then SIGKILL after ``grace``, and ``launch`` returns or raises
+  only once every process of those groups is gone (on success, failure,
+  timeout or ``KeyboardInterrupt``). The wait is bounded: ``grace`` seconds
+  after SIGTERM, then at most 10 s after SIGKILL for the killed processes
+  to be reaped (a ``RuntimeWarning`` names any group still there).
 
   Returns:
     A :class:`LaunchResult` (all exit statuses 0).
@@ -324,6 +358,38 @@ def launch(
       (the message names it), or a script or working directory that does
       not exist, before anything is started.
   """
+  args, num_processes, cpu_devices, init_timeout, keep_lines = _check_launch(
+      args, num_processes, cpu_devices, timeout, cwd, stream, python,
+      init_timeout, keep_lines, grace, stop_on_failure)
+  base_env = _worker_env(env, num_processes, cpu_devices, init_timeout)
+  lock = threading.Lock()
+  workers: list[_Worker] = []
+  start = time.monotonic()
+  try:
+    for index in range(num_processes):
+      worker_env = dict(base_env)
+      worker_env[ENV_PROCESS_ID] = str(index)
+      proc = subprocess.Popen(
+          [python, *args], env=worker_env, cwd=cwd, stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          start_new_session=True)
+      workers.append(_Worker(index, proc, stream, lock, keep_lines))
+    return _supervise(workers, start, timeout, grace, stop_on_failure)
+  except LaunchError:
+    raise  # _supervise has stopped everything
+  except BaseException:
+    # KeyboardInterrupt, or a failure to start a worker: leave nothing behind.
+    _finish(workers, grace)
+    raise
+
+
+def _check_launch(
+    args: Sequence[str], num_processes: int, cpu_devices: Optional[int],
+    timeout: float, cwd: Optional[str], stream: Optional[IO[str]],
+    python: str, init_timeout: int, keep_lines: int, grace: float,
+    stop_on_failure: bool,
+) -> tuple[list[str], int, Optional[int], int, int]:
+  """:func:`launch`'s arguments, checked (and normalized) before any start."""
   args = _check_program(args, cwd)
   num_processes = _checks.check_count(
       'num_processes', num_processes, minimum=1, maximum=_MAX_PROCESSES)
@@ -339,8 +405,14 @@ def launch(
     raise TypeError(
         f'stream must be a text stream with a write method (sys.stdout, '
         f'io.StringIO()) or None, got {type(stream).__name__}.')
-  if not (os.path.isfile(python) or shutil.which(python)):
-    raise ValueError(f'python: no interpreter at {python!r}.')
+  if shutil.which(python) is None:  # a path is checked as it is, a name on PATH
+    raise ValueError(f'python: no executable interpreter at {python!r}.')
+  return args, num_processes, cpu_devices, init_timeout, keep_lines
+
+
+def _worker_env(env: Optional[Mapping[str, str]], num_processes: int,
+                cpu_devices: Optional[int], init_timeout: int) -> dict[str, str]:
+  """The environment every worker shares (all but its process index)."""
   base_env = dict(os.environ if env is None else env)
   base_env['PYTHONUNBUFFERED'] = '1'
   if cpu_devices is not None:
@@ -352,70 +424,59 @@ def launch(
   base_env[ENV_COORDINATOR] = f'{LOOPBACK}:{free_port()}'
   base_env[ENV_NUM_PROCESSES] = str(num_processes)
   base_env[ENV_INIT_TIMEOUT] = str(int(init_timeout))
+  return base_env
 
-  lock = threading.Lock()
-  workers: list[_Worker] = []
-  start = time.monotonic()
+
+def _result(workers: Sequence[_Worker], start: float) -> LaunchResult:
+  return LaunchResult([w.proc.poll() for w in workers],
+                      [list(w.lines) for w in workers],
+                      time.monotonic() - start)
+
+
+def _failure(workers: Sequence[_Worker], first: _Worker, start: float,
+             stop_on_failure: bool) -> WorkerFailed:
+  others = [w for w in workers if w is not first]
+  if stop_on_failure:
+    fate = ('stopped the others '
+            f'({", ".join(str(w.index) for w in others) or "none"})')
+  else:
+    fate = 'then ' + ', '.join(
+        f'process {w.index} {_describe_exit(w.proc.returncode)} after '
+        f'{w.exited_at - start:.1f} s' for w in others)
+  return WorkerFailed(
+      f'process {first.index} of {len(workers)} '
+      f'{_describe_exit(first.proc.returncode)} after '
+      f'{first.exited_at - start:.1f} s; {fate}. Last output of '
+      f'process {first.index}:\n{first.tail()}', _result(workers, start))
+
+
+def _supervise(workers: Sequence[_Worker], start: float, timeout: float,
+               grace: float, stop_on_failure: bool) -> LaunchResult:
+  """Waits for the workers: all exit 0, one fails, or the timeout passes.
+
+  Whatever happens, what is left of their process groups is stopped (and
+  gone) before this returns or raises.
+  """
   deadline = start + timeout
-
-  def result() -> LaunchResult:
-    return LaunchResult([w.proc.poll() for w in workers],
-                        [list(w.lines) for w in workers],
-                        time.monotonic() - start)
-
-  try:
-    for index in range(num_processes):
-      worker_env = dict(base_env)
-      worker_env[ENV_PROCESS_ID] = str(index)
-      proc = subprocess.Popen(
-          [python, *args], env=worker_env, cwd=cwd, stdin=subprocess.DEVNULL,
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-          start_new_session=True)
-      workers.append(_Worker(index, proc, stream, lock, keep_lines))
-
-    while True:
-      exited = [w for w in workers if w.exited_at is not None]
-      failed = sorted((w for w in exited if w.proc.returncode != 0),
-                      key=lambda w: w.exited_at)
-      if failed and (stop_on_failure or len(exited) == num_processes):
-        first = failed[0]
-        _stop(workers, grace)
-        for w in workers:
-          w.pump.join(timeout=grace)
-        others = [w.index for w in workers if w is not first]
-        if stop_on_failure:
-          fate = (f'stopped the others '
-                  f'({", ".join(map(str, others)) or "none"})')
-        else:
-          fate = 'then ' + ', '.join(
-              f'process {w.index} {_describe_exit(w.proc.returncode)} after '
-              f'{w.exited_at - start:.1f} s' for w in workers if w is not first)
-        raise WorkerFailed(
-            f'process {first.index} of {num_processes} '
-            f'{_describe_exit(first.proc.returncode)} after '
-            f'{first.exited_at - start:.1f} s; {fate}. Last output of '
-            f'process {first.index}:\n{first.tail()}', result())
-      if len(exited) == num_processes:
-        _stop(workers, grace)  # children the workers left running
-        for w in workers:
-          w.pump.join(timeout=grace)
-        return result()
-      if time.monotonic() > deadline:
-        running = [w.index for w in workers if w.exited_at is None]
-        _stop(workers, grace)
-        for w in workers:
-          w.pump.join(timeout=grace)
-        tails = ''.join(f'  process {w.index}:\n{w.tail(10)}'
-                        for w in workers)
-        raise LaunchTimeout(
-            f'{num_processes} processes did not finish within {timeout:g} s '
-            f'(still running: {running}); stopped all. Last output:\n{tails}',
-            result())
-      time.sleep(0.05)
-  except BaseException:
-    # KeyboardInterrupt, or a failure to start a worker: leave nothing behind.
-    _stop(workers, grace)
-    raise
+  while True:
+    exited = [w for w in workers if w.exited_at is not None]
+    failed = sorted((w for w in exited if w.proc.returncode != 0),
+                    key=lambda w: w.exited_at)
+    if failed and (stop_on_failure or len(exited) == len(workers)):
+      _finish(workers, grace)
+      raise _failure(workers, failed[0], start, stop_on_failure)
+    if len(exited) == len(workers):
+      _finish(workers, grace)  # children the workers left running
+      return _result(workers, start)
+    if time.monotonic() > deadline:
+      running = [w.index for w in workers if w.exited_at is None]
+      _finish(workers, grace)
+      tails = ''.join(f'  process {w.index}:\n{w.tail(10)}' for w in workers)
+      raise LaunchTimeout(
+          f'{len(workers)} processes did not finish within {timeout:g} s '
+          f'(still running: {running}); stopped all. Last output:\n{tails}',
+          _result(workers, start))
+    time.sleep(0.05)
 
 
 def _bind_gloo_to_loopback() -> bool:

@@ -679,9 +679,12 @@ def test_existing_checkpoint_without_force_names_the_remedy(tmp_path):
     checkpoint.save(tmp_path / 'c', crash_state(2))
   with pytest.raises(TypeError, match='force must be True or False'):
     checkpoint.save(tmp_path / 'd', crash_state(2), force='yes')
-  (tmp_path / 'f').write_text('not a checkpoint')  # force replaces a file too
-  checkpoint.save(tmp_path / 'f', crash_state(3), force=True)
-  assert int(checkpoint.restore(tmp_path / 'f', crash_state(0))['step']) == 3
+  # force replaces only a checkpoint save wrote (issue 33 item 7; see
+  # tests/test_hardening3_checkpoint.py): a file stays as it is.
+  (tmp_path / 'f').write_text('not a checkpoint')
+  with pytest.raises(checkpoint.CheckpointError, match='it is a file'):
+    checkpoint.save(tmp_path / 'f', crash_state(3), force=True)
+  assert (tmp_path / 'f').read_text() == 'not a checkpoint'
 
 
 def test_restore_into_an_abstract_target(tmp_path):
