@@ -62,6 +62,8 @@ __all__ = [
 
 COLLECTION = 'centering'
 _MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
+# How many input positions 'batch_mean' averages since the last transport.
+_COUNT = 'batch_count'
 # Inside the Centered wrapper the layer's parameters live under these names.
 _DENSE, _CONV = 'dense', 'conv'
 
@@ -145,6 +147,13 @@ def _centered_call(
       lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
   recorded = host.variable(COLLECTION, _RECORDED, jnp.zeros, spec.mean_shape,
                            mean_dtype)
+  # A collection made before the count existed has none: it then records
+  # the last call only, as it did.
+  count = None
+  if host.is_initializing() or host.has_variable(COLLECTION, _COUNT):
+    count = host.variable(COLLECTION, _COUNT, jnp.zeros,
+                          core.count_shape(spec.mean_shape),
+                          core.count_dtype(mean_dtype))
   if mask is not None:
     host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
   if (
@@ -152,7 +161,11 @@ def _centered_call(
       and not host.is_initializing()
       and host.is_mutable_collection(COLLECTION)
   ):
-    recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
+    if count is None:
+      recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
+    else:
+      recorded.value, count.value = core.record_mean(
+          inputs, spec, recorded.value, count.value, axis_name)
 
   def kernel():
     value = kernel_of()
@@ -178,9 +191,13 @@ class Centered(nn.Module):
   ``use_running_average=False`` and the ``'centering'`` collection mutable,
   the forward pass records the batch mean of its input
   (``'centering'/'batch_mean'``) and never changes ``mu``; :func:`transport`
-  does, after the update. A convolution is centered after its padding and
-  runs as the plain layer minus ``(sum over the window of W) . mu``; a conv
-  ``mask`` is kept in ``'centering'/'kernel_mask'`` for the transport.
+  does, after the update. A layer called several times in one ``apply`` (an
+  unrolled recurrent cell) records the mean over all its calls, each
+  weighted by the positions it saw (``'centering'/'batch_count'``, which
+  the transport sets back to zero). A convolution is centered after its
+  padding and runs as the plain layer minus ``(sum over the window of W) .
+  mu``; a conv ``mask`` is kept in ``'centering'/'kernel_mask'`` for the
+  transport.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
@@ -434,7 +451,19 @@ def _transport_layer(layer_params, entry, mean_decay):
       mean_decay, mask=entry.get(_MASK), mean_stack_axes=box.stack_axes)
   inner = dict(inner, bias=bias)
   new_params = inner if name is None else dict(layer_params, **{name: inner})
-  return new_params, dict(entry, **{_MEAN: box.replace_boxed(mean)})
+  return new_params, _restart_recording(
+      dict(entry, **{_MEAN: box.replace_boxed(mean)}))
+
+
+def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
+  """A centering entry whose next training call records a fresh mean.
+
+  The transport calls it once it has used the recorded mean, so that every
+  step records the calls of its own forward pass only.
+  """
+  if _COUNT not in entry:
+    return dict(entry)
+  return dict(entry, **{_COUNT: jnp.zeros_like(entry[_COUNT])})
 
 
 def _transport_tree(params, centering, mean_decay):

@@ -44,9 +44,9 @@ from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
 __all__ = [
-    'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedMean',
-    'StepOutput', 'center', 'recalibrate_batch_stats', 'stacked_blocks',
-    'train_step', 'transport',
+    'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedCount',
+    'RecordedMean', 'StepOutput', 'center', 'recalibrate_batch_stats',
+    'stacked_blocks', 'train_step', 'transport',
 ]
 
 
@@ -75,7 +75,15 @@ class CenteringMean(_StackTracked):
 
 
 class RecordedMean(_StackTracked):
-  """The input mean of the last training batch, consumed by :func:`transport`."""
+  """The mean of the training inputs since the last :func:`transport`."""
+
+
+class RecordedCount(_StackTracked):
+  """How many input positions :class:`RecordedMean` averages (0: none yet).
+
+  ``mu``'s shape with every feature axis 1 (its stack axes kept), so that
+  the calls of one forward pass are weighted by the positions each saw.
+  """
 
 
 def _linear_spec(layer: nnx.Linear) -> core.LayerSpec:
@@ -169,10 +177,14 @@ class Centered(nnx.Module):
   mode, records the batch mean of its input (per input feature; per input
   channel over batch and spatial positions for convolutions); it never changes
   ``mu`` itself. :func:`transport` does, after the parameter update, together
-  with the bias shift that keeps the function unchanged. ``model.eval()`` (or
-  ``nnx.view(model, use_running_average=True)``) stops the recording;
-  ``model.train()`` resumes it; ``use_running_average`` may also be passed to
-  the call. Other keyword arguments (e.g. ``out_sharding``) go to the layer.
+  with the bias shift that keeps the function unchanged. A layer called
+  several times before the transport (an unrolled recurrent cell, one layer
+  applied twice) records the mean over all those calls, each weighted by the
+  positions it saw (``batch_count`` counts them; the transport sets it back
+  to zero). ``model.eval()`` (or ``nnx.view(model,
+  use_running_average=True)``) stops the recording; ``model.train()``
+  resumes it; ``use_running_average`` may also be passed to the call. Other
+  keyword arguments (e.g. ``out_sharding``) go to the layer.
 
   The layer may already be a stack (built under ``nnx.vmap``/``nnx.scan``):
   ``mu`` then gets the same stack axes, and :func:`transport` moves every
@@ -248,6 +260,9 @@ class Centered(nnx.Module):
     self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
     self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
                                    stack_axes=stack_axes)
+    self.batch_count = RecordedCount(
+        jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
+        stack_axes=stack_axes)
 
   def set_view(self, use_running_average: Optional[bool] = None):
     """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
@@ -260,8 +275,9 @@ class Centered(nnx.Module):
     if use_running_average is None:
       use_running_average = self.use_running_average
     if not use_running_average:
-      self.batch_mean[...] = core.batch_mean(
-          inputs, self.spec, self.batch_mean.dtype, self.axis_name)
+      self.batch_mean[...], self.batch_count[...] = core.record_mean(
+          inputs, self.spec, self.batch_mean[...], self.batch_count[...],
+          self.axis_name)
     return core.centered_output(
         self.spec,
         lambda x: self.layer(x, *args, **kwargs),
@@ -311,6 +327,15 @@ class Centered(nnx.Module):
     )
     self.layer.bias[...] = bias
     self.mean[...] = mean
+    self.restart_recording()
+
+  def restart_recording(self) -> None:
+    """Starts a fresh recorded mean: the next training call overwrites it.
+
+    :meth:`transport` calls it once it has used the recorded mean, so that
+    every step records the calls of its own forward pass only.
+    """
+    self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
 
 
 class Optimizer(nnx.Optimizer):

@@ -1,0 +1,256 @@
+"""Hardening, round three (issue 33): centering and BatchNorm statistics.
+
+Tied variables (item 1), a layer called several times in one forward pass
+(item 2), recalibration's zero-example and time-major batches (item 3),
+keyword calls of intercepted Linen layers (item 12) and the message for an
+``nn.scan`` without the centering collection (item 13). Each test here
+failed before the fix it names.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import cbp_optax as cbp
+
+
+def shifted_inputs(shape, seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype) + 1.5
+
+
+
+# --- item 2: a layer called several times in one forward pass -----------------
+
+# Time step t has mean t (and a spread, so the pooled mean is not trivial).
+STEPS = jnp.stack([jnp.full((4, 2), float(t)) for t in range(4)]
+                  ) + jnp.array([[[-1.0], [1.0], [0.0], [0.0]]])
+
+
+class NnxCell(nnx.Module):
+
+  def __init__(self):
+    self.cell = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+  def __call__(self, xs):
+    h = jnp.zeros((xs.shape[1], 2))
+    for x in xs:  # unrolled
+      h = jnp.tanh(self.cell(x) + h)
+    return h
+
+
+class LinenCell(nn.Module):
+
+  @nn.compact
+  def __call__(self, xs):
+    cell, h = nn.Dense(2), jnp.zeros((xs.shape[1], 2))
+    for x in xs:
+      h = jnp.tanh(cell(x) + h)
+    return h
+
+
+def test_nnx_unrolled_cell_records_the_mean_over_every_call():
+  # Recorded 3.0 (the last step's mean) where 1.5 is the mean of the inputs.
+  model = NnxCell()
+  cbp.nnx.center(model)
+  model(STEPS)
+  np.testing.assert_allclose(model.cell.batch_mean[...], [1.5, 1.5])
+  np.testing.assert_array_equal(model.cell.batch_count[...], [16.0])
+  model.eval()
+  before = model(STEPS)
+  cbp.nnx.transport(model, mean_decay=0.0)
+  np.testing.assert_allclose(model.cell.mean[...], [1.5, 1.5])
+  np.testing.assert_allclose(model(STEPS), before, atol=1e-6)
+  # The transport restarts the recording: the next forward pass records
+  # only its own calls.
+  np.testing.assert_array_equal(model.cell.batch_count[...], [0.0])
+  model.train()
+  model(STEPS[:1])
+  np.testing.assert_allclose(model.cell.batch_mean[...], [0.0, 0.0])
+
+
+def test_linen_unrolled_cell_records_the_mean_over_every_call():
+  model = cbp.linen.center(LinenCell())
+  variables = model.init(jax.random.key(0), STEPS)
+  y, changed = model.apply(variables, STEPS, mutable=['centering'])
+  entry = changed['centering']['Dense_0']
+  np.testing.assert_allclose(entry['batch_mean'], [1.5, 1.5])
+  np.testing.assert_array_equal(entry['batch_count'], [16.0])
+  params, centering_ = cbp.linen.transport(
+      variables['params'], changed['centering'], 0.0)
+  np.testing.assert_allclose(centering_['Dense_0']['mean'].value, [1.5, 1.5])
+  np.testing.assert_array_equal(centering_['Dense_0']['batch_count'], [0.0])
+  y_new = model.apply({'params': params, 'centering': centering_}, STEPS)
+  np.testing.assert_allclose(y_new, y, atol=1e-6)
+
+
+def test_calls_are_weighted_by_the_positions_each_saw():
+  # One example of 0 and three of 4: the mean of the inputs is 3, not 2.
+  small, large = jnp.zeros((1, 2)), jnp.full((3, 2), 4.0)
+  layer = cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  layer(small)
+  layer(large)
+  np.testing.assert_allclose(layer.batch_mean[...], [3.0, 3.0])
+
+  class Twice(nn.Module):
+
+    @nn.compact
+    def __call__(self, a, b):
+      dense = nn.Dense(2)
+      return dense(a).sum() + dense(b).sum()
+
+  model = cbp.linen.center(Twice())
+  variables = model.init(jax.random.key(0), small, large)
+  _, changed = model.apply(variables, small, large, mutable=['centering'])
+  np.testing.assert_allclose(changed['centering']['Dense_0']['batch_mean'],
+                             [3.0, 3.0])
+  # A convolution weighs each call by its batch and spatial positions.
+  conv = cbp.nnx.Centered(nnx.Conv(1, 1, (1, 1), rngs=nnx.Rngs(0)))
+  conv(jnp.zeros((1, 4, 4, 1)))  # 16 positions of 0
+  conv(jnp.full((1, 2, 2, 1), 5.0))  # 4 positions of 5
+  np.testing.assert_allclose(conv.batch_mean[...], [1.0])
+
+
+def test_a_call_without_input_positions_records_nothing():
+  layer = cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  layer(jnp.ones((3, 2)))
+  layer(jnp.ones((0, 2)))
+  np.testing.assert_array_equal(layer.batch_mean[...], [1.0, 1.0])
+  np.testing.assert_array_equal(layer.batch_count[...], [3.0])
+
+
+class Block(nnx.Module):
+  """A block that applies its one layer twice."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(2, 2, rngs=rngs)
+
+  def __call__(self, x):
+    # Calls at x and x + 2; passes x + 2 on.
+    return x + 2.0 + 0.0 * self.linear(self.linear(x) * 0.0 + x + 2.0)
+
+
+class Blocks(nnx.Module):
+
+  def __init__(self):
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+      return Block(nnx.Rngs(key))
+
+    self.blocks = make(jax.random.split(jax.random.key(0), 3))
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, block):
+      return block(x)
+
+    return run(x, self.blocks)
+
+
+def test_nnx_stacked_layer_called_twice_pools_both_calls_per_slice():
+  model = Blocks()
+  cbp.nnx.center(model)
+  x = jnp.ones((4, 2))
+
+  @nnx.jit
+  def forward(model, x):
+    return model(x)
+
+  forward(model, x)
+  layer = model.blocks.linear
+  # Slice l sees x_l and x_l + 2, with x_0 = 1 and x_{l+1} = x_l + 2.
+  np.testing.assert_allclose(layer.batch_mean[...],
+                             [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]])
+  assert layer.batch_count.shape == (3, 1)
+  np.testing.assert_array_equal(layer.batch_count[...], [[8.0]] * 3)
+  before = forward(model, x)
+  cbp.nnx.transport(model, mean_decay=0.0)
+  np.testing.assert_array_equal(layer.batch_count[...], [[0.0]] * 3)
+  np.testing.assert_allclose(layer.mean[...],
+                             [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]])
+  model.eval()
+  np.testing.assert_allclose(forward(model, x), before, atol=1e-5)
+
+
+class LinenBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, _):
+    dense = nn.Dense(2)
+    return x + 2.0 + 0.0 * dense(dense(x) * 0.0 + x + 2.0), None
+
+
+class LinenBlocks(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    layers = nn.scan(LinenBlock, length=3, split_rngs={'params': True},
+                     variable_axes={'params': 0, 'centering': 0})
+    return layers(name='layers')(x, None)[0]
+
+
+def test_linen_scanned_layer_called_twice_pools_both_calls_per_slice():
+  model = cbp.linen.center(LinenBlocks())
+  x = jnp.ones((4, 2))
+  variables = model.init(jax.random.key(0), x)
+  y, changed = jax.jit(
+      lambda v, x: model.apply(v, x, mutable=['centering']))(variables, x)
+  entry = changed['centering']['layers']['Dense_0']
+  np.testing.assert_allclose(entry['batch_mean'],
+                             [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]])
+  np.testing.assert_array_equal(entry['batch_count'], [[8.0]] * 3)
+  params, centering_ = cbp.linen.transport(
+      variables['params'], changed['centering'], 0.0)
+  y_new = model.apply({'params': params, 'centering': centering_}, x)
+  np.testing.assert_allclose(y_new, y, atol=1e-5)
+
+
+def test_fused_steps_transport_the_mean_over_every_call():
+  # Both train_steps: mu moves toward the mean over all the calls, and the
+  # next step records afresh (the count is back to zero after each).
+  def nnx_loss(model, xs):
+    return jnp.mean(model(xs) ** 2)
+
+  model = NnxCell()
+  cbp.nnx.center(model)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+  step = cbp.nnx.train_step(nnx_loss, mean_decay=0.5)
+  step(model, optimizer, STEPS)
+  np.testing.assert_allclose(model.cell.mean[...], [0.75, 0.75])
+  np.testing.assert_array_equal(model.cell.batch_count[...], [0.0])
+  step(model, optimizer, STEPS)
+  np.testing.assert_allclose(model.cell.mean[...], [1.125, 1.125])
+
+  linen = cbp.linen.center(LinenCell())
+  variables = linen.init(jax.random.key(0), STEPS)
+  state = cbp.linen.TrainState.create(
+      apply_fn=linen.apply, params=variables['params'],
+      centering=variables['centering'], tx=optax.sgd(0.0))
+  linen_step = cbp.linen.train_step(
+      lambda apply, xs: jnp.mean(apply(xs) ** 2), mean_decay=0.5)
+  state, _ = linen_step(state, STEPS)
+  state, _ = linen_step(state, STEPS)
+  np.testing.assert_allclose(state.centering['Dense_0']['mean'].value,
+                             [1.125, 1.125])
+  np.testing.assert_array_equal(state.centering['Dense_0']['batch_count'],
+                                [0.0])
+
+
+def test_a_linen_collection_without_a_count_records_the_last_call():
+  # Collections built before the count existed keep working as they did.
+  model = cbp.linen.center(LinenCell())
+  variables = model.init(jax.random.key(0), STEPS)
+  old = {'Dense_0': {k: v for k, v in variables['centering']['Dense_0'].items()
+                     if k != 'batch_count'}}
+  _, changed = model.apply({'params': variables['params'], 'centering': old},
+                           STEPS, mutable=['centering'])
+  assert set(changed['centering']['Dense_0']) == {'mean', 'batch_mean'}
+  np.testing.assert_allclose(changed['centering']['Dense_0']['batch_mean'],
+                             [3.0, 3.0])
+  params, centering_ = cbp.linen.transport(variables['params'],
+                                           changed['centering'], 0.0)
+  assert set(centering_['Dense_0']) == {'mean', 'batch_mean'}
+
+
