@@ -898,6 +898,49 @@ def _call_model(model: nnx.Module, batch: Any) -> Any:
   return model(*_batch_stats.as_args(batch))
 
 
+# How many positions, and in how many calls, a BatchNorm of the throw-away
+# copy has normalized so far in one batch (attributes of the copy only).
+_COUNT, _CALLS = 'cbp_recalibration_count', 'cbp_recalibration_calls'
+
+
+_POOLING_TYPES: dict[type, type] = {}
+
+
+def _pooling_type(norm_type: type) -> type:
+  """``norm_type`` whose every call's moments are pooled (for a copy).
+
+  The layer normalizes with its batch's statistics, as in training,
+  whatever its flags; its ``mean`` and ``var`` accumulate the moments of
+  every call of the forward pass, weighted by the positions each call
+  normalized (a layer applied twice counts both inputs). A subclass, not a
+  wrapper, so that paths, attributes and layer stacks stay as they are.
+  """
+  if norm_type in _POOLING_TYPES:
+    return _POOLING_TYPES[norm_type]
+
+  def __call__(self, x, use_running_average=None, *, mask=None, **kwargs):
+    del use_running_average
+    call = _batch_stats.moments(
+        x, self.axis, mask=mask, axis_name=self.axis_name,
+        axis_index_groups=self.axis_index_groups)
+    so_far = _batch_stats.Moments(
+        getattr(self, _COUNT)[...], self.mean[...], self.var[...],
+        getattr(self, _CALLS)[...])
+    out = norm_type.__call__(self, x, use_running_average=False, mask=mask,
+                             **kwargs)
+    pooled = _batch_stats.combine(so_far, call)
+    getattr(self, _COUNT)[...] = pooled.count
+    getattr(self, _CALLS)[...] = pooled.calls
+    self.mean[...], self.var[...] = pooled.mean, pooled.var
+    return out
+
+  # No mixin base: CPython allows __class__ assignment to a plain subclass.
+  pooling = type(f'_Pooling{norm_type.__name__}', (norm_type,),
+                 {'__call__': __call__, '__module__': __name__})
+  _POOLING_TYPES[norm_type] = pooling
+  return pooling
+
+
 def recalibrate_batch_stats(
     model: nnx.Module, batches: Iterable[Any], *,
     forward: Optional[Callable[[nnx.Module, Any], Any]] = None,
@@ -906,13 +949,17 @@ def recalibrate_batch_stats(
 
   "Precise BatchNorm": the parameters frozen, each ``nnx.BatchNorm``'s
   running mean and variance become the mean and the (biased) variance of
-  all its inputs over ``batches``, pooled (batches weighted by their number
-  of examples; the variance of the pooled inputs, not an average of batch
-  variances), instead of an EMA over a network that kept changing. Each
-  BatchNorm sees what it sees in training: every BatchNorm normalizes with
-  its batch's statistics; dropout is off, centered layers record nothing.
-  Nothing else in the model changes (parameters, centering means, RNG
-  state); layer stacks (``nnx.vmap``/``nnx.scan``) get per-slice
+  all its inputs over ``batches``, pooled (the variance of the pooled
+  inputs, not an average of batch variances), instead of an EMA over a
+  network that kept changing. Every call counts: a BatchNorm applied
+  several times in one forward pass pools all its inputs, and each call is
+  weighted by the positions it normalized (the product of its reduced axes'
+  sizes, or its mask's sum), so time-major batches weigh what they hold and
+  an empty batch weighs nothing. Each BatchNorm sees what it sees in
+  training: it normalizes with its batch's statistics (whatever
+  ``use_running_average`` it is given); dropout is off, centered layers
+  record nothing. Nothing else in the model changes (parameters, centering
+  means, RNG state); layer stacks (``nnx.vmap``/``nnx.scan``) get per-slice
   statistics. Use it before evaluating with running averages after a short
   run, a large learning rate, or a BatchNorm momentum close to 1, where
   they lag the network; a few dozen training batches suffice.
@@ -924,14 +971,16 @@ def recalibrate_batch_stats(
       positional arguments of ``model``.
     forward: ``forward(model, batch)`` runs the model on one batch (for
       batches that hold labels or keyword arguments); by default
-      ``model(*batch)``. A model that passes ``use_running_average`` to its
-      BatchNorm calls itself must pass False here.
+      ``model(*batch)``.
 
   Returns:
-    The paths of the BatchNorm layers recalibrated.
+    The paths of the BatchNorm layers recalibrated: all those the forward
+    pass calls (one it never calls keeps its statistics).
 
   Raises:
-    ValueError: a model without ``nnx.BatchNorm``, or no batches.
+    ValueError: a model without ``nnx.BatchNorm``, no batches, a BatchNorm
+      that normalized no example in any batch (all empty), or statistics
+      that are not finite; the model is then left as it was.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -960,19 +1009,23 @@ def recalibrate_batch_stats(
     copy = nnx.view(nnx.merge(graphdef, state), deterministic=True,
                     use_running_average=True, raise_if_not_found=False)
     for _, norm in _norm_layers(copy):
-      # With momentum 0 the running averages become the batch statistics.
-      norm.use_running_average, norm.momentum = False, 0.0
-      norm.mean[...] = jnp.zeros_like(norm.mean[...])
-      norm.var[...] = jnp.zeros_like(norm.var[...])
+      # The copy is thrown away: its BatchNorms become pooling ones, their
+      # statistics the accumulators (a count beside them, stacked alike).
+      norm.__class__ = _pooling_type(type(norm))
+      empty = _batch_stats.empty_like(norm.mean[...], norm.var[...])
+      setattr(norm, _COUNT, norm.mean.replace(empty.count))
+      setattr(norm, _CALLS, norm.mean.replace(empty.calls))
+      norm.mean[...], norm.var[...] = empty.mean, empty.var
     forward(copy, batch)
-    layers = _norm_layers(copy)
-    return ({p: n.mean[...] for p, n in layers},
-            {p: n.var[...] for p, n in layers})
+    return {p: _batch_stats.Moments(getattr(n, _COUNT)[...], n.mean[...],
+                                    n.var[...], getattr(n, _CALLS)[...])
+            for p, n in _norm_layers(copy)}
 
-  mean, var = _batch_stats.pool(
-      (_batch_stats.batch_size(batch), *batch_moments(state, batch))
-      for batch in batches)
+  stats = _batch_stats.finish(_batch_stats.pool(
+      batch_moments(state, batch) for batch in batches))
   for path, norm in norms:
-    norm.mean[...] = mean[path].astype(norm.mean.dtype)
-    norm.var[...] = var[path].astype(norm.var.dtype)
-  return [path for path, _ in norms]
+    if path in stats:
+      mean, var = stats[path]
+      norm.mean[...] = mean.astype(norm.mean.dtype)
+      norm.var[...] = var.astype(norm.var.dtype)
+  return [path for path, _ in norms if path in stats]
