@@ -448,14 +448,23 @@ def _has_own_params(module: nnx.Module) -> bool:
   return any(isinstance(v, nnx.Param) for v in vars(module).values())
 
 
-def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
-  """Every path to every module, by ``id``: a module reachable by two paths
-  (one layer at two call sites, two attributes naming it) has two."""
-  paths: dict[int, list[str]] = {}
+def _graph_paths(
+    model: nnx.Module,
+) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+  """Every path to every module and to every Variable, by ``id``.
+
+  A module reachable by two paths (one layer at two call sites, two
+  attributes naming it) has two; so has a Variable two modules hold (tied
+  weights, ``b.bias = a.bias``).
+  """
+  modules: dict[int, list[str]] = {}
+  variables: dict[int, list[str]] = {}
 
   def walk(node, path, above):
     if isinstance(node, nnx.Module):
-      paths.setdefault(id(node), []).append(_path_str(path))
+      modules.setdefault(id(node), []).append(_path_str(path))
+    if isinstance(node, nnx.Variable):
+      variables.setdefault(id(node), []).append(_path_str(path))
     if id(node) in above:
       return
     above = above | {id(node)}
@@ -463,7 +472,8 @@ def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
       children = enumerate(node)
     elif isinstance(node, dict):
       children = node.items()
-    elif graphlib.get_node_impl(node) is not None:
+    elif (not isinstance(node, nnx.Variable)
+          and graphlib.get_node_impl(node) is not None):
       children = graphlib.get_node_impl(node).node_dict(node).items()
     else:  # a Variable, an array
       return
@@ -472,7 +482,7 @@ def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
         walk(child, path + (key,), above)
 
   walk(model, (), frozenset())
-  return paths
+  return modules, variables
 
 
 def _check_not_shared(paths: list[str]) -> None:
@@ -486,6 +496,30 @@ def _check_not_shared(paths: list[str]) -> None:
         'its own layer, or leave this one out with where=(e.g. where=lambda '
         f'path, layer: path not in {paths!r}).'
     )
+
+
+def _check_bias_not_tied(
+    name: str, layer: nnx.Module, variable_paths: dict[int, list[str]]
+) -> None:
+  """Refuses a layer whose bias Variable something else holds too.
+
+  The transport moves the bias by ``W (mu_new - mu_old)`` (eq. 10), right
+  for this layer only: any other holder of the same Variable (a second layer
+  tied to it, a module reading it) would compute with a moved bias. A kernel
+  may be tied: the transport never changes it.
+  """
+  paths = variable_paths.get(id(layer.bias), [])
+  if len(paths) <= 1:
+    return
+  holders = sorted({p.rpartition('/')[0] or core.MODEL_PATH for p in paths})
+  raise core.CannotCenterError(
+      f'center: the bias of {name or core.MODEL_PATH!r} is one Variable held '
+      f'at {" and ".join(map(repr, paths))} (tied, e.g. b.bias = a.bias). '
+      'Centering moves a bias by its own layer\'s W (mu_new - mu_old) at '
+      'every transport, which would change what every other holder computes. '
+      'Give each layer its own bias (tying only the kernel is fine), or leave '
+      f'every holder out: where=lambda path, layer: path not in {holders!r}.'
+  )
 
 
 def center(
@@ -517,7 +551,11 @@ def center(
 
   Raises:
     ValueError: ``model`` itself is a layer to center (it cannot be replaced
-      in place: wrap it with :class:`Centered`).
+      in place: wrap it with :class:`Centered`), or one layer is reachable
+      at two paths.
+    cbp_optax.centering.CannotCenterError: (a ``ValueError``) a layer to
+      center whose bias Variable is held elsewhere too (tied to another
+      layer's). Nothing is changed when it raises.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -555,13 +593,14 @@ def center(
   where = core.check_where(where)
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
-  centered, skipped = [], []
+  centered, skipped, chosen = [], [], []
   inside_centered = set()
   modules = list(nnx.iter_modules(model))
-  all_paths = _module_paths(model)
+  module_paths, variable_paths = _graph_paths(model)
   for path, module in modules:
     if isinstance(module, Centered):
       inside_centered.add(tuple(path) + ('layer',))
+      _check_bias_not_tied(_path_str(path), module.layer, variable_paths)
   for path, module in modules:
     name = _path_str(path)
     if isinstance(module, Centered) or tuple(path) in inside_centered:
@@ -576,18 +615,24 @@ def center(
     if not core.selected(where, name, module):
       skipped.append((name or core.MODEL_PATH, 'not selected by where'))
       continue
-    _check_not_shared(all_paths.get(id(module), [name]))
+    _check_not_shared(module_paths.get(id(module), [name]))
+    _check_bias_not_tied(name, module, variable_paths)
     if not path:
       raise ValueError(
           'center: the model itself is a linear layer and cannot be replaced '
           'in place; use cbp_optax.nnx.Centered(model) instead.'
       )
+    chosen.append((path, module))
+  # Every check first: a refused layer leaves the whole model as it was.
+  wrapped = [(path, Centered(module, mean_dtype=mean_dtype,
+                             axis_name=axis_name))
+             for path, module in chosen]
+  for path, layer in wrapped:
     parent = model
     for key in path[:-1]:
       parent = _child(parent, key)
-    _set_child(parent, path[-1], Centered(
-        module, mean_dtype=mean_dtype, axis_name=axis_name))
-    centered.append(name)
+    _set_child(parent, path[-1], layer)
+    centered.append(_path_str(path))
   return CenterReport(centered=sorted(centered), skipped=sorted(skipped))
 
 
