@@ -269,6 +269,21 @@ class Centered(nn.Module):
     )
 
 
+_MAPPED_REASON = ('inside nn.map_variables: it computes with transformed '
+                  'parameters, which the transport cannot see')
+
+
+def _under_map_variables(module: nn.Module) -> bool:
+  """Whether ``module`` runs inside ``nn.map_variables``.
+
+  There the layer computes with ``trans_in_fn`` of its stored parameters (a
+  mask, a tied or standardized weight), while the transport would move the
+  stored bias by the stored kernel: inexact, so such layers are left as
+  they are. (Flax names the lifted scope ``map_variables(...)``.)
+  """
+  return 'map_variables(' in module.scope.path_text
+
+
 @functools.lru_cache(maxsize=None)
 def _input_name(module_type: type) -> Optional[str]:
   """The name of the first argument of ``module_type.__call__`` after self."""
@@ -325,6 +340,8 @@ class CenteredModel(NamedTuple):
       check_layer(module)
     except (TypeError, ValueError):
       return next_fun(*args, **kwargs)
+    if _under_map_variables(module):
+      return next_fun(*args, **kwargs)
     found, inputs, rest, kwargs = _call_input(module, args, kwargs)
     if not found:  # no input at all: the layer's own error says so
       return next_fun(*args, **kwargs)
@@ -370,8 +387,12 @@ class CenteredModel(NamedTuple):
         path = '/'.join(module.scope.path)
         try:
           check_layer(module)
-          reason = (None if core.selected(self.where, path, module)
-                    else 'not selected by where')
+          if _under_map_variables(module):
+            reason = _MAPPED_REASON
+          elif core.selected(self.where, path, module):
+            reason = None
+          else:
+            reason = 'not selected by where'
         except (TypeError, ValueError) as error:
           reason = core.skip_reason(module, error)
         if reason:

@@ -152,6 +152,44 @@ def test_a_refused_layer_leaves_the_whole_model_as_it_was():
   assert type(tied.first) is nnx.Linear
 
 
+class MaskedByMapVariables(nn.Module):
+  """``nn.map_variables``, Linen's way to tie or mask weights."""
+
+  def upper(self, variables):
+    if self.is_initializing():
+      return variables
+    return jax.tree_util.tree_map_with_path(
+        lambda path, w: (w * jnp.triu(jnp.ones_like(w))
+                         if 'kernel' in str(path[-1]) else w), variables)
+
+  @nn.compact
+  def __call__(self, x):
+    masked = nn.map_variables(nn.Dense, 'params', self.upper,
+                              init=self.is_initializing())
+    return masked(3, param_dtype=jnp.float64, name='masked')(
+        nn.Dense(3, param_dtype=jnp.float64, name='plain')(x))
+
+
+def test_linen_layers_under_map_variables_are_left_as_they_are():
+  # The transport moved the stored bias by the unmasked kernel: the output
+  # moved by 0.31.
+  with jax.enable_x64(True):
+    model = cbp.linen.center(MaskedByMapVariables())
+    x = shifted_inputs((16, 3), dtype=jnp.float64)
+    report = model.report(jax.random.key(0), x)
+    assert report.centered == ['plain']
+    assert dict(report.skipped)['masked'].startswith(
+        'inside nn.map_variables')
+    variables = model.init(jax.random.key(0), x)
+    assert list(variables['centering']) == ['plain']
+    y, changed = model.apply(variables, x, mutable=['centering'])
+    params, centering_ = cbp.linen.transport(
+        variables['params'], changed['centering'], 0.0)
+    assert not np.allclose(centering_['plain']['mean'].value, 0.0)
+    y_new = model.apply({'params': params, 'centering': centering_}, x)
+    np.testing.assert_allclose(y_new, y, rtol=0, atol=1e-12)
+
+
 # --- item 2: a layer called several times in one forward pass -----------------
 
 # Time step t has mean t (and a spread, so the pooled mean is not trivial).
