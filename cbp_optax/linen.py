@@ -130,6 +130,22 @@ def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
                          _features(layer.features))
 
 
+def _no_collection_message(host: nn.Module) -> str:
+  path = '/'.join(host.scope.path) or core.MODEL_PATH
+  return (
+      f'cbp_optax.linen: the centered layer {path!r} finds no {COLLECTION!r} '
+      'collection. Inside nn.scan or nn.vmap (or another lifted transform), '
+      f'add {COLLECTION!r} to variable_axes with the same axis as '
+      "'params', e.g. nn.scan(Block, variable_axes={'params': 0, "
+      "'centering': 0}, split_rngs={'params': True}, length=n); at apply, "
+      "pass it with the parameters: apply({'params': params, 'centering': "
+      "centering}, x). A layer whose parameters the transform broadcasts "
+      '(a recurrent cell scanned over time) cannot be centered inside it: '
+      'leave it out with center(..., where=...), or unroll the loop (its '
+      'calls then share one mean).'
+  )
+
+
 def _centered_call(
     host: nn.Module,
     layer_fn: Callable[[jax.Array], jax.Array],
@@ -143,9 +159,12 @@ def _centered_call(
     axis_name: Any,
 ) -> jax.Array:
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
-  mean = host.variable(
-      COLLECTION, _MEAN,
-      lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+  try:
+    mean = host.variable(
+        COLLECTION, _MEAN,
+        lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+  except flax.errors.ScopeCollectionNotFound as error:
+    raise ValueError(_no_collection_message(host)) from error
   recorded = host.variable(COLLECTION, _RECORDED, jnp.zeros, spec.mean_shape,
                            mean_dtype)
   # A collection made before the count existed has none: it then records

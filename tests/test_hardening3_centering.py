@@ -587,3 +587,26 @@ def test_linen_layers_called_with_keyword_inputs_are_centered_and_recalibrated()
                                conv_out.mean(0), rtol=1e-6)
 
 
+# --- item 13 (part): nn.scan without the centering collection -----------------
+
+
+def test_linen_scan_without_centering_axes_says_what_to_add():
+  # Flax's "Tried to access "mean" from collection "centering" ... but the
+  # collection is empty".
+  class Scanned(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      layers = nn.scan(LinenBlock, length=3, split_rngs={'params': True},
+                       variable_axes={'params': 0})
+      return layers(name='layers')(x, None)[0]
+
+  model = cbp.linen.center(Scanned())
+  with pytest.raises(ValueError,
+                     match=r"'layers/Dense_0' finds no 'centering' collection"
+                           r".*variable_axes=\{'params': 0, 'centering': 0\}"):
+    model.init(jax.random.key(0), jnp.ones((2, 2)))
+  ok = cbp.linen.center(LinenBlocks())
+  variables = ok.init(jax.random.key(0), jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match='pass it with the parameters'):
+    ok.apply({'params': variables['params']}, jnp.ones((2, 2)))
