@@ -49,6 +49,7 @@ References:
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -268,6 +269,63 @@ def batch_mean(
   if axis_name is not None:
     mean = lax.pmean(mean, axis_name)
   return mean
+
+
+def input_count(inputs: jax.Array, spec: LayerSpec) -> int:
+  """How many input positions :func:`batch_mean` averages (on this device).
+
+  The product of the sizes of every axis but the feature axes: the batch
+  size for a dense layer on ``(B, F)``, ``B * H * W`` for a convolution.
+  """
+  axes = feature_axes(spec, inputs.ndim)
+  return math.prod(d for a, d in enumerate(inputs.shape) if a not in axes)
+
+
+def count_dtype(mean_dtype: Any) -> jnp.dtype:
+  """The dtype of the recorded count: at least float32, as ``mu``'s otherwise.
+
+  A float, so that the count degrades gracefully instead of wrapping around
+  when a model records for very long without a transport.
+  """
+  return jnp.promote_types(mean_dtype, jnp.float32)
+
+
+def count_shape(mean_shape: Shape, stack_axes: Sequence[int] = ()) -> Shape:
+  """The shape of the recorded count: ``mu``'s, with each feature axis 1.
+
+  It keeps ``mu``'s stack axes, so every transform that slices ``mu`` along a
+  stack axis slices the count the same way, and broadcasts against ``mu``.
+  """
+  return tuple(d if a in tuple(stack_axes) else 1
+               for a, d in enumerate(mean_shape))
+
+
+def record_mean(
+    inputs: jax.Array,
+    spec: LayerSpec,
+    recorded: jax.Array,
+    count: jax.Array,
+    axis_name: Optional[Any] = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(recorded, count)`` after one more call of the layer on ``inputs``.
+
+  ``recorded`` is the mean of every input the layer saw since the last
+  transport (``count`` positions); this call's :func:`batch_mean` joins it,
+  weighted by its :func:`input_count`, so a layer called several times in
+  one forward pass (an unrolled recurrent cell, a layer applied twice)
+  records the mean over all its calls. With ``count`` 0 (the first call
+  after a transport) the result is this call's batch mean exactly; a call
+  with no input positions changes nothing.
+  """
+  n = input_count(inputs, spec)
+  if n == 0:
+    return recorded, count
+  mean = batch_mean(inputs, spec, recorded.dtype, axis_name)
+  total = count + n
+  dtype = jnp.promote_types(recorded.dtype, count.dtype)
+  pooled = recorded.astype(dtype) + (
+      mean.astype(dtype) - recorded.astype(dtype)) * (n / total).astype(dtype)
+  return jnp.where(count > 0, pooled.astype(recorded.dtype), mean), total
 
 
 def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Array:

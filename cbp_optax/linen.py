@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import flax
@@ -62,6 +63,8 @@ __all__ = [
 
 COLLECTION = 'centering'
 _MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
+# How many input positions 'batch_mean' averages since the last transport.
+_COUNT = 'batch_count'
 # Inside the Centered wrapper the layer's parameters live under these names.
 _DENSE, _CONV = 'dense', 'conv'
 
@@ -127,6 +130,22 @@ def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
                          _features(layer.features))
 
 
+def _no_collection_message(host: nn.Module) -> str:
+  path = '/'.join(host.scope.path) or core.MODEL_PATH
+  return (
+      f'cbp_optax.linen: the centered layer {path!r} finds no {COLLECTION!r} '
+      'collection. Inside nn.scan or nn.vmap (or another lifted transform), '
+      f'add {COLLECTION!r} to variable_axes with the same axis as '
+      "'params', e.g. nn.scan(Block, variable_axes={'params': 0, "
+      "'centering': 0}, split_rngs={'params': True}, length=n); at apply, "
+      "pass it with the parameters: apply({'params': params, 'centering': "
+      "centering}, x). A layer whose parameters the transform broadcasts "
+      '(a recurrent cell scanned over time) cannot be centered inside it: '
+      'leave it out with center(..., where=...), or unroll the loop (its '
+      'calls then share one mean).'
+  )
+
+
 def _centered_call(
     host: nn.Module,
     layer_fn: Callable[[jax.Array], jax.Array],
@@ -140,11 +159,21 @@ def _centered_call(
     axis_name: Any,
 ) -> jax.Array:
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
-  mean = host.variable(
-      COLLECTION, _MEAN,
-      lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+  try:
+    mean = host.variable(
+        COLLECTION, _MEAN,
+        lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+  except flax.errors.ScopeCollectionNotFound as error:
+    raise ValueError(_no_collection_message(host)) from error
   recorded = host.variable(COLLECTION, _RECORDED, jnp.zeros, spec.mean_shape,
                            mean_dtype)
+  # A collection made before the count existed has none: it then records
+  # the last call only, as it did.
+  count = None
+  if host.is_initializing() or host.has_variable(COLLECTION, _COUNT):
+    count = host.variable(COLLECTION, _COUNT, jnp.zeros,
+                          core.count_shape(spec.mean_shape),
+                          core.count_dtype(mean_dtype))
   if mask is not None:
     host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
   if (
@@ -152,7 +181,11 @@ def _centered_call(
       and not host.is_initializing()
       and host.is_mutable_collection(COLLECTION)
   ):
-    recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
+    if count is None:
+      recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
+    else:
+      recorded.value, count.value = core.record_mean(
+          inputs, spec, recorded.value, count.value, axis_name)
 
   def kernel():
     value = kernel_of()
@@ -178,9 +211,13 @@ class Centered(nn.Module):
   ``use_running_average=False`` and the ``'centering'`` collection mutable,
   the forward pass records the batch mean of its input
   (``'centering'/'batch_mean'``) and never changes ``mu``; :func:`transport`
-  does, after the update. A convolution is centered after its padding and
-  runs as the plain layer minus ``(sum over the window of W) . mu``; a conv
-  ``mask`` is kept in ``'centering'/'kernel_mask'`` for the transport.
+  does, after the update. A layer called several times in one ``apply`` (an
+  unrolled recurrent cell) records the mean over all its calls, each
+  weighted by the positions it saw (``'centering'/'batch_count'``, which
+  the transport sets back to zero). A convolution is centered after its
+  padding and runs as the plain layer minus ``(sum over the window of W) .
+  mu``; a conv ``mask`` is kept in ``'centering'/'kernel_mask'`` for the
+  transport.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
@@ -251,6 +288,53 @@ class Centered(nn.Module):
     )
 
 
+_MAPPED_REASON = ('inside nn.map_variables: it computes with transformed '
+                  'parameters, which the transport cannot see')
+
+
+def _under_map_variables(module: nn.Module) -> bool:
+  """Whether ``module`` runs inside ``nn.map_variables``.
+
+  There the layer computes with ``trans_in_fn`` of its stored parameters (a
+  mask, a tied or standardized weight), while the transport would move the
+  stored bias by the stored kernel: inexact, so such layers are left as
+  they are. (Flax names the lifted scope ``map_variables(...)``.)
+  """
+  return 'map_variables(' in module.scope.path_text
+
+
+@functools.lru_cache(maxsize=None)
+def _input_name(module_type: type) -> Optional[str]:
+  """The name of the first argument of ``module_type.__call__`` after self."""
+  try:
+    parameters = list(
+        inspect.signature(module_type.__call__).parameters.values())[1:]
+  except (TypeError, ValueError):
+    return None
+  if parameters and parameters[0].kind in (
+      inspect.Parameter.POSITIONAL_ONLY,
+      inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    return parameters[0].name
+  return None
+
+
+def _call_input(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+) -> tuple[bool, Any, tuple[Any, ...], dict[str, Any]]:
+  """``(found, input, other args, other kwargs)`` of an intercepted call.
+
+  The input is the call's first argument, given by position or by its name
+  (``nn.Dense(1)(inputs=x)``, ``nn.BatchNorm()(x=h)``).
+  """
+  kwargs = dict(kwargs)
+  if args:
+    return True, args[0], tuple(args[1:]), kwargs
+  name = _input_name(type(module))
+  if name is not None and name in kwargs:
+    return True, kwargs.pop(name), (), kwargs
+  return False, None, tuple(args), kwargs
+
+
 class CenteredModel(NamedTuple):
   """A Linen module run with every supported layer centered (see :func:`center`).
 
@@ -275,7 +359,11 @@ class CenteredModel(NamedTuple):
       check_layer(module)
     except (TypeError, ValueError):
       return next_fun(*args, **kwargs)
-    inputs, rest = args[0], args[1:]
+    if _under_map_variables(module):
+      return next_fun(*args, **kwargs)
+    found, inputs, rest, kwargs = _call_input(module, args, kwargs)
+    if not found:  # no input at all: the layer's own error says so
+      return next_fun(*args, **kwargs)
     return _centered_call(
         module,
         lambda x: next_fun(x, *rest, **kwargs),
@@ -318,8 +406,12 @@ class CenteredModel(NamedTuple):
         path = '/'.join(module.scope.path)
         try:
           check_layer(module)
-          reason = (None if core.selected(self.where, path, module)
-                    else 'not selected by where')
+          if _under_map_variables(module):
+            reason = _MAPPED_REASON
+          elif core.selected(self.where, path, module):
+            reason = None
+          else:
+            reason = 'not selected by where'
         except (TypeError, ValueError) as error:
           reason = core.skip_reason(module, error)
         if reason:
@@ -434,7 +526,19 @@ def _transport_layer(layer_params, entry, mean_decay):
       mean_decay, mask=entry.get(_MASK), mean_stack_axes=box.stack_axes)
   inner = dict(inner, bias=bias)
   new_params = inner if name is None else dict(layer_params, **{name: inner})
-  return new_params, dict(entry, **{_MEAN: box.replace_boxed(mean)})
+  return new_params, _restart_recording(
+      dict(entry, **{_MEAN: box.replace_boxed(mean)}))
+
+
+def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
+  """A centering entry whose next training call records a fresh mean.
+
+  The transport calls it once it has used the recorded mean, so that every
+  step records the calls of its own forward pass only.
+  """
+  if _COUNT not in entry:
+    return dict(entry)
+  return dict(entry, **{_COUNT: jnp.zeros_like(entry[_COUNT])})
 
 
 def _transport_tree(params, centering, mean_decay):
@@ -763,27 +867,48 @@ def train_step(
   return train
 
 
-def _norm_moments(module: nn.BatchNorm, x: jax.Array) -> tuple[Any, Any]:
-  """This batch's mean and (biased) variance of a BatchNorm's input."""
-  if module.axis_index_groups is not None:
-    raise ValueError('recalibrate_batch_stats: BatchNorm axis_index_groups '
-                     'is not supported.')
-  features = set(a % x.ndim for a in (
-      module.axis if isinstance(module.axis, tuple) else (module.axis,)))
-  axes = tuple(a for a in range(x.ndim) if a not in features)
-  x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
-  mean = jnp.mean(x, axes)
-  if module.axis_name is not None:
-    mean = jax.lax.pmean(mean, module.axis_name)
-  shape = [x.shape[a] if a in features else 1 for a in range(x.ndim)]
-  var = jnp.mean(jnp.square(x - mean.reshape(shape)), axes)
-  if module.axis_name is not None:
-    var = jax.lax.pmean(var, module.axis_name)
-  return mean, var
+# Beside every BatchNorm's statistics during recalibration only: how many
+# positions, and in how many calls, it normalized so far in one batch.
+_POOL_COUNT, _POOL_CALLS = 'cbp_recalibration_count', 'cbp_recalibration_calls'
 
 
 def _is_norm_entry(tree: Any) -> bool:
-  return isinstance(tree, Mapping) and set(tree) == {'mean', 'var'}
+  return (isinstance(tree, Mapping) and {'mean', 'var'} <= set(tree)
+          and not any(isinstance(v, Mapping) for v in tree.values()))
+
+
+def _with_counts(stats: Any) -> Any:
+  """``batch_stats`` with empty accumulators beside every mean (stacked alike)."""
+  if _is_norm_entry(stats):
+    empty = _batch_stats.empty_like(stats['mean'], stats['var'])
+    return dict(stats, **{_POOL_COUNT: empty.count, _POOL_CALLS: empty.calls})
+  if isinstance(stats, Mapping):
+    return {k: _with_counts(v) for k, v in stats.items()}
+  return stats
+
+
+def _counted_entries(stats: Any, path: tuple[str, ...] = ()) -> dict[str, Any]:
+  if isinstance(stats, Mapping) and _POOL_COUNT in stats:
+    return {'/'.join(path): _batch_stats.Moments(
+        stats[_POOL_COUNT], stats['mean'], stats['var'], stats[_POOL_CALLS])}
+  found = {}
+  if isinstance(stats, Mapping):
+    for key, sub in stats.items():
+      found.update(_counted_entries(sub, path + (str(key),)))
+  return found
+
+
+def _replace_entries(stats: Any, new: Mapping[str, Any],
+                     path: tuple[str, ...] = ()) -> Any:
+  if not isinstance(stats, Mapping):
+    return stats
+  key = '/'.join(path)
+  if _is_norm_entry(stats) and key in new:
+    mean, var = new[key]
+    return dict(stats, mean=mean.astype(jnp.result_type(stats['mean'])),
+                var=var.astype(jnp.result_type(stats['var'])))
+  return {k: _replace_entries(v, new, path + (str(k),))
+          for k, v in stats.items()}
 
 
 def recalibrate_batch_stats(
@@ -794,17 +919,22 @@ def recalibrate_batch_stats(
 
   "Precise BatchNorm": the parameters frozen, each ``nn.BatchNorm``'s
   running mean and variance (``batch_stats``) become the mean and the
-  (biased) variance of all its inputs over ``batches``, pooled (batches
-  weighted by their number of examples; the variance of the pooled inputs,
-  not an average of batch variances), instead of an EMA over a network that
-  kept changing. Every BatchNorm normalizes with its batch's statistics, as
-  in training, whatever its ``use_running_average``; pass the model's
-  evaluation flags in ``apply_kwargs`` (``train=False``) so that dropout is
-  off. Only ``batch_stats`` changes (the ``'centering'`` collection is not
-  mutable: nothing is recorded); ``nn.scan``/``nn.vmap`` stacks get
-  per-slice statistics. Use it before evaluating with running averages
-  after a short run, a large learning rate, or a BatchNorm momentum close to
-  1, where they lag the network; a few dozen training batches suffice.
+  (biased) variance of all its inputs over ``batches``, pooled (the
+  variance of the pooled inputs, not an average of batch variances),
+  instead of an EMA over a network that kept changing. Every call counts: a
+  BatchNorm applied several times in one forward pass pools all its inputs,
+  and each call is weighted by the positions it normalized (the product of
+  its reduced axes' sizes, or its mask's sum), so time-major batches weigh
+  what they hold and an empty batch weighs nothing. Every BatchNorm
+  normalizes with its batch's statistics, as in training, whatever its
+  ``use_running_average``; pass the model's evaluation flags in
+  ``apply_kwargs`` (``train=False``) so that dropout is off. Only
+  ``batch_stats`` changes (the ``'centering'`` collection is not mutable:
+  nothing is recorded), and only for the BatchNorms the forward pass calls;
+  ``nn.scan``/``nn.vmap`` stacks get per-slice statistics. Use it before
+  evaluating with running averages after a short run, a large learning
+  rate, or a BatchNorm momentum close to 1, where they lag the network; a
+  few dozen training batches suffice.
 
   Args:
     apply_fn: ``model.apply`` (of a centered model or not).
@@ -817,7 +947,9 @@ def recalibrate_batch_stats(
     ``variables`` with new ``batch_stats`` (same container type).
 
   Raises:
-    ValueError: ``variables`` without ``batch_stats``, or no batches.
+    ValueError: ``variables`` without ``batch_stats``, no batches, a
+      BatchNorm that normalized no example in any batch (all empty), or
+      statistics that are not finite.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -849,24 +981,33 @@ def recalibrate_batch_stats(
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
     if not (type(module) is nn.BatchNorm  # pylint: disable=unidiomatic-typecheck
-            and context.method_name == '__call__'):
+            and context.method_name == '__call__'
+            and module.has_variable('batch_stats', _POOL_COUNT)):
       return next_fun(*args, **kwargs)
-    if kwargs.get('mask') is not None:
-      raise ValueError('recalibrate_batch_stats: a BatchNorm mask is not '
-                       'supported.')
+    found, x, _, kwargs = _call_input(module, args, kwargs)
+    if not found:
+      return next_fun(*args, **kwargs)
+    mask = kwargs.get('mask')
+    call = _batch_stats.moments(
+        x, module.axis, mask=mask, axis_name=module.axis_name,
+        axis_index_groups=module.axis_index_groups)
+    so_far = _batch_stats.Moments(*(
+        module.get_variable('batch_stats', name)
+        for name in (_POOL_COUNT, 'mean', 'var', _POOL_CALLS)))
     # Batch statistics whatever the constructor or the call says (Linen
-    # refuses the flag in both places, so clear the constructor's).
+    # refuses the flag in both places, so clear the constructor's; a
+    # positional flag is dropped with the other positional arguments).
     kwargs = dict(kwargs, use_running_average=False)
     constructed = module.use_running_average
     object.__setattr__(module, 'use_running_average', None)
     try:
-      out = next_fun(args[0], **kwargs)
+      out = next_fun(x, **kwargs)
     finally:
       object.__setattr__(module, 'use_running_average', constructed)
-    mean, var = _norm_moments(module, args[0])
-    for name, value in (('mean', mean), ('var', var)):
-      dtype = module.get_variable('batch_stats', name).dtype
-      module.put_variable('batch_stats', name, value.astype(dtype))
+    pooled = _batch_stats.combine(so_far, call)
+    for name, value in ((_POOL_COUNT, pooled.count), ('mean', pooled.mean),
+                        ('var', pooled.var), (_POOL_CALLS, pooled.calls)):
+      module.put_variable('batch_stats', name, value)
     return out
 
   @jax.jit
@@ -874,16 +1015,13 @@ def recalibrate_batch_stats(
     with nn.intercept_methods(interceptor):
       _, changed = apply_fn(variables, *_batch_stats.as_args(batch),
                             mutable=['batch_stats'], **apply_kwargs)
-    stats = flax.core.unfreeze(changed['batch_stats'])
-    is_leaf = _is_norm_entry
-    return (jax.tree.map(lambda e: e['mean'], stats, is_leaf=is_leaf),
-            jax.tree.map(lambda e: e['var'], stats, is_leaf=is_leaf))
+    return _counted_entries(flax.core.unfreeze(changed['batch_stats']))
 
-  mean, var = _batch_stats.pool(
-      (_batch_stats.batch_size(batch), *batch_moments(variables, batch))
-      for batch in batches)
-  stats = jax.tree.map(lambda m, v: {'mean': m, 'var': v}, mean, var)
-  new = dict(flax.core.unfreeze(variables), batch_stats=stats)
+  plain = flax.core.unfreeze(variables)
+  counted = dict(plain, batch_stats=_with_counts(plain['batch_stats']))
+  stats = _batch_stats.finish(_batch_stats.pool(
+      batch_moments(counted, batch) for batch in batches))
+  new = dict(plain, batch_stats=_replace_entries(plain['batch_stats'], stats))
   if isinstance(variables, flax.core.FrozenDict):
     return flax.core.freeze(new)
   return new

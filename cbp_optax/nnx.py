@@ -44,9 +44,9 @@ from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 
 __all__ = [
-    'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedMean',
-    'StepOutput', 'center', 'recalibrate_batch_stats', 'stacked_blocks',
-    'train_step', 'transport',
+    'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedCount',
+    'RecordedMean', 'StepOutput', 'center', 'recalibrate_batch_stats',
+    'stacked_blocks', 'train_step', 'transport',
 ]
 
 
@@ -75,7 +75,15 @@ class CenteringMean(_StackTracked):
 
 
 class RecordedMean(_StackTracked):
-  """The input mean of the last training batch, consumed by :func:`transport`."""
+  """The mean of the training inputs since the last :func:`transport`."""
+
+
+class RecordedCount(_StackTracked):
+  """How many input positions :class:`RecordedMean` averages (0: none yet).
+
+  ``mu``'s shape with every feature axis 1 (its stack axes kept), so that
+  the calls of one forward pass are weighted by the positions each saw.
+  """
 
 
 def _linear_spec(layer: nnx.Linear) -> core.LayerSpec:
@@ -169,10 +177,14 @@ class Centered(nnx.Module):
   mode, records the batch mean of its input (per input feature; per input
   channel over batch and spatial positions for convolutions); it never changes
   ``mu`` itself. :func:`transport` does, after the parameter update, together
-  with the bias shift that keeps the function unchanged. ``model.eval()`` (or
-  ``nnx.view(model, use_running_average=True)``) stops the recording;
-  ``model.train()`` resumes it; ``use_running_average`` may also be passed to
-  the call. Other keyword arguments (e.g. ``out_sharding``) go to the layer.
+  with the bias shift that keeps the function unchanged. A layer called
+  several times before the transport (an unrolled recurrent cell, one layer
+  applied twice) records the mean over all those calls, each weighted by the
+  positions it saw (``batch_count`` counts them; the transport sets it back
+  to zero). ``model.eval()`` (or ``nnx.view(model,
+  use_running_average=True)``) stops the recording; ``model.train()``
+  resumes it; ``use_running_average`` may also be passed to the call. Other
+  keyword arguments (e.g. ``out_sharding``) go to the layer.
 
   The layer may already be a stack (built under ``nnx.vmap``/``nnx.scan``):
   ``mu`` then gets the same stack axes, and :func:`transport` moves every
@@ -248,6 +260,9 @@ class Centered(nnx.Module):
     self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
     self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
                                    stack_axes=stack_axes)
+    self.batch_count = RecordedCount(
+        jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
+        stack_axes=stack_axes)
 
   def set_view(self, use_running_average: Optional[bool] = None):
     """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
@@ -260,8 +275,9 @@ class Centered(nnx.Module):
     if use_running_average is None:
       use_running_average = self.use_running_average
     if not use_running_average:
-      self.batch_mean[...] = core.batch_mean(
-          inputs, self.spec, self.batch_mean.dtype, self.axis_name)
+      self.batch_mean[...], self.batch_count[...] = core.record_mean(
+          inputs, self.spec, self.batch_mean[...], self.batch_count[...],
+          self.axis_name)
     return core.centered_output(
         self.spec,
         lambda x: self.layer(x, *args, **kwargs),
@@ -311,6 +327,15 @@ class Centered(nnx.Module):
     )
     self.layer.bias[...] = bias
     self.mean[...] = mean
+    self.restart_recording()
+
+  def restart_recording(self) -> None:
+    """Starts a fresh recorded mean: the next training call overwrites it.
+
+    :meth:`transport` calls it once it has used the recorded mean, so that
+    every step records the calls of its own forward pass only.
+    """
+    self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
 
 
 class Optimizer(nnx.Optimizer):
@@ -423,14 +448,23 @@ def _has_own_params(module: nnx.Module) -> bool:
   return any(isinstance(v, nnx.Param) for v in vars(module).values())
 
 
-def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
-  """Every path to every module, by ``id``: a module reachable by two paths
-  (one layer at two call sites, two attributes naming it) has two."""
-  paths: dict[int, list[str]] = {}
+def _graph_paths(
+    model: nnx.Module,
+) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+  """Every path to every module and to every Variable, by ``id``.
+
+  A module reachable by two paths (one layer at two call sites, two
+  attributes naming it) has two; so has a Variable two modules hold (tied
+  weights, ``b.bias = a.bias``).
+  """
+  modules: dict[int, list[str]] = {}
+  variables: dict[int, list[str]] = {}
 
   def walk(node, path, above):
     if isinstance(node, nnx.Module):
-      paths.setdefault(id(node), []).append(_path_str(path))
+      modules.setdefault(id(node), []).append(_path_str(path))
+    if isinstance(node, nnx.Variable):
+      variables.setdefault(id(node), []).append(_path_str(path))
     if id(node) in above:
       return
     above = above | {id(node)}
@@ -438,7 +472,8 @@ def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
       children = enumerate(node)
     elif isinstance(node, dict):
       children = node.items()
-    elif graphlib.get_node_impl(node) is not None:
+    elif (not isinstance(node, nnx.Variable)
+          and graphlib.get_node_impl(node) is not None):
       children = graphlib.get_node_impl(node).node_dict(node).items()
     else:  # a Variable, an array
       return
@@ -447,7 +482,7 @@ def _module_paths(model: nnx.Module) -> dict[int, list[str]]:
         walk(child, path + (key,), above)
 
   walk(model, (), frozenset())
-  return paths
+  return modules, variables
 
 
 def _check_not_shared(paths: list[str]) -> None:
@@ -461,6 +496,30 @@ def _check_not_shared(paths: list[str]) -> None:
         'its own layer, or leave this one out with where=(e.g. where=lambda '
         f'path, layer: path not in {paths!r}).'
     )
+
+
+def _check_bias_not_tied(
+    name: str, layer: nnx.Module, variable_paths: dict[int, list[str]]
+) -> None:
+  """Refuses a layer whose bias Variable something else holds too.
+
+  The transport moves the bias by ``W (mu_new - mu_old)`` (eq. 10), right
+  for this layer only: any other holder of the same Variable (a second layer
+  tied to it, a module reading it) would compute with a moved bias. A kernel
+  may be tied: the transport never changes it.
+  """
+  paths = variable_paths.get(id(layer.bias), [])
+  if len(paths) <= 1:
+    return
+  holders = sorted({p.rpartition('/')[0] or core.MODEL_PATH for p in paths})
+  raise core.CannotCenterError(
+      f'center: the bias of {name or core.MODEL_PATH!r} is one Variable held '
+      f'at {" and ".join(map(repr, paths))} (tied, e.g. b.bias = a.bias). '
+      'Centering moves a bias by its own layer\'s W (mu_new - mu_old) at '
+      'every transport, which would change what every other holder computes. '
+      'Give each layer its own bias (tying only the kernel is fine), or leave '
+      f'every holder out: where=lambda path, layer: path not in {holders!r}.'
+  )
 
 
 def center(
@@ -492,7 +551,11 @@ def center(
 
   Raises:
     ValueError: ``model`` itself is a layer to center (it cannot be replaced
-      in place: wrap it with :class:`Centered`).
+      in place: wrap it with :class:`Centered`), or one layer is reachable
+      at two paths.
+    cbp_optax.centering.CannotCenterError: (a ``ValueError``) a layer to
+      center whose bias Variable is held elsewhere too (tied to another
+      layer's). Nothing is changed when it raises.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -530,13 +593,14 @@ def center(
   where = core.check_where(where)
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
-  centered, skipped = [], []
+  centered, skipped, chosen = [], [], []
   inside_centered = set()
   modules = list(nnx.iter_modules(model))
-  all_paths = _module_paths(model)
+  module_paths, variable_paths = _graph_paths(model)
   for path, module in modules:
     if isinstance(module, Centered):
       inside_centered.add(tuple(path) + ('layer',))
+      _check_bias_not_tied(_path_str(path), module.layer, variable_paths)
   for path, module in modules:
     name = _path_str(path)
     if isinstance(module, Centered) or tuple(path) in inside_centered:
@@ -551,18 +615,24 @@ def center(
     if not core.selected(where, name, module):
       skipped.append((name or core.MODEL_PATH, 'not selected by where'))
       continue
-    _check_not_shared(all_paths.get(id(module), [name]))
+    _check_not_shared(module_paths.get(id(module), [name]))
+    _check_bias_not_tied(name, module, variable_paths)
     if not path:
       raise ValueError(
           'center: the model itself is a linear layer and cannot be replaced '
           'in place; use cbp_optax.nnx.Centered(model) instead.'
       )
+    chosen.append((path, module))
+  # Every check first: a refused layer leaves the whole model as it was.
+  wrapped = [(path, Centered(module, mean_dtype=mean_dtype,
+                             axis_name=axis_name))
+             for path, module in chosen]
+  for path, layer in wrapped:
     parent = model
     for key in path[:-1]:
       parent = _child(parent, key)
-    _set_child(parent, path[-1], Centered(
-        module, mean_dtype=mean_dtype, axis_name=axis_name))
-    centered.append(name)
+    _set_child(parent, path[-1], layer)
+    centered.append(_path_str(path))
   return CenterReport(centered=sorted(centered), skipped=sorted(skipped))
 
 
@@ -873,6 +943,49 @@ def _call_model(model: nnx.Module, batch: Any) -> Any:
   return model(*_batch_stats.as_args(batch))
 
 
+# How many positions, and in how many calls, a BatchNorm of the throw-away
+# copy has normalized so far in one batch (attributes of the copy only).
+_COUNT, _CALLS = 'cbp_recalibration_count', 'cbp_recalibration_calls'
+
+
+_POOLING_TYPES: dict[type, type] = {}
+
+
+def _pooling_type(norm_type: type) -> type:
+  """``norm_type`` whose every call's moments are pooled (for a copy).
+
+  The layer normalizes with its batch's statistics, as in training,
+  whatever its flags; its ``mean`` and ``var`` accumulate the moments of
+  every call of the forward pass, weighted by the positions each call
+  normalized (a layer applied twice counts both inputs). A subclass, not a
+  wrapper, so that paths, attributes and layer stacks stay as they are.
+  """
+  if norm_type in _POOLING_TYPES:
+    return _POOLING_TYPES[norm_type]
+
+  def __call__(self, x, use_running_average=None, *, mask=None, **kwargs):
+    del use_running_average
+    call = _batch_stats.moments(
+        x, self.axis, mask=mask, axis_name=self.axis_name,
+        axis_index_groups=self.axis_index_groups)
+    so_far = _batch_stats.Moments(
+        getattr(self, _COUNT)[...], self.mean[...], self.var[...],
+        getattr(self, _CALLS)[...])
+    out = norm_type.__call__(self, x, use_running_average=False, mask=mask,
+                             **kwargs)
+    pooled = _batch_stats.combine(so_far, call)
+    getattr(self, _COUNT)[...] = pooled.count
+    getattr(self, _CALLS)[...] = pooled.calls
+    self.mean[...], self.var[...] = pooled.mean, pooled.var
+    return out
+
+  # No mixin base: CPython allows __class__ assignment to a plain subclass.
+  pooling = type(f'_Pooling{norm_type.__name__}', (norm_type,),
+                 {'__call__': __call__, '__module__': __name__})
+  _POOLING_TYPES[norm_type] = pooling
+  return pooling
+
+
 def recalibrate_batch_stats(
     model: nnx.Module, batches: Iterable[Any], *,
     forward: Optional[Callable[[nnx.Module, Any], Any]] = None,
@@ -881,13 +994,17 @@ def recalibrate_batch_stats(
 
   "Precise BatchNorm": the parameters frozen, each ``nnx.BatchNorm``'s
   running mean and variance become the mean and the (biased) variance of
-  all its inputs over ``batches``, pooled (batches weighted by their number
-  of examples; the variance of the pooled inputs, not an average of batch
-  variances), instead of an EMA over a network that kept changing. Each
-  BatchNorm sees what it sees in training: every BatchNorm normalizes with
-  its batch's statistics; dropout is off, centered layers record nothing.
-  Nothing else in the model changes (parameters, centering means, RNG
-  state); layer stacks (``nnx.vmap``/``nnx.scan``) get per-slice
+  all its inputs over ``batches``, pooled (the variance of the pooled
+  inputs, not an average of batch variances), instead of an EMA over a
+  network that kept changing. Every call counts: a BatchNorm applied
+  several times in one forward pass pools all its inputs, and each call is
+  weighted by the positions it normalized (the product of its reduced axes'
+  sizes, or its mask's sum), so time-major batches weigh what they hold and
+  an empty batch weighs nothing. Each BatchNorm sees what it sees in
+  training: it normalizes with its batch's statistics (whatever
+  ``use_running_average`` it is given); dropout is off, centered layers
+  record nothing. Nothing else in the model changes (parameters, centering
+  means, RNG state); layer stacks (``nnx.vmap``/``nnx.scan``) get per-slice
   statistics. Use it before evaluating with running averages after a short
   run, a large learning rate, or a BatchNorm momentum close to 1, where
   they lag the network; a few dozen training batches suffice.
@@ -899,14 +1016,16 @@ def recalibrate_batch_stats(
       positional arguments of ``model``.
     forward: ``forward(model, batch)`` runs the model on one batch (for
       batches that hold labels or keyword arguments); by default
-      ``model(*batch)``. A model that passes ``use_running_average`` to its
-      BatchNorm calls itself must pass False here.
+      ``model(*batch)``.
 
   Returns:
-    The paths of the BatchNorm layers recalibrated.
+    The paths of the BatchNorm layers recalibrated: all those the forward
+    pass calls (one it never calls keeps its statistics).
 
   Raises:
-    ValueError: a model without ``nnx.BatchNorm``, or no batches.
+    ValueError: a model without ``nnx.BatchNorm``, no batches, a BatchNorm
+      that normalized no example in any batch (all empty), or statistics
+      that are not finite; the model is then left as it was.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -935,19 +1054,23 @@ def recalibrate_batch_stats(
     copy = nnx.view(nnx.merge(graphdef, state), deterministic=True,
                     use_running_average=True, raise_if_not_found=False)
     for _, norm in _norm_layers(copy):
-      # With momentum 0 the running averages become the batch statistics.
-      norm.use_running_average, norm.momentum = False, 0.0
-      norm.mean[...] = jnp.zeros_like(norm.mean[...])
-      norm.var[...] = jnp.zeros_like(norm.var[...])
+      # The copy is thrown away: its BatchNorms become pooling ones, their
+      # statistics the accumulators (a count beside them, stacked alike).
+      norm.__class__ = _pooling_type(type(norm))
+      empty = _batch_stats.empty_like(norm.mean[...], norm.var[...])
+      setattr(norm, _COUNT, norm.mean.replace(empty.count))
+      setattr(norm, _CALLS, norm.mean.replace(empty.calls))
+      norm.mean[...], norm.var[...] = empty.mean, empty.var
     forward(copy, batch)
-    layers = _norm_layers(copy)
-    return ({p: n.mean[...] for p, n in layers},
-            {p: n.var[...] for p, n in layers})
+    return {p: _batch_stats.Moments(getattr(n, _COUNT)[...], n.mean[...],
+                                    n.var[...], getattr(n, _CALLS)[...])
+            for p, n in _norm_layers(copy)}
 
-  mean, var = _batch_stats.pool(
-      (_batch_stats.batch_size(batch), *batch_moments(state, batch))
-      for batch in batches)
+  stats = _batch_stats.finish(_batch_stats.pool(
+      batch_moments(state, batch) for batch in batches))
   for path, norm in norms:
-    norm.mean[...] = mean[path].astype(norm.mean.dtype)
-    norm.var[...] = var[path].astype(norm.var.dtype)
-  return [path for path, _ in norms]
+    if path in stats:
+      mean, var = stats[path]
+      norm.mean[...] = mean.astype(norm.mean.dtype)
+      norm.var[...] = var.astype(norm.var.dtype)
+  return [path for path, _ in norms if path in stats]

@@ -270,11 +270,11 @@ def test_means_are_not_parameters():
   assert set(jax.tree.leaves(jax.tree.map(lambda _: 1, params))) == {1}
   assert len(jax.tree.leaves(params)) == 2  # kernel and bias only
   stats = nnx.state(model, nnx.BatchStat)
-  assert len(jax.tree.leaves(stats)) == 2
+  assert len(jax.tree.leaves(stats)) == 3  # mean, batch_mean, batch_count
   assert isinstance(model.mean, cbp_nnx.CenteringMean)
   variables = cbp_linen.Centered(nn.Dense(2)).init(
       jax.random.key(0), jnp.ones((3, 4)))
-  assert set(variables['centering']) == {'mean', 'batch_mean'}
+  assert set(variables['centering']) == {'mean', 'batch_mean', 'batch_count'}
   assert set(variables['params']) == {'dense'}
 
 
