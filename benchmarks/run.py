@@ -3,7 +3,7 @@ cost against its memory-traffic bound, memory, compile time and HLO copies.
 
 Usage::
 
-  python benchmarks/run.py                 # full suite, CPU (~15 min, 2 cores)
+  python benchmarks/run.py                 # full suite, CPU (~35-40 min, 2 cores)
   python benchmarks/run.py --quick         # smoke run (< 1 min)
   python benchmarks/run.py --device gpu    # the same on a GPU (see gpu.sh)
   python benchmarks/run.py --sections steps,optimizer --archs MLP-1024
@@ -86,6 +86,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   user.add_argument('--compile-leaves', default=None,
                     help='leaf counts of the compile-time trees (default '
                     '50,200,2000; add 10000 by hand: minutes; empty: skip)')
+  user.add_argument('--compile-rounds', type=int, default=None,
+                    help='rounds per leaf count (default 5 up to 500 leaves, '
+                    '3 up to 5,000, else 1; quick 1)')
   user.add_argument('--benchmarks-md', default=None,
                     help='file whose user-path section is rewritten (default '
                     'BENCHMARKS.md at the repository root; quick runs write '

@@ -85,17 +85,25 @@ def rounds_for(warm_medians: Mapping[str, float], full_rounds: int,
 
 
 def steps_per_window(step: Callable[[], object], sync: Callable[[], None],
-                     window_s: float, probe: int = 3) -> int:
+                     window_s: float, max_probe: int = 2**14) -> int:
   """How many calls of ``step`` fill ``window_s`` (at least one).
 
-  Times ``probe`` back-to-back calls (after the caller's warm-up), the way
-  a training loop issues them: dispatched without waiting, synced once.
+  Times back-to-back calls the way a training loop issues them (dispatched
+  without waiting, synced once), doubling their number until they fill an
+  eighth of the window, so a sub-millisecond step is not sized from one
+  noisy call.
   """
-  start = time.perf_counter()
-  for _ in range(probe):
-    step()
-  sync()
-  per_step = (time.perf_counter() - start) / probe
+  count = 1
+  while True:
+    start = time.perf_counter()
+    for _ in range(count):
+      step()
+    sync()
+    elapsed = time.perf_counter() - start
+    if elapsed >= window_s / 8 or count >= max_probe:
+      break
+    count *= 2
+  per_step = elapsed / count
   return max(1, int(round(window_s / max(per_step, 1e-9))))
 
 
