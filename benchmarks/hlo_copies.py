@@ -5,10 +5,12 @@ cannot prove that the last read of an old buffer precedes the write of its
 new value, its copy insertion keeps a full ``copy`` of the buffer: that is
 the cost of M3's lag when ``v_{t-1}`` is read after ``v_t`` is produced.
 
-The fused steps of ``cbp_optax`` skip non-finite batches with a conditional
-(``lax.cond`` / ``nnx.cond``); copies inside its skip branch run only on a
-skipped step, so they are reported apart from the ones every step pays
-(the entry computation and the apply branch).
+The fused steps of ``cbp_optax`` skip non-finite batches with an elementwise
+select of the old and new state (until December 2026 with a conditional,
+``lax.cond`` / ``nnx.cond``). For a program that has a conditional, copies
+inside its skip branch run only on a skipped step, so they are reported
+apart from the ones every step pays (the entry computation and the apply
+branch).
 """
 
 from __future__ import annotations
@@ -117,3 +119,21 @@ def entry_output_copies(text: str) -> list[int]:
   operands = re.sub(r'/\*[^*]*\*/', '', match.group(1)).split(',')
   return [i for i, name in enumerate(op.strip() for op in operands)
           if name in copy_names]
+
+
+_PARAMETER_COPY = re.compile(r'= \w+\[[\d,]*\]\{[^}]*\} copy\(%([\w.\-]+)\)')
+
+
+def entry_parameter_copies(text: str) -> list[str]:
+  """Names of the entry computation's parameters that it copies whole.
+
+  XLA names an entry parameter after the jitted function's argument path
+  (``state_opt_state_1__nu__...``), so the names say which state buffers are
+  copied before the step can update them in place.
+  """
+  entry = text[text.index('\nENTRY'):]
+  body = entry[:entry.index('\n}')]
+  header = body.lstrip('\n').splitlines()[0]
+  parameters = set(re.findall(r'([\w.\-]+): ', header))
+  return [m.group(1) for m in map(_PARAMETER_COPY.search, body.splitlines())
+          if m and m.group(1) in parameters]

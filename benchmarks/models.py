@@ -11,6 +11,10 @@
   ``nnx.vmap`` and run with ``nnx.scan``, width 128, 4 heads, context 128),
   NNX only; centered with ``cbp.nnx.center`` (attention projections and MLP),
   dropout off (no ``rngs``), batch x 128 tokens.
+* CNN (the user-path section): the Flax MNIST tutorials' CNN, 28x28x1 ->
+  3x3 conv to 32 channels, ReLU, 2x2 average pool, 3x3 conv to 64, ReLU,
+  pool, Dense 3136 -> 256, ReLU, Dense -> 10 (824,458 parameters); ``width``
+  scales the channels (32 / 64 / 256 at width 32).
 
 ``centered=True`` wraps every Dense and every convolution in the library's
 ``Centered`` (M2); otherwise the layers are plain. Only the public API of
@@ -32,9 +36,13 @@ import cbp_optax as cbp
 
 MLP_DEPTH = 4
 MNIST_FEATURES = 784
+MNIST_SHAPE = (28, 28, 1)
 CIFAR_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 RESNET_WIDTHS = (16, 32, 64)
+CNN_WIDTH = 32
+TRANSFORMER_WIDTH = 128
+TRANSFORMER_CONTEXT = 128
 
 
 @dataclass(frozen=True)
@@ -43,29 +51,55 @@ class Arch:
 
   Attributes:
     name: label used in tables, e.g. ``'MLP-1024'``.
-    kind: ``'mlp'`` or ``'resnet8'``.
-    width: hidden width of the MLP (unused for ResNet-8).
+    kind: ``'mlp'``, ``'resnet8'``, ``'cnn'`` or ``'transformer'``.
+    width: hidden width of the MLP, base channels of the CNN, model width of
+      the transformer (unused for ResNet-8).
+    depth: hidden layers of the MLP, blocks of the transformer.
+    context: tokens per sequence of the transformer.
   """
 
   name: str
   kind: str
   width: int = 0
+  depth: int = MLP_DEPTH
+  context: int = TRANSFORMER_CONTEXT
 
   def input_shape(self, batch: int) -> tuple[int, ...]:
     if self.kind == 'transformer':
-      return (batch, TRANSFORMER_CONTEXT)
+      return (batch, self.context)
     if self.kind == 'mlp':
       return (batch, MNIST_FEATURES)
+    if self.kind == 'cnn':
+      return (batch,) + MNIST_SHAPE
     return (batch,) + CIFAR_SHAPE
 
 
-def mlp(width: int) -> Arch:
-  return Arch(name=f'MLP-{width}', kind='mlp', width=width)
+def mlp(width: int, depth: int = MLP_DEPTH) -> Arch:
+  """784 -> width x depth -> 10: ``'MLP-1024'`` (depth 4, the paper's) or
+  ``'MLP-2x1024'``."""
+  name = f'MLP-{width}' if depth == MLP_DEPTH else f'MLP-{depth}x{width}'
+  return Arch(name=name, kind='mlp', width=width, depth=depth)
+
+
+def cnn(width: int = CNN_WIDTH) -> Arch:
+  """The Flax MNIST tutorials' CNN, ``'CNN'`` at its own width of 32."""
+  name = 'CNN' if width == CNN_WIDTH else f'CNN-{width}'
+  return Arch(name=name, kind='cnn', width=width)
+
+
+def transformer(width: int = TRANSFORMER_WIDTH, depth: int = 4,
+                context: int = TRANSFORMER_CONTEXT) -> Arch:
+  """The byte-level LM; ``'Transformer'`` at its default size."""
+  default = (width, depth, context) == (TRANSFORMER_WIDTH, 4,
+                                        TRANSFORMER_CONTEXT)
+  name = ('Transformer' if default
+          else f'Transformer-{depth}x{width}-ctx{context}')
+  return Arch(name=name, kind='transformer', width=width, depth=depth,
+              context=context)
 
 
 RESNET8 = Arch(name='ResNet-8', kind='resnet8')
-TRANSFORMER = Arch(name='Transformer', kind='transformer')
-TRANSFORMER_CONTEXT = 128
+TRANSFORMER = transformer()
 # Layer stacks of each kind: M1 gets one block per layer slice of them.
 STACKS = {'transformer': ('blocks',)}
 
@@ -77,7 +111,7 @@ def make_batch(arch: Arch, batch: int, seed: int = 0):
   """
   rng = np.random.default_rng(seed)
   if arch.kind == 'transformer':
-    text = rng.integers(0, 256, (batch, TRANSFORMER_CONTEXT + 1))
+    text = rng.integers(0, 256, (batch, arch.context + 1))
     return (jnp.asarray(text[:, :-1], jnp.int32),
             jnp.asarray(text[:, 1:], jnp.int32))
   images = rng.standard_normal(arch.input_shape(batch)).astype(np.float32)
@@ -93,15 +127,16 @@ def _identity(layer):
 
 
 class LinenMLP(nn.Module):
-  """784 -> width x 4 -> 10, every Dense optionally centered."""
+  """784 -> width x depth -> 10, every Dense optionally centered."""
 
   width: int
   centered: bool = False
+  depth: int = MLP_DEPTH
 
   @nn.compact
   def __call__(self, x):
     wrap = cbp.linen.Centered if self.centered else _identity
-    for _ in range(MLP_DEPTH):
+    for _ in range(self.depth):
       x = nn.relu(wrap(nn.Dense(self.width))(x))
     return wrap(nn.Dense(NUM_CLASSES))(x)
 
@@ -141,11 +176,30 @@ class LinenResNet8(nn.Module):
     return wrap(nn.Dense(NUM_CLASSES))(x)
 
 
+class LinenCNN(nn.Module):
+  """The Flax MNIST tutorial CNN, every layer optionally centered."""
+
+  width: int = CNN_WIDTH
+  centered: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    wrap = cbp.linen.Centered if self.centered else _identity
+    for features in (self.width, 2 * self.width):
+      x = nn.relu(wrap(nn.Conv(features, (3, 3)))(x))
+      x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(wrap(nn.Dense(8 * self.width))(x))
+    return wrap(nn.Dense(NUM_CLASSES))(x)
+
+
 def linen_model(arch: Arch, centered: bool) -> nn.Module:
   if arch.kind == 'transformer':
     raise ValueError('The Transformer is benchmarked in NNX only: --api nnx.')
   if arch.kind == 'mlp':
-    return LinenMLP(arch.width, centered)
+    return LinenMLP(arch.width, centered, arch.depth)
+  if arch.kind == 'cnn':
+    return LinenCNN(arch.width, centered)
   return LinenResNet8(centered)
 
 
@@ -153,11 +207,12 @@ def linen_model(arch: Arch, centered: bool) -> nn.Module:
 
 
 class NnxMLP(nnx.Module):
-  """784 -> width x 4 -> 10, every Linear optionally centered."""
+  """784 -> width x depth -> 10, every Linear optionally centered."""
 
-  def __init__(self, width: int, centered: bool, rngs: nnx.Rngs):
+  def __init__(self, width: int, centered: bool, rngs: nnx.Rngs,
+               depth: int = MLP_DEPTH):
     wrap = cbp.nnx.Centered if centered else _identity
-    sizes = [MNIST_FEATURES] + [width] * MLP_DEPTH + [NUM_CLASSES]
+    sizes = [MNIST_FEATURES] + [width] * depth + [NUM_CLASSES]
     self.layers = nnx.List([
         wrap(nnx.Linear(a, b, rngs=rngs)) for a, b in zip(sizes, sizes[1:])
     ])
@@ -214,17 +269,40 @@ class NnxResNet8(nnx.Module):
     return self.head(jnp.mean(x, axis=(1, 2)))
 
 
+class NnxCNN(nnx.Module):
+  """The Flax NNX tutorial CNN, every layer optionally centered."""
+
+  def __init__(self, width: int, centered: bool, rngs: nnx.Rngs):
+    wrap = cbp.nnx.Centered if centered else _identity
+    side = MNIST_SHAPE[0] // 4  # two 2x2 pools
+    self.conv1 = wrap(nnx.Conv(MNIST_SHAPE[-1], width, (3, 3), rngs=rngs))
+    self.conv2 = wrap(nnx.Conv(width, 2 * width, (3, 3), rngs=rngs))
+    self.linear1 = wrap(nnx.Linear(side * side * 2 * width, 8 * width,
+                                   rngs=rngs))
+    self.linear2 = wrap(nnx.Linear(8 * width, NUM_CLASSES, rngs=rngs))
+
+  def __call__(self, x):
+    for conv in (self.conv1, self.conv2):
+      x = nnx.avg_pool(nnx.relu(conv(x)), (2, 2), strides=(2, 2))
+    x = x.reshape(x.shape[0], -1)
+    return self.linear2(nnx.relu(self.linear1(x)))
+
+
 def nnx_model(arch: Arch, centered: bool, seed: int = 0) -> nnx.Module:
   rngs = nnx.Rngs(seed)
   if arch.kind == 'transformer':
     from cbp_optax_experiments.reproduce import transformer  # pylint: disable=g-import-not-at-top
-    config = transformer.Config(context=TRANSFORMER_CONTEXT)
+    config = transformer.Config(depth=arch.depth, width=arch.width,
+                                heads=max(1, arch.width // 32),
+                                context=arch.context)
     model = transformer.TransformerLM(config, rngs)
     if centered:
       cbp.nnx.center(model)  # the library's one-call centering
     return model
   if arch.kind == 'mlp':
-    return NnxMLP(arch.width, centered, rngs)
+    return NnxMLP(arch.width, centered, rngs, arch.depth)
+  if arch.kind == 'cnn':
+    return NnxCNN(arch.width, centered, rngs)
   return NnxResNet8(centered, rngs)
 
 

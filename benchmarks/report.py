@@ -306,6 +306,15 @@ def render(results: dict[str, Any]) -> str:
       f"{results.get('region_analysis_bitwise_identical', 'not checked')}).",
       '',
   ]
+  user = results.get('user')
+  if user and user.get('groups'):
+    from benchmarks import user_path  # pylint: disable=g-import-not-at-top
+    parts += ["## The user's path / the AdamW step a user writes", '',
+              user_path.steps_table(user['groups']), '',
+              user_path.targets_table(user['groups']), '']
+    if user.get('compile'):
+      parts += ['## Optimizer-update compile time / optax.adamw', '',
+                user_path.compile_table(user['compile']), '']
   groups = results.get('steps', [])
   if groups:
     variants = results['step_variants']

@@ -3,7 +3,7 @@ cost against its memory-traffic bound, memory, compile time and HLO copies.
 
 Usage::
 
-  python benchmarks/run.py                 # full suite, CPU (~15 min, 2 cores)
+  python benchmarks/run.py                 # full suite, CPU (~35-40 min, 2 cores)
   python benchmarks/run.py --quick         # smoke run (< 1 min)
   python benchmarks/run.py --device gpu    # the same on a GPU (see gpu.sh)
   python benchmarks/run.py --sections steps,optimizer --archs MLP-1024
@@ -11,6 +11,8 @@ Usage::
   python benchmarks/run.py --sections mnist --data-dir DIR  # or $CBP_OPTAX_MNIST
   python benchmarks/run.py --sections steps --archs Transformer --api nnx \
       --batches 32                         # scanned LM, also / AdamW
+  python benchmarks/run.py --sections user  # the user's path / AdamW, and
+      # the update's compile time (issue 32); rewrites its BENCHMARKS.md part
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default
 ``results/benchmarks``) and prints the markdown. XLA flags the suite sets are
@@ -38,7 +40,8 @@ if REPO not in sys.path:
 # default (~2.4x slower ResNet-8 steps); this flag keeps them on the
 # individual-convolution path. Same results to ~1e-7, not bitwise.
 YNN_CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
-SECTIONS = ('steps', 'optimizer', 'rss', 'torch', 'peer', 'mnist')
+SECTIONS = ('steps', 'user', 'optimizer', 'rss', 'torch', 'peer', 'mnist')
+QUICK_SECTIONS = ('steps', 'user', 'optimizer')
 FULL_ROUNDS, SLOW_ROUNDS, FULL_WARMUP = 60, 20, 5
 QUICK_ROUNDS, QUICK_WARMUP = 5, 1
 
@@ -56,7 +59,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       'first batch size only)')
   parser.add_argument('--sections', default=None,
                       help=f'comma list from {SECTIONS} (default: all; '
-                      'quick: steps,optimizer)')
+                      f'quick: {",".join(QUICK_SECTIONS)})')
   parser.add_argument('--archs', default=None,
                       help='comma list, e.g. MLP-256,ResNet-8')
   parser.add_argument('--batches', default=None, help='e.g. 128,256')
@@ -68,6 +71,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       'the section is skipped, saying so, without them')
   parser.add_argument('--no-ynn-flag', action='store_true',
                       help='leave the XLA CPU convolution fusion default')
+  user = parser.add_argument_group(
+      "user section (issue 32): the user's path against their AdamW step")
+  user.add_argument('--user-archs', default=None,
+                    help='comma list (default MLP-2x128,MLP-2x512,MLP-2x1024,'
+                    'MLP-2x2048,MLP-2x4096,CNN,Transformer; also MLP-1024, '
+                    'CNN-8, ResNet-8)')
+  user.add_argument('--user-apis', default=None,
+                    help='comma list from nnx,linen (default both)')
+  user.add_argument('--user-rounds', type=int, default=None,
+                    help='interleaved rounds (default 9, quick 3)')
+  user.add_argument('--window', type=float, default=None,
+                    help='seconds of steps per row and round (default 0.4)')
+  user.add_argument('--compile-leaves', default=None,
+                    help='leaf counts of the compile-time trees (default '
+                    '50,200,2000; add 10000 by hand: minutes; empty: skip)')
+  user.add_argument('--compile-rounds', type=int, default=None,
+                    help='rounds per leaf count (default 5 up to 500 leaves, '
+                    '3 up to 5,000, else 1; quick 1)')
+  user.add_argument('--benchmarks-md', default=None,
+                    help='file whose user-path section is rewritten (default '
+                    'BENCHMARKS.md at the repository root; quick runs write '
+                    'none unless given)')
+  user.add_argument('--no-benchmarks-md', action='store_true',
+                    help='write no BENCHMARKS.md section')
   parser.add_argument('--rss-child', nargs=4, default=None,
                       metavar=('API', 'ARCH', 'VARIANT', 'BATCH'),
                       help=argparse.SUPPRESS)
@@ -358,18 +385,45 @@ def run_peer(archs, batch: int, rounds: int, warmup: int) -> dict:
 
 
 def select_archs(args):
-  from benchmarks import models
+  from benchmarks import models, user_path
   if args.quick:
     default = [models.mlp(256)]
   else:
     default = list(models.ALL_ARCHS)
   if not args.archs:
     return default
-  by_name = {a.name: a for a in list(models.ALL_ARCHS) +
-             list(models.EXTRA_ARCHS)}
-  names = args.archs.split(',')
-  return [by_name[n] if n in by_name else models.mlp(int(n.split('-')[1]))
-          for n in names]
+  return user_path.select_archs(args.archs)
+
+
+def benchmarks_md_path(args) -> Optional[str]:
+  """Where the user section writes its BENCHMARKS.md part, or None."""
+  if args.no_benchmarks_md:
+    return None
+  if args.benchmarks_md:
+    return args.benchmarks_md
+  return None if args.quick else os.path.join(REPO, 'BENCHMARKS.md')
+
+
+def command_line(argv: Optional[Sequence[str]]) -> str:
+  words = list(sys.argv[1:] if argv is None else argv)
+  return ' '.join(['python benchmarks/run.py'] + words)
+
+
+def run_user(args, argv, results: dict, save) -> None:
+  """The user-path section; rewrites its part of BENCHMARKS.md at the end."""
+  from benchmarks import user_path
+
+  def save_user(user: dict) -> None:
+    results['user'] = user
+    save(results)
+
+  results['user'] = user_path.run(args, log=log, save=save_user)
+  path = benchmarks_md_path(args)
+  if path:
+    section = user_path.render(results['user'], results['environment'],
+                               command_line(argv))
+    user_path.write_section(path, section)
+    log(f'wrote the user-path section of {path}')
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -382,7 +436,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from benchmarks import report, steps as steps_lib
 
   sections = (args.sections.split(',') if args.sections
-              else (['steps', 'optimizer'] if args.quick else list(SECTIONS)))
+              else list(QUICK_SECTIONS if args.quick else SECTIONS))
+  unknown = sorted(set(sections) - set(SECTIONS))
+  if unknown:
+    raise SystemExit(f'Unknown sections {unknown}; choose from {SECTIONS}.')
   archs = select_archs(args)
   batches = ([int(b) for b in args.batches.split(',')] if args.batches
              else ([32] if args.quick else [128, 256]))
@@ -410,6 +467,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.device == 'cpu' and not args.quick:
       results['region_analysis_bitwise_identical'] = (
           region_analysis_identical())
+  if 'user' in sections:
+    run_user(args, argv, results, save)
   if 'optimizer' in sections:
     opt_archs = archs[:1] if args.quick else archs
     results['optimizer'], results['bandwidth'] = run_optimizer(

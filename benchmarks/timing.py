@@ -82,3 +82,66 @@ def rounds_for(warm_medians: Mapping[str, float], full_rounds: int,
   """``full_rounds``, or ``slow_rounds`` when a step takes > SLOW_STEP_S."""
   slow = max(warm_medians.values(), default=0.0) > SLOW_STEP_S
   return (min(slow_rounds, full_rounds) if slow else full_rounds), slow
+
+
+def steps_per_window(step: Callable[[], object], sync: Callable[[], None],
+                     window_s: float, max_probe: int = 2**14) -> int:
+  """How many calls of ``step`` fill ``window_s`` (at least one).
+
+  Times back-to-back calls the way a training loop issues them (dispatched
+  without waiting, synced once), doubling their number until they fill an
+  eighth of the window, so a sub-millisecond step is not sized from one
+  noisy call.
+  """
+  count = 1
+  while True:
+    start = time.perf_counter()
+    for _ in range(count):
+      step()
+    sync()
+    elapsed = time.perf_counter() - start
+    if elapsed >= window_s / 8 or count >= max_probe:
+      break
+    count *= 2
+  per_step = elapsed / count
+  return max(1, int(round(window_s / max(per_step, 1e-9))))
+
+
+def windowed(steps: Mapping[str, Callable[[], object]],
+             syncs: Mapping[str, Callable[[], None]],
+             counts: Mapping[str, int],
+             rounds: int) -> dict[str, list[float]]:
+  """Seconds per step of each variant, one window of steps each per round.
+
+  A window is ``counts[name]`` calls issued back to back and one sync at the
+  end, as a training loop runs them: the next step's Python work (NNX's
+  graph traversal, argument flattening) overlaps the previous step's
+  computation, and is only exposed when it is the longer of the two. The
+  order rotates every round and the garbage collector is paused, as in
+  :func:`interleaved`.
+  """
+  names = list(steps)
+  times: dict[str, list[float]] = {name: [] for name in names}
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    for r in range(rounds):
+      shift = r % len(names)
+      for name in names[shift:] + names[:shift]:
+        step, count = steps[name], counts[name]
+        start = time.perf_counter()
+        for _ in range(count):
+          step()
+        syncs[name]()
+        times[name].append((time.perf_counter() - start) / count)
+  finally:
+    if was_enabled:
+      gc.enable()
+  return times
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+  """:func:`quartiles` plus the minimum and maximum."""
+  out = quartiles(values)
+  out.update(min=float(np.min(values)), max=float(np.max(values)))
+  return out

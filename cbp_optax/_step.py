@@ -97,7 +97,7 @@ def conditioned_update(
     params: Any,
     apply_step: Callable[..., Any],
     skip_step: Callable[..., Any],
-    cond: Callable[..., Any],
+    select: Callable[..., Any],
     *operands: Any,
 ) -> tuple[Any, StepOutput]:
   """The skeleton both fused steps share (Algorithm 1, steps 1-11).
@@ -105,19 +105,38 @@ def conditioned_update(
   Differentiates ``loss_of(params) -> (loss, (aux, changed))``, where
   ``changed`` is the non-parameter state the forward pass wrote (recorded
   means, batch statistics), checks that the loss, the gradients and
-  ``changed`` are finite, and runs ``apply_step(*operands, grads, changed)``
-  (update, then transport) or ``skip_step(...)`` under ``cond``. A
-  conditional, not a select of old and new state: selecting would keep every
-  old buffer alive next to the new one and cost full copies.
+  ``changed`` are finite, and keeps ``apply_step(*operands, grads, changed)``
+  (update, then transport) or ``skip_step(...)`` through ``select`` (:func:`select`
+  or its NNX twin): both are computed and every state leaf is selected
+  elementwise, which XLA fuses into the elementwise update that produces it.
+  A ``lax.cond`` instead makes XLA copy the state it passes through: inside an
+  outer, undonated ``jit`` (a user's ``nnx.jit`` step) every parameter-sized
+  buffer was copied each step (1.41x AdamW's step against 1.17x with the
+  select, NNX MLP of width 1024), and small ones even when donated.
 
   Returns:
-    ``(cond's result, StepOutput)``.
+    ``(select's result, StepOutput)``.
   """
   (loss, (aux, changed)), grads = jax.value_and_grad(
       loss_of, has_aux=True)(params)
   ok = all_finite(loss, grads, changed)
-  result = cond(ok, apply_step, skip_step, *operands, grads, changed)
+  result = select(ok, apply_step, skip_step, *operands, grads, changed)
   return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
+
+
+def select_leaves(ok: jax.Array, applied: Any, skipped: Any) -> Any:
+  """``applied`` where ``ok`` else ``skipped``, leaf by leaf (same structure)."""
+  return jax.tree.map(lambda a, b: jax.lax.select(ok, a, b), applied, skipped)
+
+
+def select(ok: jax.Array, apply_step: Callable[..., Any],
+           skip_step: Callable[..., Any], *operands: Any) -> Any:
+  """``lax.cond(ok, apply_step, skip_step, *operands)``'s value, as a select.
+
+  Both functions run and their results are selected leaf by leaf (see
+  :func:`conditioned_update` for why); they must return the same structure.
+  """
+  return select_leaves(ok, apply_step(*operands), skip_step(*operands))
 
 
 def staged(tree: Any) -> bool:

@@ -848,7 +848,7 @@ def train_step(
       return state.replace(skipped_steps=state.skipped_steps + 1)
 
     return _step.conditioned_update(
-        loss_of, state.params, apply_step, skip_step, jax.lax.cond, state)
+        loss_of, state.params, apply_step, skip_step, _step.select, state)
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
 

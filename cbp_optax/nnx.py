@@ -778,6 +778,24 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
     )
 
 
+def _select(ok: jax.Array, apply_step: Callable[..., None],
+            skip_step: Callable[..., None], *operands: Any) -> None:
+  """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a select.
+
+  Runs both in-place steps on the graph nodes among ``operands`` (from the
+  same starting state) and keeps, leaf by leaf, the state of the one ``ok``
+  chooses: :func:`cbp_optax._step.select` for graph nodes.
+  """
+  nodes = _graph_nodes(operands)
+  start = nnx.as_pure(nnx.state(nodes))
+  apply_step(*operands)
+  applied = nnx.as_pure(nnx.state(nodes))
+  nnx.update(nodes, start)
+  skip_step(*operands)
+  skipped = nnx.as_pure(nnx.state(nodes))
+  nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
+
+
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
     donate: bool = True, decay: Any = None,
@@ -896,7 +914,7 @@ def train_step(
         optimizer.skipped_steps[...] += 1
 
     _, out = _step.conditioned_update(
-        loss_of, params[0], apply_step, skip_step, nnx.cond,
+        loss_of, params[0], apply_step, skip_step, _select,
         model, optimizer, nodes)
     return out
 

@@ -36,6 +36,7 @@ def test_quick_suite_runs_and_prints_its_table(tmp_path):
   assert '## Full train step' in done.stdout
   assert '| MLP-256 | linen | 32 |' in done.stdout
   assert '## Optimizer only' in done.stdout
+  assert "## The user's path" in done.stdout
   assert (tmp_path / 'results.json').exists()
   assert (tmp_path / 'results.md').exists()
 
@@ -80,37 +81,37 @@ def test_cbp_fused_step_copies_no_parameter_buffer(api, variant):
   assert _kernel_copies_per_step(runner) == collections.Counter()
 
 
-def test_default_copy_insertion_copies_exactly_the_lagged_state():
+def test_default_copy_insertion_copies_exactly_the_read_after_write_state():
   # The known cause, kept visible: with XLA's default copy insertion the lag
   # costs one copy of every second-moment leaf per step -- one per kernel
   # here -- plus the M1 energies (eq. 6 reads q_{t-1}) and the centering
-  # means (eq. 10 reads mu_old after mu_new is formed). If this count drops
-  # to zero, XLA's default got smarter and the library's option may go.
+  # means (eq. 10 reads mu_old after mu_new is formed); the skip select
+  # (keep the old state on a non-finite batch) reads the old first moment
+  # too. The parameters are never copied. If this count drops to zero, XLA's
+  # default got smarter and the library's option may go.
   runner = _runner('linen', steps.CBP_FULL_NO_RA)
-  assert _kernel_copies_per_step(runner) == _one_per_kernel(runner)
-  images, labels = models.make_batch(ARCH, BATCH)
+  assert _kernel_copies_per_step(runner) == _two_per_kernel(runner)
+  copied = hlo_copies.entry_parameter_copies(runner.hlo)
+  kernel_moments = [name for name in copied
+                    if 'kernel' in name and '__count' not in name]
+  assert sorted(n.split('__', 2)[1] for n in kernel_moments) == (
+      ['mu'] * 5 + ['nu'] * 5), copied
+  assert not any('params' in name for name in copied), copied
+  assert all(any(part in name for part in ('__mu__', '__nu__', 'energy',
+                                           '_mean_', '__count'))
+             for name in copied), copied
 
-  def loss_fn(apply, images, labels):
-    return steps.cross_entropy(apply(images), labels)
 
-  out = jax.eval_shape(steps.cbp.linen.train_step(loss_fn),
-                       runner.read_state(), images, labels)
-  leaves = jax.tree_util.tree_flatten_with_path(out)[0]
-  paths = [jax.tree_util.keystr(path) for path, _ in leaves]
-  copied = {paths[i] for i in hlo_copies.entry_output_copies(runner.hlo)
-            if leaves[i][1].shape}  # Scalar counters may be copied too.
-  nu = {p for p in paths if '.nu[' in p}
-  assert nu <= copied
-  assert not any(('.mu[' in p or 'params' in p) for p in copied)
-  assert all('.nu[' in p or 'energy' in p or "['mean']" in p
-             for p in copied)
+def _two_per_kernel(runner: steps.Runner) -> collections.Counter:
+  return collections.Counter({k: 2 * v for k, v in
+                              _one_per_kernel(runner).items()})
 
 
 @pytest.mark.parametrize('api', ['linen', 'nnx'])
 def test_region_analysis_removes_the_lag_copy_without_changing_results(api):
   shipped = _runner(api, steps.CBP_FULL)
   default_xla = _runner(api, steps.CBP_FULL_NO_RA)
-  assert _kernel_copies_per_step(default_xla) == _one_per_kernel(default_xla)
+  assert _kernel_copies_per_step(default_xla) == _two_per_kernel(default_xla)
   for _ in range(3):
     shipped.step()
     default_xla.step()
@@ -142,3 +143,285 @@ def test_mnist_section_quick_run_reports_both_methods():
     for run in runs:
       assert run['steps_run'] >= 1
       assert run['iterations'] is None or run['seconds'] > 0
+
+
+# ------------------------------------------------ the user-path section
+
+# One hidden layer of 8: fourteen step compilations (seven rows, two APIs)
+# stay a few seconds.
+TINY = models.mlp(8, depth=1)
+TINY_BATCH = 4
+
+
+def _params(runner):
+  return [np.asarray(x) for x in jax.tree.leaves(runner.params())]
+
+
+def _assert_same_params(a, b, **tolerance):
+  for x, y in zip(_params(a), _params(b), strict=True):
+    np.testing.assert_allclose(x, y, **tolerance)
+
+
+def _check_user_rows(api, names):
+  """Builds ``names`` of the section's rows, steps and times each."""
+  from benchmarks import user_path
+  rows = [r for r in user_path.ROWS if r.name in names]
+  assert [r.name for r in rows] == list(names)
+  runners = user_path.build(api, TINY, TINY_BATCH, rows)
+  assert list(runners) == list(names)
+
+  def same(a, b):
+    if a in runners and b in runners:
+      _assert_same_params(runners[a], runners[b], rtol=1e-6, atol=1e-7)
+
+  # The rows train what their names say, after their first (compiling)
+  # call: the fused AdamW step the user's AdamW step, nested the direct
+  # fused step, and the two CBP configurations are different optimizers.
+  same('AdamW fused', 'AdamW, user jit')
+  same('AdamW, user jit, donated', 'AdamW, user jit')
+  same('cbp_robust nested, centered', 'cbp_robust fused, centered')
+  if {'cbp fused, centered', 'cbp_robust fused, centered'} <= set(runners):
+    with pytest.raises(AssertionError):
+      _assert_same_params(runners['cbp fused, centered'],
+                          runners['cbp_robust fused, centered'], rtol=1e-3)
+  layers = TINY.depth + 1
+  for row in rows:
+    runner = runners[row.name]
+    assert runner.centered_layers == (layers if row.centered else 0), row
+    before = _params(runner)
+    loss = runner.step()
+    runner.sync()
+    assert np.isfinite(np.asarray(getattr(loss, 'loss', loss))), row
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(before, _params(runner))), row
+  timed = user_path.time_runners(runners, rounds=2, window_s=1e-3)
+  assert list(timed) == list(runners)
+  base = timed[user_path.BASELINE.name]
+  assert base['ratio']['median'] == base['ratio']['min'] == 1.0
+  for name, row in timed.items():
+    assert row['steps_per_window'] >= 1
+    assert row['time']['n'] == 2 and row['time']['min'] > 0, name
+    assert row['ratio']['min'] <= row['ratio']['median'] <= row['ratio']['max']
+  group = {'arch': TINY.name, 'kind': 'mlp', 'width': TINY.width, 'api': api,
+           'batch': TINY_BATCH, 'params': 1, 'rounds': 2, 'window_s': 1e-3,
+           'load_average': {'start': (1.0,), 'end': (1.0,)}, 'rows': timed}
+  table = user_path.steps_table([group])
+  for row in rows[1:]:
+    assert f'{row.name} / baseline' in table
+  assert f'| {TINY.name} | {api} | {TINY_BATCH} |' in table
+
+
+def _row_names():
+  from benchmarks import user_path
+  return [r.name for r in user_path.ROWS]
+
+
+# Each branch of the Linen builder (the user's jit, the fused step direct
+# and nested, centered); every row is the slow test's.
+LINEN_DEFAULT_ROWS = ('AdamW, user jit', 'AdamW fused',
+                      'cbp_robust nested, centered')
+
+
+def test_user_section_builds_steps_and_times_every_nnx_row():
+  _check_user_rows('nnx', _row_names())
+
+
+def test_user_section_builds_steps_and_times_linen_rows():
+  _check_user_rows('linen', LINEN_DEFAULT_ROWS)
+
+
+# Seven more compilations; the default tier covers every builder branch.
+@pytest.mark.slow
+def test_user_section_builds_steps_and_times_every_linen_row():
+  _check_user_rows('linen', _row_names())
+
+
+def test_user_section_times_the_update_compile_of_every_optimizer():
+  from benchmarks import user_path
+  result = user_path.run_compile([4], rounds=1)
+  (row,) = result['rows']
+  assert row['leaves'] == 4
+  assert set(row['optimizers']) == set(user_path.OPTIMIZERS)
+  assert row['optimizers']['adamw']['wall_ratio']['median'] == 1.0
+  for entry in row['optimizers'].values():
+    assert entry['wall_s']['min'] > 0 and entry['cpu_s']['min'] > 0
+    assert entry['lower_wall_s']['min'] <= entry['wall_s']['min']
+  assert '| 4 | 1 |' in user_path.compile_table(result)
+
+
+def test_leaf_tree_has_the_leaves_asked_for():
+  from benchmarks import user_path
+  tree = user_path.leaf_tree(200)
+  assert len(jax.tree.leaves(tree)) == 200
+  assert len(cbp_blocks(tree)) == 100  # one M1 block per kernel/bias pair
+  for bad in (0, 1, 7):
+    with pytest.raises(ValueError, match='even'):
+      user_path.leaf_tree(bad)
+
+
+def cbp_blocks(tree):
+  import cbp_optax as cbp
+  return cbp.block_names(tree)
+
+
+def _group(kind, width, baseline_s, ratios, name='m'):
+  rows = {'AdamW, user jit': {'path': 'user', 'optimizer': 'adamw',
+                              'time': {'median': baseline_s},
+                              'ratio': {'median': 1.0, 'min': 1.0,
+                                        'max': 1.0}}}
+  for row_name, (path, ratio) in ratios.items():
+    rows[row_name] = {'path': path, 'optimizer': row_name.split()[0],
+                      'time': {'median': baseline_s * ratio},
+                      'ratio': {'median': ratio, 'min': ratio, 'max': ratio}}
+  return {'arch': name, 'kind': kind, 'width': width, 'api': 'nnx',
+          'rows': rows}
+
+
+@pytest.mark.parametrize('kind, width, baseline_s, path, target', [
+    ('mlp', 512, 5e-3, 'direct', 1.05),
+    ('mlp', 4096, 0.1, 'direct', 1.05),
+    ('mlp', 1024, 5e-3, 'nested', 1.10),
+    ('cnn', 32, 0.02, 'direct', 1.05),
+    ('cnn', 32, 0.02, 'nested', 1.10),
+    ('mlp', 128, 0.5e-3, 'direct', 1.15),  # under 1 ms: the fast bound
+    ('mlp', 128, 0.5e-3, 'nested', 1.15),
+    ('mlp', 128, 2e-3, 'direct', None),  # narrower than 512, not fast
+    ('mlp', 8192, 0.5, 'direct', None),
+    ('transformer', 128, 0.4, 'direct', None),
+])
+def test_user_section_targets_follow_the_issue(kind, width, baseline_s, path,
+                                               target):
+  from benchmarks import user_path
+  assert user_path.target_for(_group(kind, width, baseline_s, {}),
+                              path) == target
+
+
+def test_user_section_targets_table_says_met_or_not():
+  from benchmarks import user_path
+  group = _group('mlp', 1024, 8e-3, {
+      'cbp fused, centered': ('direct', 1.05),
+      'cbp_robust fused, centered': ('direct', 1.06),
+      'cbp_robust nested, centered': ('nested', 1.09)}, name='MLP-2x1024')
+  table = user_path.targets_table([group])
+  line = next(x for x in table.splitlines() if x.startswith('| MLP-2x1024'))
+  assert line == ('| MLP-2x1024 | nnx | 8 | 1.05 (<= 1.05, yes) | '
+                  '1.06 (<= 1.05, no) | 1.09 (<= 1.10, yes) |')
+
+
+def _marked(section):
+  from benchmarks import user_path
+  return f'{user_path.BEGIN}\n{section}\n{user_path.END}'
+
+
+def test_benchmarks_md_writer_replaces_only_its_own_section():
+  from benchmarks import user_path
+  before = '# Benchmarks\n\nIntro.\n\n'
+  after = '\n\n## How to rerun\n\nold text <!-- other -->\n'
+  text = before + _marked('## Old\n\nold numbers') + after
+  new = user_path.replace_section(text, '## New\n\nnew numbers\n')
+  assert new == before + _marked('## New\n\nnew numbers') + after
+  assert user_path.replace_section(new, '## New\n\nnew numbers') == new
+
+
+def test_benchmarks_md_writer_puts_a_new_section_on_top():
+  from benchmarks import user_path
+  text = '# Benchmarks\n\nIntro.\n\n## How to rerun\n\nx\n\n## More\n'
+  new = user_path.replace_section(text, '## New')
+  assert new == ('# Benchmarks\n\nIntro.\n\n' + _marked('## New')
+                 + '\n\n## How to rerun\n\nx\n\n## More\n')
+  assert user_path.replace_section('', '## New') == _marked('## New') + '\n'
+  assert user_path.replace_section('# T', '## New') == (
+      '# T\n' + _marked('## New') + '\n')
+
+
+@pytest.mark.parametrize('text', [
+    'a <!-- user-path:begin --> b',
+    'a <!-- user-path:end --> b',
+    '<!-- user-path:end --> a <!-- user-path:begin -->',
+    ('<!-- user-path:begin --> a <!-- user-path:end --> '
+     '<!-- user-path:begin --> b <!-- user-path:end -->'),
+])
+def test_benchmarks_md_writer_refuses_damaged_markers(text):
+  from benchmarks import user_path
+  with pytest.raises(ValueError, match='user-path'):
+    user_path.replace_section(text, '## New')
+
+
+def test_benchmarks_md_writer_keeps_the_repository_file_outside_its_markers(
+    tmp_path):
+  from benchmarks import user_path
+  with open(os.path.join(REPO, 'BENCHMARKS.md')) as f:
+    original = f.read()
+  path = tmp_path / 'BENCHMARKS.md'
+  path.write_text(original)
+  user_path.write_section(str(path), '## Generated\n\n| a |\n|---|\n')
+  written = path.read_text()
+  head, _, rest = written.partition(user_path.BEGIN)
+  inside, _, tail = rest.partition(user_path.END)
+  assert inside == '\n## Generated\n\n| a |\n|---|\n'
+  if user_path.BEGIN in original:
+    o_head, _, o_rest = original.partition(user_path.BEGIN)
+    assert (head, tail) == (o_head, o_rest.partition(user_path.END)[2])
+  else:
+    assert head + tail.removeprefix('\n\n') == original
+
+
+def test_run_writes_benchmarks_md_only_where_asked():
+  from benchmarks import run
+  repo_file = os.path.join(REPO, 'BENCHMARKS.md')
+  assert run.benchmarks_md_path(run.parse_args([])) == repo_file
+  assert run.benchmarks_md_path(run.parse_args(['--quick'])) is None
+  assert run.benchmarks_md_path(
+      run.parse_args(['--quick', '--benchmarks-md', 'x.md'])) == 'x.md'
+  assert run.benchmarks_md_path(
+      run.parse_args(['--no-benchmarks-md'])) is None
+  assert 'user' in run.SECTIONS and 'user' in run.QUICK_SECTIONS
+
+
+def test_user_section_parses_model_names():
+  from benchmarks import user_path
+  got = user_path.select_archs(
+      'MLP-2x512,MLP-1024,CNN,CNN-8,ResNet-8,Transformer,'
+      'Transformer-2x32-ctx16')
+  assert [a.name for a in got] == [
+      'MLP-2x512', 'MLP-1024', 'CNN', 'CNN-8', 'ResNet-8', 'Transformer',
+      'Transformer-2x32-ctx16']
+  assert (got[0].depth, got[0].width) == (2, 512)
+  assert (got[1].depth, got[1].width) == (models.MLP_DEPTH, 1024)
+  assert (got[6].depth, got[6].width, got[6].context) == (2, 32, 16)
+  with pytest.raises(ValueError, match='Unknown model'):
+    user_path.select_archs('VGG')
+
+
+def test_tutorial_cnn_has_the_tutorials_parameter_count():
+  from flax import nnx
+  arch = models.cnn()
+  model = nnx.eval_shape(lambda: models.nnx_model(arch, False))
+  nnx_count = models.count_params(nnx.state(model, nnx.Param))
+  images = jax.ShapeDtypeStruct(arch.input_shape(2), jax.numpy.float32)
+  linen = jax.eval_shape(models.linen_model(arch, False).init,
+                         jax.random.key(0), images)
+  assert nnx_count == models.count_params(linen['params']) == 824_458
+
+
+# The section end to end on every model kind, tiny: minutes of compiling on
+# a busy 2-core machine.
+@pytest.mark.slow
+def test_quick_user_section_runs_every_model_kind_and_writes_its_section(
+    tmp_path):
+  md = tmp_path / 'BENCHMARKS.md'
+  md.write_text('# Benchmarks\n\nIntro.\n\n## Kept\n\nkept\n')
+  done = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'benchmarks', 'run.py'), '--quick',
+       '--sections', 'user', '--out', str(tmp_path), '--benchmarks-md',
+       str(md), '--user-archs', 'MLP-2x16,CNN-4,Transformer-2x32-ctx16'],
+      capture_output=True, text=True, timeout=1200, cwd=REPO)
+  assert done.returncode == 0, done.stderr[-3000:]
+  for line in ('| MLP-2x16 | nnx |', '| MLP-2x16 | linen |', '| CNN-4 | nnx |',
+               '| CNN-4 | linen |', '| Transformer-2x32-ctx16 | nnx |'):
+    assert line in done.stdout
+  assert '| Transformer-2x32-ctx16 | linen |' not in done.stdout
+  written = md.read_text()
+  assert written.startswith('# Benchmarks\n\nIntro.\n\n<!-- user-path:begin')
+  assert written.endswith('<!-- user-path:end -->\n\n## Kept\n\nkept\n')
+  assert '| 50 | 1 |' in written  # the compile-time table

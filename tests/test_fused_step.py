@@ -350,3 +350,32 @@ def test_nnx_step_has_no_parameter_copies_and_region_analysis_is_exact():
     plain(*pairs[1], x, labels)
   for a, b in zip(_flat(nnx.state(pairs[0])), _flat(nnx.state(pairs[1]))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_steps_nested_in_an_undonated_user_jit_copy_no_parameter_buffer():
+  """A user's own ``nnx.jit`` / ``jax.jit`` around the fused step donates
+  nothing and sets no compiler options. The skip of a non-finite batch is a
+  select, not a conditional: a ``lax.cond`` there made XLA copy every
+  parameter-sized buffer it passes through, every step."""
+  x, labels = data()
+  model = NnxMLP(nnx.Rngs(0))
+  optimizer = cbp_nnx.Optimizer(model, cbp.cbp(LR))
+  nnx_step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
+
+  @nnx.jit
+  def users_nnx_step(model, optimizer, x, y):
+    return nnx_step(model, optimizer, x, y).loss
+
+  hlo = users_nnx_step.lower(model, optimizer, x, labels).compile().as_text()
+  assert _parameter_sized_copies(hlo, nnx.state(model, nnx.Param)) == []
+
+  linen_model = LinenMLP()
+  variables = linen_model.init(jax.random.key(0), x)
+  state = cbp_linen.TrainState.create(
+      apply_fn=linen_model.apply, params=variables['params'],
+      centering=variables['centering'], tx=cbp.cbp(LR))
+  linen_step = cbp_linen.train_step(
+      lambda apply, x, y: cross_entropy(apply(x), y))
+  users_jax_step = jax.jit(lambda state, x, y: linen_step(state, x, y))
+  hlo = users_jax_step.lower(state, x, labels).compile().as_text()
+  assert _parameter_sized_copies(hlo, state.params) == []
