@@ -740,9 +740,12 @@ def mean_alignment(inputs: chex.Array) -> MeanAlignment:
     1.0
   """
   inputs = jnp.asarray(inputs)
-  if inputs.ndim < 2:
+  if inputs.ndim < 2 or 0 in inputs.shape:
+    # Without a sample every statistic is NaN; without a feature there is
+    # no eigenvector (a ZeroDivisionError from inside the reshape).
     raise ValueError('mean_alignment: inputs need shape (..., d) with at '
-                     f'least one sample axis, got shape {inputs.shape}.')
+                     'least one sample axis, one sample and one feature, got '
+                     f'shape {inputs.shape}.')
   if (not jnp.issubdtype(inputs.dtype, jnp.floating)
       or jnp.finfo(inputs.dtype).bits < 32):
     # Integers, and half precision, whose second moments overflow (float16

@@ -2,9 +2,11 @@
 
 Arguments that ``optax.inject_hyperparams`` turns into something else, the
 scales ``equalize_stats`` reports, the checks of ``params`` at update, and
-the diagnostics' block masks and counts. Each test failed on the code before
-its fix (the comment says how).
+the diagnostics' block masks and counts. A test of a fix failed on the code
+before it (its comment says how); the others guard what was already right.
 """
+
+import re
 
 import chex
 import jax
@@ -524,3 +526,11 @@ def test_diagnostics_accept_a_raw_key():
                                   jax.random.PRNGKey(0), num_samples=2)
   total = sum(float(jnp.sum(h)) for h in jax.tree.leaves(curvature))
   assert float(out.estimate) == total
+
+
+@pytest.mark.parametrize('shape', [(0, 3), (2, 0, 3), (3, 0)])
+def test_mean_alignment_without_samples_or_features_is_refused(shape):
+  # (0, 3) gave NaN for every statistic, (3, 0) "integer modulo by zero".
+  with pytest.raises(ValueError, match='one sample and one feature, got '
+                     f'shape {re.escape(str(shape))}'):
+    diagnostics.mean_alignment(jnp.ones(shape))
