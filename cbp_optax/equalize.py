@@ -484,10 +484,11 @@ def equalize_stats(
     ``{block name: BlockStats(energy, scale)}`` in state order.
 
   Raises:
-    ValueError: no bound given and none recorded (or a scheduled one), a
-      bound that differs from the recorded one, or ``params`` (with this
-      ``block_fn`` and ``stacked``) with another number of blocks than the
-      state.
+    TypeError: a bound that is not a number (a schedule included).
+    ValueError: no bound given and none recorded (or a scheduled one) while
+      there are blocks, a bound that differs from the recorded one, or
+      ``params`` (with this ``block_fn`` and ``stacked``) with another number
+      of blocks than the state.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -519,12 +520,13 @@ def equalize_stats(
     eqs. (5) and (6).
   """
   for name, value in (('min_scale', min_scale), ('max_scale', max_scale)):
+    if callable(value):
+      raise TypeError(
+          f'{name} must be a number, the bound the next step applies, got '
+          f'the callable {value!r}; for a schedule pass schedule(step).')
     if value is not None:
       _checks.check_positive(name, value)
   state = find_equalize_state(opt_state)
-  min_scale, max_scale = _clip_bounds(
-      opt_state, state, {'min_scale': min_scale, 'max_scale': max_scale})
-  _check_scales(min_scale, max_scale)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.
   energy, count = jnp.asarray(state.energy[...]), jnp.asarray(state.count[...])
   layout = block_layout(params, block_fn=block_fn, stacked=stacked)
@@ -536,6 +538,11 @@ def equalize_stats(
         'stacked= the optimizer was built with, and the parameters (or, '
         'under optax.masked, the subtree) it was initialized on.'
     )
+  if not layout.names:
+    return {}  # no block (block_fn=cbp.no_blocks): no scale to know
+  min_scale, max_scale = _clip_bounds(
+      opt_state, state, {'min_scale': min_scale, 'max_scale': max_scale})
+  _check_scales(min_scale, max_scale)
   scales = block_scales(energy, count, min_scale, max_scale)
   return {
       name: BlockStats(energy=energy[i], scale=scales[i])

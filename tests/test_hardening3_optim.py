@@ -314,6 +314,23 @@ def test_equalize_stats_without_bounds_refuses_to_guess(make):
     cbp.equalize_stats(state, params)
 
 
+def test_equalize_stats_without_blocks_needs_no_bounds():
+  # The bounds matter only for a scale; no_blocks has none to report.
+  tx = cbp.cbp_robust(1e-2, block_fn=cbp.no_blocks)
+  params, _ = two_layers()
+  assert cbp.equalize_stats(tx.init(params), params,
+                            block_fn=cbp.no_blocks) == {}
+
+
+def test_a_schedule_as_a_bound_asks_for_its_value():
+  # It suggested inject_hyperparams(cbp.cbp), which is not the question.
+  params, _ = two_layers()
+  with pytest.raises(TypeError, match=r'max_scale must be a number, the '
+                     r'bound the next step applies.*schedule\(step\)'):
+    cbp.equalize_stats(cbp.equalize().init(params), params, min_scale=0.1,
+                       max_scale=optax.constant_schedule(4.0))
+
+
 def test_scheduled_or_contradicted_bounds_are_refused():
   params, grads = two_layers()
   tx = inject(cbp.cbp)(1e-2, max_scale=optax.linear_schedule(4.0, 1.0, 10))
