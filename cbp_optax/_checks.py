@@ -35,8 +35,20 @@ def concrete_float(value: Any) -> Optional[float]:
   return float(array)
 
 
+# The factories whose first argument is the learning rate.
+_WITH_LEARNING_RATE = ('cbp.cbp', 'cbp.cbp_robust')
+
+
+def _arguments(factory: str, *arguments: str) -> str:
+  """The argument list of an example call of ``factory``."""
+  if factory in _WITH_LEARNING_RATE:
+    arguments = ('learning_rate',) + arguments
+  return ', '.join(arguments + ('...',))
+
+
 def check_scalar(
-    name: str, value: Any, *, schedule_ok: bool = False
+    name: str, value: Any, *, schedule_ok: bool = False,
+    factory: str = 'cbp.cbp',
 ) -> Optional[float]:
   """Refuses anything but one real number (or a tracer of one).
 
@@ -46,6 +58,8 @@ def check_scalar(
       of one (from ``optax.inject_hyperparams``), or, when ``schedule_ok``, a
       callable schedule.
     schedule_ok: whether a callable (an optax schedule) is accepted.
+    factory: the public factory that takes ``name`` (``'cbp.equalize'``), for
+      the ``inject_hyperparams`` call the message suggests.
 
   Returns:
     The value as a Python float when it is concrete, else None.
@@ -58,12 +72,14 @@ def check_scalar(
   if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
     if schedule_ok:
       return None
+    direct = ('Only learning_rate and weight_decay take a schedule directly'
+              if factory in _WITH_LEARNING_RATE
+              else f'{factory} takes no schedule directly')
     raise TypeError(
-        f'{name} must be a number, got the callable {value!r}. Only '
-        'learning_rate takes a schedule directly; to schedule '
-        f'{name}, wrap the factory: optax.inject_hyperparams(cbp.cbp)('
-        f'learning_rate=..., {name}=schedule), which evaluates the schedule '
-        'at every step and passes its value in.'
+        f'{name} must be a number, got the callable {value!r}. {direct}; to '
+        f'schedule {name}, wrap the factory: optax.inject_hyperparams('
+        f'{factory})({_arguments(factory, f"{name}=schedule")}), which '
+        'evaluates the schedule at every step and passes its value in.'
     )
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f'{name} must be a number, got the bool {value!r}.')
@@ -104,6 +120,7 @@ def check_in_range(
     low_inclusive: bool = True,
     high_inclusive: bool = False,
     schedule_ok: bool = False,
+    factory: str = 'cbp.cbp',
 ) -> None:
   """Raises unless ``value`` is one real number in the given interval.
 
@@ -113,12 +130,12 @@ def check_in_range(
       (NaN included).
   """
   if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
-    check_scalar(name, value, schedule_ok=schedule_ok)
+    check_scalar(name, value, schedule_ok=schedule_ok, factory=factory)
     return
   if isinstance(value, numbers.Real) and not isinstance(value, bool):
     number = float(value)  # NaN and infinities are judged by the interval
   else:
-    number = check_scalar(name, value)
+    number = check_scalar(name, value, factory=factory)
   if number is None:
     return
   above = number >= low if low_inclusive else number > low
@@ -132,8 +149,8 @@ def check_in_range(
     raise ValueError(f'{name} must lie in {interval}, got {value!r}.')
 
 
-def check_decay(name: str, value: Any) -> None:
-  check_in_range(name, value, 0.0, 1.0)
+def check_decay(name: str, value: Any, *, factory: str = 'cbp.cbp') -> None:
+  check_in_range(name, value, 0.0, 1.0, factory=factory)
 
 
 def check_mean_decay(value: Any) -> None:
@@ -153,12 +170,15 @@ def check_mean_decay(value: Any) -> None:
   check_decay('mean_decay', value)
 
 
-def check_positive(name: str, value: Any) -> None:
-  check_in_range(name, value, 0.0, math.inf, low_inclusive=False)
+def check_positive(name: str, value: Any, *, factory: str = 'cbp.cbp') -> None:
+  check_in_range(name, value, 0.0, math.inf, low_inclusive=False,
+                 factory=factory)
 
 
-def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False):
-  check_in_range(name, value, 0.0, math.inf, schedule_ok=schedule_ok)
+def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False,
+                      factory: str = 'cbp.cbp') -> None:
+  check_in_range(name, value, 0.0, math.inf, schedule_ok=schedule_ok,
+                 factory=factory)
 
 
 def check_count(name: str, value: Any, *, minimum: int = 0,
@@ -179,19 +199,132 @@ def check_count(name: str, value: Any, *, minimum: int = 0,
   return value
 
 
-def check_function(name: str, value: Any) -> None:
-  """A required callable (a loss function)."""
-  if not callable(value):
-    raise TypeError(
-        f'{name} must be a function, got the {type(value).__name__} '
-        f'{value!r}.')
+def _short_repr(value: Any, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
-def check_callable(name: str, value: Any) -> None:
-  if value is not None and not callable(value):
-    raise ValueError(
-        f'{name} must be a callable or None, got {type(value).__name__}.'
-    )
+def is_array(value: Any) -> bool:
+  """A JAX or NumPy array, or a tracer of one."""
+  return isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer))
+
+
+def is_injected_value(value: Any) -> bool:
+  """Whether ``value`` is what ``optax.inject_hyperparams`` passes a factory
+  for a function it took for a schedule: the function's value at the step
+  count, a number or an array (a tracer under ``jit``)."""
+  return isinstance(value, (numbers.Number, np.generic)) or is_array(value)
+
+
+def static_args_remedy(factory: str, names: Any) -> str:
+  """Why a function argument arrived as a value, and the call that fixes it."""
+  names = tuple(names)
+  them = 'it' if len(names) == 1 else 'them'
+  passed = tuple(f'{n}=...' for n in names)
+  return (
+      'optax.inject_hyperparams calls every function argument that is not '
+      'in its static_args as a schedule of the step count and passes the '
+      f'factory what the function returned. Name {them} there: '
+      f'optax.inject_hyperparams({factory}, static_args={names!r})('
+      f'{_arguments(factory, *passed)}).'
+  )
+
+
+def check_function(
+    name: str, value: Any, *, optional: bool = False,
+    factory: Optional[str] = None,
+) -> None:
+  """A callable argument (a loss function, a ``block_fn``), or None when
+  ``optional``.
+
+  Args:
+    name: the argument's name, for the message.
+    value: the argument.
+    optional: whether None is accepted.
+    factory: the public factory that takes ``name``; a number or an array
+      (what ``optax.inject_hyperparams`` makes of a function not in its
+      ``static_args``) then gets the remedy.
+
+  Raises:
+    TypeError: ``value`` is not callable (nor None, when ``optional``).
+  """
+  if callable(value) or (optional and value is None):
+    return
+  what = 'a function or None' if optional else 'a function'
+  message = (f'{name} must be {what}, got the {type(value).__name__} '
+             f'{_short_repr(value)}.')
+  if factory is not None and is_injected_value(value):
+    message += ' ' + static_args_remedy(factory, (name,))
+  raise TypeError(message)
+
+
+def check_callable(
+    name: str, value: Any, *, factory: Optional[str] = None
+) -> None:
+  """An optional callable: :func:`check_function` with ``optional=True``."""
+  check_function(name, value, optional=True, factory=factory)
+
+
+def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
+  """The error of a ``(path, leaf)`` preset called with one argument: the
+  step count, from ``optax.inject_hyperparams`` taking it for a schedule."""
+  return TypeError(
+      f'{function} takes (path, leaf) but was called with one argument, '
+      f'{_short_repr(value)}, as {argument}. '
+      + static_args_remedy('cbp.cbp', (argument,))
+  )
+
+
+def mask_error(factory: str, value: Any) -> Optional[str]:
+  """What is wrong with a weight-decay ``mask`` that is one leaf (a bool, a
+  number, an array), or None for a tree or a function.
+
+  ``optax.inject_hyperparams`` calls a mask function not in its
+  ``static_args`` with the step count, and a function that maps over its
+  input returns a single bool there: the decay would be applied to every
+  parameter or, silently, to none.
+  """
+  if value is None or callable(value):
+    return None
+  leaves = jax.tree.leaves(value)
+  if len(leaves) != 1 or leaves[0] is not value:
+    return None
+  return (
+      f'mask must be a tree of booleans shaped like the parameters or a '
+      f'function of the parameters returning one, got the '
+      f'{type(value).__name__} {_short_repr(value)}. To decay every '
+      'parameter leave mask out; to decay none leave weight_decay out. If a '
+      'function was passed: '
+      + static_args_remedy(factory, ('mask',))
+  )
+
+
+def check_params_match(name: str, updates: Any, params: Any) -> None:
+  """Refuses ``params`` (when given) without the leaves and shapes of
+  ``updates``, in leaf order: they are what the updates apply to."""
+  if params is None:
+    return
+  paths_and_leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
+  got = [tuple(jnp.shape(g)) for _, g in paths_and_leaves]
+  expected = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
+  if got == expected:
+    return
+  if len(got) != len(expected):
+    detail = f'{len(got)} gradient leaves, {len(expected)} parameters'
+  else:
+    lines = [
+        f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
+        f'parameter {e}'
+        for (path, _), g, e in zip(paths_and_leaves, got, expected) if g != e
+    ]
+    if len(lines) > 5:
+      lines = lines[:5] + [f'... and {len(lines) - 5} more']
+    detail = '; '.join(lines)
+  raise ValueError(
+      f'{name}: the gradients do not match the parameters passed to update '
+      f'({detail}). update(updates, state, params) takes the parameters the '
+      'updates apply to, leaf for leaf.'
+  )
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -199,10 +332,21 @@ def check_bool(name: str, value: Any) -> None:
     raise TypeError(f'{name} must be True or False, got {value!r}.')
 
 
-def check_stats_dtype(value: Any) -> Optional[jnp.dtype]:
+def check_stats_dtype(
+    value: Any, *, factory: str = 'cbp.cbp'
+) -> Optional[jnp.dtype]:
   """``stats_dtype`` as a dtype; None stays None; only real floats pass."""
   if value is None:
     return None
+  if is_array(value):
+    # jnp.float32 is callable: inject_hyperparams took it for a schedule.
+    raise TypeError(
+        f'stats_dtype must be a floating-point dtype, got the array '
+        f'{_short_repr(value)}. Pass it as a string (stats_dtype=\'float32\', '
+        '\'float64\', \'bfloat16\'), '
+        'which optax.inject_hyperparams leaves alone, or: '
+        + static_args_remedy(factory, ('stats_dtype',))
+    )
   try:
     dtype = jnp.dtype(value)
   except TypeError as e:

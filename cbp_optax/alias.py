@@ -54,6 +54,69 @@ def _narrow_in_float32(
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
+# Hyperparameters that take a number and no schedule (schedule them with
+# optax.inject_hyperparams).
+_NUMBERS = ('b1', 'b2', 'damping', 'decay', 'min_scale', 'max_scale',
+            'relative_damping', 'update_clip')
+
+
+def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
+  """Refuses what ``optax.inject_hyperparams`` can make of an argument.
+
+  It takes every callable for a schedule: a schedule of a number-only
+  hyperparameter is refused naming ``inject_hyperparams(factory)``, and a
+  function argument not in its ``static_args`` (``block_fn``, ``stacked``,
+  ``mask``; the dtype ``jnp.float32`` is callable too) arrives here as its
+  value at the step count and is refused naming ``static_args``. Range
+  checks are left to the transforms of the chain.
+
+  Args:
+    factory: ``'cbp.cbp'`` or ``'cbp.cbp_robust'``, for the messages.
+    arguments: the factory's arguments by name.
+
+  Raises:
+    TypeError: a schedule where none is supported, or a function argument
+      that arrived as a value.
+    ValueError: a ``mask`` without ``weight_decay``.
+  """
+  _checks.check_nonnegative('learning_rate', arguments['learning_rate'],
+                            schedule_ok=True, factory=factory)
+  weight_decay = arguments['weight_decay']
+  if weight_decay is not None:
+    _checks.check_nonnegative('weight_decay', weight_decay, schedule_ok=True,
+                              factory=factory)
+  for name in _NUMBERS:
+    if callable(arguments[name]):
+      _checks.check_scalar(name, arguments[name], factory=factory)
+  mask = arguments['mask']
+  mask_error = _checks.mask_error(factory, mask)
+  arrived_as_value = {
+      'block_fn': _checks.is_injected_value(arguments['block_fn']),
+      'stacked': _checks.is_injected_value(arguments['stacked']),
+      'mask': mask_error is not None,
+      'stats_dtype': _checks.is_array(arguments['stats_dtype']),
+  }
+  injected = {k: arguments[k] for k, hit in arrived_as_value.items() if hit}
+  if len(injected) > 1:
+    # One call of inject_hyperparams made all of them: one remedy for all.
+    got = ', '.join(f'{k}={v!r}' for k, v in injected.items())
+    raise TypeError(
+        f'{factory} got {got}, where functions (and a dtype) were '
+        'expected. ' + _checks.static_args_remedy(factory, injected)
+    )
+  _checks.check_callable('block_fn', arguments['block_fn'], factory=factory)
+  _checks.check_callable('stacked', arguments['stacked'], factory=factory)
+  if mask_error is not None:
+    raise TypeError(mask_error)
+  _checks.check_stats_dtype(arguments['stats_dtype'], factory=factory)
+  if mask is not None and weight_decay is None:
+    raise ValueError(
+        f'{factory}: mask selects the parameters that weight_decay applies '
+        'to, but weight_decay is None (no decay). Pass weight_decay=..., or '
+        'leave mask out.'
+    )
+
+
 def cbp(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -98,8 +161,14 @@ def cbp(
   ``optax.inject_hyperparams(cbp.cbp)(learning_rate=..., b1=schedule)``.
   Concrete values are validated here; values traced by
   ``inject_hyperparams`` only by shape. ``inject_hyperparams`` takes every
-  callable argument for a schedule: name ``block_fn``, ``stacked`` or
-  ``mask`` in its ``static_args`` when you pass them.
+  callable argument for a schedule and passes the factory its value at the
+  step count: name ``block_fn``, ``stacked`` and ``mask`` (and a dtype such
+  as ``jnp.float32``, also callable; or pass ``stats_dtype='float32'``) in
+  its ``static_args`` when you pass them,
+  ``optax.inject_hyperparams(cbp.cbp, static_args=('block_fn', 'mask'))``.
+  Such an argument that arrives as a value is refused with that call, never
+  used as it came (a mask function called with the step count returns one
+  bool, which would decay every parameter or none).
 
   Dtypes: updates have the gradients' dtype. float16 gradients run through
   the chain as float32 (float16 cannot hold the preconditioned direction,
@@ -123,7 +192,10 @@ def cbp(
       state has one structure whatever the value (as
       ``optax.inject_hyperparams`` requires).
     mask: which parameters the weight decay applies to, as in
-      ``optax.add_decayed_weights``.
+      ``optax.add_decayed_weights``: a tree of booleans like the parameters,
+      or a function of the parameters returning one; only with
+      ``weight_decay``. A single bool is refused (to decay every parameter
+      leave ``mask`` out; to decay none, ``weight_decay``).
     block_fn: grouping of leaves into M1 blocks, see :func:`equalize`.
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
@@ -150,9 +222,12 @@ def cbp(
 
   Raises:
     TypeError: a hyperparameter of the wrong type (bool, string, schedule
-      where none is supported) or a non-float ``stats_dtype``.
-    ValueError: a non-scalar hyperparameter, or a concrete value that is
-      not finite or out of range.
+      where none is supported), a non-float ``stats_dtype``, a
+      ``block_fn``, ``stacked`` or ``mask`` that is not a function (nor a
+      tree, for ``mask``): the message names ``static_args`` when it looks
+      like the value ``inject_hyperparams`` made of a function.
+    ValueError: a non-scalar hyperparameter, a concrete value that is not
+      finite or out of range, or a ``mask`` without ``weight_decay``.
 
   Examples:
     The first step applies :math:`s_l = 1` and :math:`P_1 = I`, so the update
@@ -192,9 +267,7 @@ def cbp(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.4 (eq. 12) and Algorithm 1.
   """
-  _checks.check_nonnegative('learning_rate', learning_rate, schedule_ok=True)
-  if weight_decay is not None:
-    _checks.check_nonnegative('weight_decay', weight_decay, schedule_ok=True)
+  _check_arguments('cbp.cbp', locals())  # the arguments, before any local
   transforms = [
       equalize_lib.equalize(
           decay,
@@ -320,7 +393,9 @@ def cbp_robust(
   * ``min_scale=1.0, max_scale=1.0``: M1's scales are clipped to
     :math:`[1, 1]`, i.e. :math:`S_t = I` (Lemma 1 with
     :math:`s_{\min} = s_{\max} = 1`); the block energies are still kept, so
-    :func:`cbp_optax.equalize_stats` reports them. Once the damping no
+    :func:`cbp_optax.equalize_stats` reports them (with
+    ``min_scale=1.0, max_scale=1.0``, the scales of ones this configuration
+    applies). Once the damping no
     longer dominates, M3 divides each coordinate by its own second moment
     and a block's scale cancels in :math:`P_t S_t \hat m_t` up to its lag
     (on the transformer the remainder cost 0.020 bits per byte). Pass
@@ -363,8 +438,10 @@ def cbp_robust(
     The :func:`cbp` transformation with these arguments.
 
   Raises:
-    TypeError: as :func:`cbp`; an unknown keyword argument.
-    ValueError: as :func:`cbp`.
+    TypeError: as :func:`cbp` (messages name ``cbp.cbp_robust``); an unknown
+      keyword argument.
+    ValueError: as :func:`cbp`; ``zero_moment_identity=True`` without
+      ``normalized_first_step=False``.
 
   Examples:
     Step 1 moves each coordinate by about the learning rate, whatever the
@@ -397,6 +474,17 @@ def cbp_robust(
     eq. (11), Lemma 1, Theorem 3 and Algorithm 1 (what this configuration
     departs from).
   """
+  _check_arguments('cbp.cbp_robust', locals())  # the arguments alone
+  _checks.check_bool('zero_moment_identity', zero_moment_identity)
+  _checks.check_bool('normalized_first_step', normalized_first_step)
+  if zero_moment_identity and normalized_first_step:
+    raise ValueError(
+        'cbp_robust sets normalized_first_step=True, and zero_moment_identity '
+        'is another rule for the same coordinates (stored second moment '
+        'zero): pass normalized_first_step=False with it, '
+        'cbp.cbp_robust(learning_rate, zero_moment_identity=True, '
+        'normalized_first_step=False).'
+    )
   return cbp(
       learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
       min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,

@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Collection, Hashable, NamedTuple, Optional
 
 import jax
@@ -26,6 +27,30 @@ KeyPath = tuple[Any, ...]
 BlockFn = Callable[[KeyPath, Any], Hashable]
 StackedFn = Callable[[KeyPath, Any], bool]
 
+
+# The leaf of a one-argument call, which only inject_hyperparams makes.
+_NO_LEAF = object()
+
+
+def _path_and_leaf(argument: str):
+  """Makes a ``(path, leaf)`` preset refuse a one-argument call clearly.
+
+  ``optax.inject_hyperparams`` calls a function argument that is not in its
+  ``static_args`` with the step count alone; without this the preset fails
+  with "missing 1 required positional argument: 'leaf'".
+  """
+
+  def decorate(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+      if len(args) == 1 and not kwargs:
+        raise _checks.schedule_call_error(argument, f'cbp.{fn.__name__}',
+                                          args[0])
+      return fn(*args, **kwargs)
+
+    return wrapper
+
+  return decorate
 
 
 class BlockLayout(NamedTuple):
@@ -119,6 +144,7 @@ def default_block_key(path: KeyPath, leaf: Any) -> Hashable:
   return path[:-1] if len(path) > 1 else path
 
 
+@_path_and_leaf('block_fn')
 def layer_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset, the default: one M1 block per layer (eq. 7).
 
@@ -136,6 +162,7 @@ def layer_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return default_block_key(path, leaf)
 
 
+@_path_and_leaf('block_fn')
 def leaf_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset: one M1 block per parameter tensor.
 
@@ -150,6 +177,7 @@ def leaf_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return path
 
 
+@_path_and_leaf('block_fn')
 def no_blocks(path: KeyPath, leaf: Any) -> Hashable:
   r"""``block_fn`` preset: no leaf is in a block, so M1 is the identity.
 
@@ -168,6 +196,7 @@ def no_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return None
 
 
+@_path_and_leaf('block_fn')
 def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset: M1 equalizes the weight matrices only.
 
@@ -409,7 +438,9 @@ class stacked_predicate:  # pylint: disable=invalid-name
   def __init__(self, roots):
     self.roots = frozenset(tuple(r) for r in roots)
 
-  def __call__(self, path: Any, leaf: Any) -> bool:
+  def __call__(self, path: Any, leaf: Any = _NO_LEAF) -> bool:
+    if leaf is _NO_LEAF:
+      raise _checks.schedule_call_error('stacked', repr(self), path)
     del leaf
     names = tuple(key_name(k) for k in strip_variable_suffix(path))
     return any(names[:len(root)] == root for root in self.roots)

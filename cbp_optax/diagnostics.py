@@ -375,6 +375,24 @@ def _hvp(loss_fn: LossFn, params: Any, vector: Any) -> Any:
   return jax.jvp(jax.grad(loss_fn), (params,), (vector,))[1]
 
 
+# The largest count of probes or iterations: JAX's loop bounds and the
+# number of keys split are int32 (beyond it, an OverflowError from inside).
+_MAX_COUNT = 2**31 - 1
+
+
+def _check_key(key: Any) -> None:
+  """One PRNG key: typed (``jax.random.key``) or raw (``jax.random.PRNGKey``)."""
+  dtype, shape = getattr(key, 'dtype', None), getattr(key, 'shape', None)
+  typed = dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                      jax.dtypes.prng_key)
+  if (typed and shape == ()) or (dtype == jnp.uint32 and shape == (2,)):
+    return
+  got = (f'the {type(key).__name__} {key!r}' if shape is None
+         else f'an array of shape {shape} and dtype {dtype}')
+  raise TypeError('key must be one PRNG key, jax.random.key(0) (or a raw '
+                  f'jax.random.PRNGKey(0)), got {got}.')
+
+
 def _float_leaves(params: Any) -> None:
   for leaf in jax.tree.leaves(params):
     if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
@@ -444,9 +462,12 @@ def hessian_trace(
     >>> float(out.estimate), float(out.stderr)  # diagonal H: exact
     (6.0, 0.0)
   """
-  _checks.check_count('num_samples', num_samples, minimum=1)
+  _checks.check_count('num_samples', num_samples, minimum=1,
+                      maximum=_MAX_COUNT)
   if batch_size is not None:
-    _checks.check_count('batch_size', batch_size, minimum=1)
+    _checks.check_count('batch_size', batch_size, minimum=1,
+                        maximum=_MAX_COUNT)
+  _check_key(key)
   _float_leaves(params)
   layout = _layout(params, block_fn, stacked)
   whole, outside = _whole_and_outside(layout, params)
@@ -591,8 +612,9 @@ def top_eigenvalue(
     >>> blocks.names, [round(float(e), 4) for e in blocks.eigenvalue]
     (('a', 'b'), [1.0, 4.0])
   """
-  _checks.check_count('num_iters', num_iters, minimum=0)
+  _checks.check_count('num_iters', num_iters, minimum=0, maximum=_MAX_COUNT)
   _checks.check_bool('per_block', per_block)
+  _check_key(key)
   _float_leaves(params)
   dtype = stats_dtype_for(params)
   if not per_block:
@@ -604,7 +626,9 @@ def top_eigenvalue(
   treedef = jax.tree.structure(params)
 
   def one_block(block):
-    mask = jax.tree.unflatten(treedef, [i == block for i in ids])
+    # A leaf in no block (block_fn returned None) is outside every H_ll.
+    mask = jax.tree.unflatten(treedef, [
+        jnp.zeros((), jnp.bool_) if i is None else i == block for i in ids])
     return _power_iteration(loss_fn, params, jax.random.fold_in(key, block),
                             num_iters, mask, dtype)
 
@@ -716,9 +740,12 @@ def mean_alignment(inputs: chex.Array) -> MeanAlignment:
     1.0
   """
   inputs = jnp.asarray(inputs)
-  if inputs.ndim < 2:
+  if inputs.ndim < 2 or 0 in inputs.shape:
+    # Without a sample every statistic is NaN; without a feature there is
+    # no eigenvector (a ZeroDivisionError from inside the reshape).
     raise ValueError('mean_alignment: inputs need shape (..., d) with at '
-                     f'least one sample axis, got shape {inputs.shape}.')
+                     'least one sample axis, one sample and one feature, got '
+                     f'shape {inputs.shape}.')
   if (not jnp.issubdtype(inputs.dtype, jnp.floating)
       or jnp.finfo(inputs.dtype).bits < 32):
     # Integers, and half precision, whose second moments overflow (float16

@@ -29,15 +29,14 @@ from typing import Any, NamedTuple, Optional, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cbp_optax import _checks
 from cbp_optax.blocks import block_layout
 from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
-from cbp_optax.blocks import path_name
 from cbp_optax.blocks import StackedFn
-from cbp_optax.blocks import strip_variable_suffix
 
 class EqualizeState(NamedTuple):
   """State of :func:`equalize`.
@@ -211,63 +210,12 @@ def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
     )
 
 
-class Signature(NamedTuple):
-  """What must agree between the trees given to init and to update.
-
-  Key names are not compared: wrappers (the fused NNX step, ``nnx.Optimizer``)
-  legitimately hand ``update`` a tree whose paths differ from ``init``'s.
-  """
-
-  shapes: tuple[tuple[int, ...], ...]  # every leaf's, in leaf order
-  groups: tuple[tuple[int, ...], ...]  # BlockLayout.groups
-  stacks: tuple[Optional[int], ...]  # BlockLayout.group_stacks
-
-
-def _signature(tree: Any, layout: BlockLayout) -> Signature:
-  return Signature(
-      shapes=tuple(tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(tree)),
-      groups=layout.groups,
-      stacks=layout.group_stacks,
-  )
-
-
-def _describe_difference(
-    tree: Any, got: Signature, expected: Signature
-) -> str:
-  if len(got.shapes) != len(expected.shapes):
-    return f'{len(got.shapes)} leaves, expected {len(expected.shapes)}'
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  lines = [
-      f'{path_name(strip_variable_suffix(path))!r} has shape {g}, expected {e}'
-      for path, g, e in zip(paths, got.shapes, expected.shapes) if g != e
-  ]
-  if len(lines) > 5:
-    lines = lines[:5] + [f'... and {len(lines) - 5} more']
-  return '; '.join(lines) or 'the leaves are grouped into other blocks'
-
-
-def _check_matches_init(
-    tree: Any, signature: Signature, seen: set[Signature]
+def _check_scales(
+    min_scale: Any, max_scale: Any, *, factory: str = 'cbp.equalize'
 ) -> None:
-  if not seen or signature in seen:
-    return
-  expected = min(
-      seen,
-      key=lambda s: (len(s.shapes) != len(signature.shapes),
-                     sum(a != b for a, b in zip(s.shapes, signature.shapes))),
-  )
-  raise ValueError(
-      'equalize: the gradients do not match the parameters the state was '
-      f'initialized with ({_describe_difference(tree, signature, expected)}). '
-      'The updates must have the leaves and shapes of the parameters given '
-      'to init.'
-  )
-
-
-def _check_scales(min_scale: Any, max_scale: Any) -> None:
   """M1's clip interval: two positive numbers, ``min_scale <= max_scale``."""
-  _checks.check_positive('min_scale', min_scale)
-  _checks.check_positive('max_scale', max_scale)
+  _checks.check_positive('min_scale', min_scale, factory=factory)
+  _checks.check_positive('max_scale', max_scale, factory=factory)
   low, high = _checks.concrete_float(min_scale), _checks.concrete_float(
       max_scale
   )
@@ -328,8 +276,10 @@ def equalize(
       ``optax.inject_hyperparams``), or a non-float ``stats_dtype``; at
       update, complex gradients.
     ValueError: a non-scalar hyperparameter or a concrete value out of range;
-      at update, gradients whose leaves or shapes differ from the parameters
-      given to ``init`` (or to ``update``).
+      at update, gradients with another number of blocks than the state, or
+      whose leaves or shapes differ from the ``params`` given to ``update``
+      (without them only the number of blocks is checked: pass them, as
+      :func:`cbp_optax.cbp` does).
 
   Examples:
     Two layers whose gradient energies differ by almost four orders of
@@ -359,22 +309,16 @@ def equalize(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
-  _checks.check_decay('decay', decay)
-  _check_scales(min_scale, max_scale)
-  _checks.check_callable('block_fn', block_fn)
-  _checks.check_callable('stacked', stacked)
-  stats_dtype = _checks.check_stats_dtype(stats_dtype)
-  # The leaves (names and shapes) of every tree this transform was
-  # initialized on. The state is a flat vector whose length alone cannot tell
-  # one tree from another with as many blocks; this static record can, for
-  # updates of this instance (optax.inject_hyperparams builds a new instance
-  # per call and relies on the block-count check alone).
-  initialized_on: set[Signature] = set()
+  factory = 'cbp.equalize'
+  _checks.check_decay('decay', decay, factory=factory)
+  _check_scales(min_scale, max_scale, factory=factory)
+  _checks.check_callable('block_fn', block_fn, factory=factory)
+  _checks.check_callable('stacked', stacked, factory=factory)
+  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
 
   def init_fn(params):
     _checks.check_float_leaves('equalize', params)
     layout = block_layout(params, block_fn=block_fn, stacked=stacked)
-    initialized_on.add(_signature(params, layout))
     dtype = stats_dtype_for(params, stats_dtype)
     return EqualizeState(
         count=jnp.zeros([], jnp.int32),
@@ -385,20 +329,13 @@ def equalize(
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     _check_matches_state(layout, state)
-    signature = _signature(updates, layout)
-    _check_matches_init(updates, signature, initialized_on)
+    # The state is a flat vector: only its length can be checked against the
+    # gradients. The parameters, when given, are checked leaf for leaf; the
+    # transform keeps no record of the trees it was initialized on.
+    _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     param_leaves = [None] * len(leaves)
     if params is not None:
-      param_shapes = tuple(tuple(jnp.shape(p)) for p in jax.tree.leaves(params))
-      if param_shapes != signature.shapes:
-        raise ValueError(
-            'equalize: the gradients do not match the parameters passed to '
-            'update ('
-            + _describe_difference(
-                updates, signature, signature._replace(shapes=param_shapes))
-            + ').'
-        )
       param_leaves = jax.tree.leaves(params)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     out_dtypes = [
@@ -419,70 +356,193 @@ def equalize(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def find_equalize_state(opt_state: Any) -> EqualizeState:
-  """The single :class:`EqualizeState` nested anywhere inside ``opt_state``."""
-  found = [
-      leaf
-      for leaf in jax.tree.leaves(
-          opt_state, is_leaf=lambda x: isinstance(x, EqualizeState)
-      )
-      if isinstance(leaf, EqualizeState)
+def _nodes(tree: Any, kind: Any) -> list[Any]:
+  """The outermost nodes of ``tree`` that are instances of ``kind``."""
+  return [
+      leaf for leaf in jax.tree.leaves(
+          tree, is_leaf=lambda x: isinstance(x, kind))
+      if isinstance(leaf, kind)
   ]
-  if len(found) != 1:
+
+
+def find_equalize_state(opt_state: Any) -> EqualizeState:
+  """The single :class:`EqualizeState` nested anywhere inside ``opt_state``.
+
+  Raises:
+    ValueError: ``opt_state`` holds none (not the state of a CBP optimizer)
+      or several (say which, by passing that sub-state).
+  """
+  found = _nodes(opt_state, EqualizeState)
+  if len(found) == 1:
+    return found[0]
+  if not found:
     raise ValueError(
-        f'Expected exactly one EqualizeState inside the optimizer state, found '
-        f'{len(found)}; pass the sub-state of the equalize transform you mean.'
+        'Expected exactly one EqualizeState inside the optimizer state, '
+        f'found none in the {type(opt_state).__name__} given: pass the state '
+        'of cbp.cbp, cbp.cbp_robust or cbp.equalize (or of any optax wrapper '
+        'of one), before the parameters.'
     )
-  return found[0]
+  raise ValueError(
+      f'Expected exactly one EqualizeState inside the optimizer state, found '
+      f'{len(found)}; pass the sub-state of the equalize transform you mean '
+      "(optax.multi_transform: opt_state.inner_states['label'])."
+  )
+
+
+_INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
+
+
+def _injected_bounds(opt_state: Any, state: EqualizeState) -> Optional[Any]:
+  """The innermost ``optax.inject_hyperparams`` state around ``state`` that
+  records both clip bounds (the factory was cbp, cbp_robust or equalize), or
+  None."""
+  for node in _nodes(opt_state, _INJECTED):
+    inner = _injected_bounds(node.inner_state, state)
+    if inner is not None:
+      return inner
+    if ({'min_scale', 'max_scale'} <= set(node.hyperparams)
+        and any(s is state for s in _nodes(node.inner_state, EqualizeState))):
+      return node
+  return None
+
+
+def _clip_bounds(
+    opt_state: Any, state: EqualizeState, given: dict[str, Any]
+) -> tuple[Any, Any]:
+  """``(min_scale, max_scale)``: the ones given, else the ones the state of
+  ``optax.inject_hyperparams`` records; never a default."""
+  injected = _injected_bounds(opt_state, state)
+  scheduled = set(getattr(injected, 'hyperparams_states', None) or ())
+  bounds = []
+  for name, value in given.items():
+    recorded = None
+    if injected is not None and name not in scheduled:
+      recorded = injected.hyperparams[name]
+      # `x[...]` reads NNX optimizer-state Variables and arrays alike; a
+      # number set by hand (state.hyperparams['max_scale'] = 2.0) has none.
+      recorded = jnp.asarray(
+          recorded[...] if hasattr(recorded, '__getitem__') else recorded)
+    if value is None and recorded is None:
+      why = (f'{name} is scheduled, and the state holds the value of the '
+             'step taken, not of the next one; pass '
+             f'{name}=schedule(step)' if name in scheduled else
+             'the state of cbp.cbp, cbp.cbp_robust and cbp.equalize does not '
+             'record them (optax.inject_hyperparams does); pass the ones '
+             'the optimizer was built with: min_scale=0.1, max_scale=4.0 are '
+             "cbp.cbp's and cbp.equalize's defaults, min_scale=1.0, "
+             "max_scale=1.0 cbp.cbp_robust's")
+      raise ValueError(
+          f'equalize_stats needs the clip bounds of eq. (6) to know the '
+          f'scales: {why}.'
+      )
+    if value is not None and recorded is not None:
+      # Compared in the recorded dtype: 0.1 is stored as float32's 0.1.
+      stored = _checks.concrete_float(recorded)
+      passed = _checks.concrete_float(value)
+      if passed is not None:
+        passed = float(np.asarray(passed, recorded.dtype))
+      if None not in (stored, passed) and stored != passed:
+        raise ValueError(
+            f'equalize_stats: {name}={value!r} was passed, but the optimizer '
+            f'state (optax.inject_hyperparams) records {name}={stored!r}, '
+            'the value its next step applies; leave it out to use that one.'
+        )
+    bounds.append(recorded if value is None else value)
+  return bounds[0], bounds[1]
 
 
 def equalize_stats(
     opt_state: Any,
     params: Any,
     *,
-    min_scale: float = 0.1,
-    max_scale: float = 4.0,
+    min_scale: Optional[float] = None,
+    max_scale: Optional[float] = None,
     block_fn: Optional[BlockFn] = None,
     stacked: Optional[StackedFn] = None,
 ) -> dict[str, BlockStats]:
   """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
 
+  The scales depend on the clip bounds of eq. (6), which the state of
+  :func:`equalize` does not hold and which differ between the factories
+  (:func:`cbp_optax.cbp`: [0.1, 4]; :func:`cbp_optax.cbp_robust`: [1, 1], M1
+  held at one): pass the bounds the optimizer was built with, or build it
+  with ``optax.inject_hyperparams``, whose state records them. No bounds are
+  assumed. Likewise ``block_fn`` and ``stacked`` must be the optimizer's
+  (only a different number of blocks can be detected).
+
   Args:
     opt_state: the state of :func:`equalize`, or any optimizer state (a chain,
       ``cbp.cbp``, ``inject_hyperparams``, ``MultiSteps``...) holding one.
     params: the parameters (or the subtree) the transform was initialized on.
-    min_scale: the clip bounds the transform uses.
-    max_scale: the clip bounds the transform uses.
+    min_scale: the lower clip bound the transform uses; None: the one its
+      ``inject_hyperparams`` state records.
+    max_scale: the upper clip bound, likewise.
     block_fn: the grouping the transform uses.
     stacked: the layer-stack declaration the transform uses.
 
   Returns:
     ``{block name: BlockStats(energy, scale)}`` in state order.
 
+  Raises:
+    TypeError: a bound that is not a number (a schedule included).
+    ValueError: no bound given and none recorded (or a scheduled one) while
+      there are blocks, a bound that differs from the recorded one, or
+      ``params`` (with this ``block_fn`` and ``stacked``) with another number
+      of blocks than the state.
+
   Examples:
     >>> import jax.numpy as jnp
+    >>> import optax
     >>> import cbp_optax as cbp
     >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
     >>> grads = {'a': {'w': jnp.full(3, 0.1)}, 'b': {'w': jnp.full(2, 10.0)}}
     >>> tx = cbp.cbp(1e-3, decay=0.0)
     >>> state = tx.init(params)
     >>> _, state = tx.update(grads, state, params)
-    >>> for name, stats in cbp.equalize_stats(state, params).items():
-    ...   print(name, round(float(stats.energy), 3), round(float(stats.scale), 3))
+    >>> stats = cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0)
+    >>> for name, block in stats.items():
+    ...   print(name, round(float(block.energy), 3), round(float(block.scale), 3))
     a 0.03 4.0
     b 200.0 0.707
+
+    ``cbp_robust`` holds M1 at one; under ``inject_hyperparams`` the state
+    says so:
+
+    >>> tx = optax.inject_hyperparams(cbp.cbp_robust)(1e-3, decay=0.0)
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(grads, state, params)
+    >>> [float(block.scale) for block in cbp.equalize_stats(state, params).values()]
+    [1.0, 1.0]
 
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eqs. (5) and (6).
   """
-  _check_scales(min_scale, max_scale)
+  for name, value in (('min_scale', min_scale), ('max_scale', max_scale)):
+    if callable(value):
+      raise TypeError(
+          f'{name} must be a number, the bound the next step applies, got '
+          f'the callable {value!r}; for a schedule pass schedule(step).')
+    if value is not None:
+      _checks.check_positive(name, value)
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.
   energy, count = jnp.asarray(state.energy[...]), jnp.asarray(state.count[...])
   layout = block_layout(params, block_fn=block_fn, stacked=stacked)
-  _check_matches_state(layout, state)
+  if len(layout.names) != energy.shape[0]:
+    raise ValueError(
+        f'equalize_stats: params have {len(layout.names)} blocks (with '
+        f'block_fn={block_fn!r}, stacked={stacked!r}) but the optimizer state '
+        f'holds the energies of {energy.shape[0]}. Pass the block_fn= and '
+        'stacked= the optimizer was built with, and the parameters (or, '
+        'under optax.masked, the subtree) it was initialized on.'
+    )
+  if not layout.names:
+    return {}  # no block (block_fn=cbp.no_blocks): no scale to know
+  min_scale, max_scale = _clip_bounds(
+      opt_state, state, {'min_scale': min_scale, 'max_scale': max_scale})
+  _check_scales(min_scale, max_scale)
   scales = block_scales(energy, count, min_scale, max_scale)
   return {
       name: BlockStats(energy=energy[i], scale=scales[i])

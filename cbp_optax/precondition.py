@@ -238,7 +238,9 @@ def precondition(
       ``optax.inject_hyperparams``), or a ``stats_dtype`` that is not a real
       floating dtype.
     ValueError: a hyperparameter array that is not a scalar, or a concrete
-      value out of range.
+      value out of range; at update, gradients that do not match the state,
+      or the ``params`` given to ``update`` (leaves and shapes, as
+      :func:`cbp_optax.equalize` checks them).
 
   Examples:
     Momentum-free (``b1=0``) so the update is :math:`P_t g_t`. Step 1 returns
@@ -273,13 +275,15 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  _checks.check_decay('b1', b1)
-  _checks.check_decay('b2', b2)
-  _checks.check_positive('damping', damping)
-  stats_dtype = _checks.check_stats_dtype(stats_dtype)
+  factory = 'cbp.precondition'
+  _checks.check_decay('b1', b1, factory=factory)
+  _checks.check_decay('b2', b2, factory=factory)
+  _checks.check_positive('damping', damping, factory=factory)
+  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
   _checks.check_bool('zero_moment_identity', zero_moment_identity)
-  _checks.check_nonnegative('relative_damping', relative_damping)
-  _checks.check_callable('stacked', stacked)
+  _checks.check_nonnegative('relative_damping', relative_damping,
+                            factory=factory)
+  _checks.check_callable('stacked', stacked, factory=factory)
   _checks.check_bool('normalized_first_step', normalized_first_step)
   if normalized_first_step and zero_moment_identity:
     raise ValueError(
@@ -288,7 +292,7 @@ def precondition(
         'of them as True.'
     )
   if update_clip is not None:
-    _checks.check_positive('update_clip', update_clip)
+    _checks.check_positive('update_clip', update_clip, factory=factory)
   # A concrete 0 leaves the relative term out of the graph: the default is
   # Algorithm 1's computation, op for op.
   with_relative = _checks.concrete_float(relative_damping) != 0.0
@@ -343,11 +347,12 @@ def precondition(
         and bool(stacked(strip_variable_suffix(path), g))
         for path, g in paths_and_leaves
     ]
+    # The parameters only give non-float gradients their dtype, but a tree
+    # that does not match is a mistake: refused, as equalize refuses it.
+    _checks.check_params_match('precondition', updates, params)
     p_leaves = [None] * len(g_leaves)
     if params is not None:
-      flat_params = jax.tree.leaves(params)
-      if len(flat_params) == len(g_leaves):
-        p_leaves = flat_params
+      p_leaves = jax.tree.leaves(params)
     results = [
         leaf_update(g, m, v, p, is_stacked)
         for g, m, v, p, is_stacked in zip(

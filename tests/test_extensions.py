@@ -76,7 +76,8 @@ def test_left_out_leaf_passes_through_equalize_unscaled():
   chex.assert_trees_all_equal(updates['norm'], grads['norm'])
   # The kernels alone set the target: a's tiny kernel is boosted to the cap.
   np.testing.assert_allclose(updates['a']['kernel'], 4.0 * 1e-3, rtol=1e-6)
-  stats = cbp.equalize_stats(state, params, block_fn=cbp.kernel_blocks)
+  stats = cbp.equalize_stats(state, params, block_fn=cbp.kernel_blocks,
+                            min_scale=0.1, max_scale=4.0)
   assert list(stats) == ['a', 'b']
 
 

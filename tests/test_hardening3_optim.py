@@ -1,0 +1,553 @@
+"""Hardening, round three (issue 33, items 5, 6, 13 and 14): the optimizer side.
+
+Arguments that ``optax.inject_hyperparams`` turns into something else, the
+scales ``equalize_stats`` reports, the checks of ``params`` at update, and
+the diagnostics' block masks and counts. A test of a fix failed on the code
+before it (its comment says how); the others guard what was already right.
+"""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import cbp_optax as cbp
+from cbp_optax import diagnostics
+
+
+def two_layers():
+  """A layer with a matrix and a bias, a layer with a vector; energies apart."""
+  params = {'a': {'kernel': jnp.array([[1.0, 2.0], [3.0, 4.0]]),
+                  'bias': jnp.array([0.5, -0.5])},
+            'b': {'kernel': jnp.array([2.0, -1.0, 3.0])}}
+  grads = {'a': {'kernel': jnp.full((2, 2), 0.01),
+                 'bias': jnp.array([0.02, -0.01])},
+           'b': {'kernel': jnp.array([3.0, -2.0, 1.0])}}
+  return params, grads
+
+
+def kernels_only(params):
+  """A mask function: decay the matrices. Given the step count (a scalar),
+  it returns the single bool False."""
+  return jax.tree.map(lambda x: jnp.ndim(x) > 1, params)
+
+
+KERNEL_MASK = {'a': {'kernel': True, 'bias': False}, 'b': {'kernel': False}}
+FACTORIES = {'cbp': cbp.cbp, 'cbp_robust': cbp.cbp_robust}
+
+
+# --- item 5: weight decay and its mask under inject_hyperparams ---------------
+
+
+def decay_ways(factory):
+  """Every way of passing a mask: (transform, decayed leaves), or the error
+  that refuses it."""
+  inject = optax.inject_hyperparams
+  return {
+      'tree': (factory(1e-2, weight_decay=0.5, mask=KERNEL_MASK),
+               KERNEL_MASK),
+      'function': (factory(1e-2, weight_decay=0.5, mask=kernels_only),
+                   KERNEL_MASK),
+      'no mask': (factory(1e-2, weight_decay=0.5), None),
+      'injected tree': (inject(factory)(1e-2, weight_decay=0.5,
+                                        mask=KERNEL_MASK), KERNEL_MASK),
+      'injected function in static_args': (
+          inject(factory, static_args=('mask',))(
+              1e-2, weight_decay=0.5, mask=kernels_only), KERNEL_MASK),
+      'injected scheduled decay': (
+          inject(factory, static_args=('mask',))(
+              1e-2, weight_decay=optax.constant_schedule(0.5),
+              mask=kernels_only), KERNEL_MASK),
+  }
+
+
+@pytest.mark.parametrize('way', sorted(decay_ways(cbp.cbp)))
+@pytest.mark.parametrize('name', sorted(FACTORIES))
+def test_weight_decay_is_applied_as_masked_for_every_way_of_passing_it(
+    name, way):
+  factory = FACTORIES[name]
+  tx, decayed = decay_ways(factory)[way]
+  plain = factory(1e-2)
+  params, grads = two_layers()
+  updates, _ = tx.update(grads, tx.init(params), params)
+  expected, _ = plain.update(grads, plain.init(params), params)
+  # Decoupled decay adds -lr * wd * param to the decayed leaves only.
+  decayed = decayed or jax.tree.map(lambda _: True, params)
+  expected = jax.tree.map(lambda u, p, d: u - 1e-2 * 0.5 * p * d, expected,
+                          params, decayed)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize('name', sorted(FACTORIES))
+def test_mask_function_not_in_static_args_is_refused_naming_the_call(name):
+  # Item 5: the function got the step count, returned False, and the decay
+  # was silently dropped (cbp_robust: -0.0100 where -0.0350 is expected).
+  factory = FACTORIES[name]
+  tx = optax.inject_hyperparams(factory)(1e-2, weight_decay=0.5,
+                                         mask=kernels_only)
+  params, _ = two_layers()
+  with pytest.raises(TypeError, match=(
+      rf"got the bool False.*optax.inject_hyperparams\(cbp.{name}, "
+      r"static_args=\('mask',\)\)\(learning_rate, mask=\.\.\., \.\.\.\)")):
+    tx.init(params)
+
+
+@pytest.mark.parametrize('mask', [True, False, np.bool_(True),
+                                  jnp.asarray(True), 1])
+def test_a_single_bool_mask_is_refused(mask):
+  # mask=False decayed nothing and mask=True everything, silently; what a
+  # mask function returns under inject_hyperparams is exactly such a value.
+  with pytest.raises(TypeError, match='mask must be a tree of booleans'):
+    cbp.cbp(1e-2, weight_decay=0.5, mask=mask)
+
+
+@pytest.mark.parametrize('injected', [False, True])
+def test_mask_without_weight_decay_is_refused(injected):
+  # The mask was silently unused.
+  factory = optax.inject_hyperparams(cbp.cbp_robust) if injected else (
+      cbp.cbp_robust)
+  with pytest.raises(ValueError, match='mask selects .* weight_decay is None'):
+    factory(1e-2, mask=KERNEL_MASK).init(two_layers()[0])
+
+
+# --- item 13: function arguments under inject_hyperparams ---------------------
+
+
+PRESETS = [cbp.layer_blocks, cbp.leaf_blocks, cbp.kernel_blocks,
+           cbp.no_blocks]
+
+
+@pytest.mark.parametrize('factory', [cbp.cbp, cbp.cbp_robust, cbp.equalize])
+@pytest.mark.parametrize('preset', PRESETS, ids=lambda f: f.__name__)
+def test_block_fn_preset_not_in_static_args_names_static_args(factory,
+                                                              preset):
+  # Item 13: "leaf_blocks() missing 1 required positional argument: 'leaf'".
+  args = (1e-2,) if factory is not cbp.equalize else ()
+  tx = optax.inject_hyperparams(factory)(*args, block_fn=preset)
+  with pytest.raises(TypeError, match=(
+      rf"cbp.{preset.__name__} takes \(path, leaf\) but was called with one "
+      r"argument.*static_args=\('block_fn',\)")):
+    tx.init(two_layers()[0])
+
+
+@pytest.mark.parametrize('factory', [cbp.cbp, cbp.equalize, cbp.precondition])
+def test_stacked_predicate_not_in_static_args_names_static_args(factory):
+  args = (1e-2,) if factory is cbp.cbp else ()
+  kwargs = {} if factory is cbp.equalize else {'relative_damping': 0.1}
+  stacked = cbp.blocks.stacked_predicate([('a',)])
+  tx = optax.inject_hyperparams(factory)(*args, stacked=stacked, **kwargs)
+  with pytest.raises(TypeError, match=r"static_args=\('stacked',\)"):
+    tx.init(two_layers()[0])
+
+
+@pytest.mark.parametrize('name', sorted(FACTORIES))
+def test_function_arguments_that_arrive_as_values_are_refused_together(name):
+  # A (path, leaf=None) function returns a value for the step count: it was
+  # refused as "block_fn must be a callable or None" (a ValueError) with no
+  # word of static_args; the three at once get one call that fixes all.
+  block_fn = lambda path, leaf=None: path  # noqa: E731
+  stacked = lambda path, leaf=None: False  # noqa: E731
+  tx = optax.inject_hyperparams(FACTORIES[name])(
+      1e-2, weight_decay=0.1, mask=kernels_only, block_fn=block_fn,
+      stacked=stacked)
+  with pytest.raises(TypeError, match=(
+      rf"cbp.{name} got block_fn=Array\(0.*stacked=False, mask=False.*"
+      rf"inject_hyperparams\(cbp.{name}, static_args=\('block_fn', "
+      r"'stacked', 'mask'\)\)")):
+    tx.init(two_layers()[0])
+
+
+@pytest.mark.parametrize('factory', [cbp.cbp, cbp.equalize, cbp.precondition])
+def test_callable_dtype_not_in_static_args_is_refused(factory):
+  # jnp.float32 is callable: the statistics' dtype became the dtype of
+  # jnp.float32(step) (np.float64 gave float32) through a deprecated
+  # array-to-dtype conversion.
+  args = (1e-2,) if factory is cbp.cbp else ()
+  tx = optax.inject_hyperparams(factory)(*args, stats_dtype=jnp.bfloat16)
+  with pytest.raises(TypeError, match="stats_dtype='float32'.*static_args"):
+    tx.init(two_layers()[0])
+  # A string is no callable: inject_hyperparams leaves it alone.
+  tx = optax.inject_hyperparams(factory)(*args, stats_dtype='bfloat16')
+  state = tx.init(two_layers()[0])
+  assert {x.dtype for x in jax.tree.leaves(state.inner_state)
+          if jnp.ndim(x) > 0} == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.mark.parametrize('static', [
+    ('block_fn',), ('stacked',), ('mask',), ('stats_dtype',)])
+def test_function_arguments_in_static_args_match_the_plain_factory(static):
+  kwargs = {'block_fn': dict(block_fn=cbp.leaf_blocks),
+            'stacked': dict(stacked=cbp.blocks.stacked_predicate([('a',)]),
+                            relative_damping=0.1),
+            'mask': dict(weight_decay=0.5, mask=kernels_only),
+            'stats_dtype': dict(stats_dtype=jnp.float32)}[static[0]]
+  params, grads = two_layers()
+  tx = optax.inject_hyperparams(cbp.cbp_robust, static_args=static)(
+      1e-2, **kwargs)
+  plain = cbp.cbp_robust(1e-2, **kwargs)
+  state, plain_state = tx.init(params), plain.init(params)
+  for _ in range(2):
+    updates, state = tx.update(grads, state, params)
+    expected, plain_state = plain.update(grads, plain_state, params)
+  # Injected hyperparameters are float32 arrays, not Python floats: the
+  # bias corrections differ in the last bits.
+  chex.assert_trees_all_close(updates, expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize('factory, name, call', [
+    (cbp.cbp_robust, 'b1', r'inject_hyperparams\(cbp.cbp_robust\)\('
+     r'learning_rate, b1=schedule'),
+    (cbp.cbp, 'update_clip', r'inject_hyperparams\(cbp.cbp\)\('
+     r'learning_rate, update_clip=schedule'),
+    (cbp.equalize, 'decay', r'cbp.equalize takes no schedule directly.*'
+     r'inject_hyperparams\(cbp.equalize\)\(decay=schedule'),
+    (cbp.precondition, 'damping', r'inject_hyperparams\(cbp.precondition\)'
+     r'\(damping=schedule'),
+])
+def test_a_schedule_names_the_factory_it_was_passed_to(factory, name, call):
+  # A b1 schedule passed to cbp_robust suggested inject_hyperparams(cbp.cbp).
+  args = (1e-2,) if factory in (cbp.cbp, cbp.cbp_robust) else ()
+  with pytest.raises(TypeError, match=f'{name} must be a number.*{call}'):
+    factory(*args, **{name: optax.constant_schedule(0.5)})
+
+
+def test_cbp_robust_with_zero_moment_identity_says_what_it_already_sets():
+  # "normalized_first_step and zero_moment_identity are two rules": but the
+  # caller set only one of them.
+  with pytest.raises(ValueError, match=(
+      'cbp_robust sets normalized_first_step=True.*'
+      r'cbp.cbp_robust\(learning_rate, zero_moment_identity=True, '
+      r'normalized_first_step=False\)')):
+    cbp.cbp_robust(1e-2, zero_moment_identity=True)
+  cbp.cbp_robust(1e-2, zero_moment_identity=True, normalized_first_step=False)
+
+
+# --- item 6: the scales equalize_stats reports ---------------------------------
+
+
+def without_m1(state):
+  """``state`` with equalize's count at zero: the next step applies s = 1."""
+  is_eq = lambda x: isinstance(x, cbp.EqualizeState)  # noqa: E731
+  return jax.tree.map(
+      lambda x: x._replace(count=jnp.zeros_like(x.count)) if is_eq(x) else x,
+      state, is_leaf=is_eq)
+
+
+inject = optax.inject_hyperparams
+# (transform, the bounds equalize_stats is given). b1 = 0 and no clip bind,
+# so the update is linear in s_l g_l and the ratio of the updates with and
+# without M1 is the scale the step applies.
+SCALE_CONFIGS = {
+    'cbp': (lambda: cbp.cbp(1e-2, b1=0.0), dict(min_scale=0.1, max_scale=4.0)),
+    'cbp [0.5, 2]': (lambda: cbp.cbp(1e-2, b1=0.0, min_scale=0.5,
+                                     max_scale=2.0),
+                     dict(min_scale=0.5, max_scale=2.0)),
+    'cbp_robust': (lambda: cbp.cbp_robust(1e-2, b1=0.0),
+                   dict(min_scale=1.0, max_scale=1.0)),
+    'cbp_robust with M1': (
+        lambda: cbp.cbp_robust(1e-2, b1=0.0, min_scale=0.1, max_scale=4.0,
+                               update_clip=None),
+        dict(min_scale=0.1, max_scale=4.0)),
+    'equalize': (lambda: cbp.equalize(min_scale=0.2),
+                 dict(min_scale=0.2, max_scale=4.0)),
+    'injected cbp_robust': (lambda: inject(cbp.cbp_robust)(1e-2, b1=0.0), {}),
+    'injected cbp [0.3, 3]': (
+        lambda: inject(cbp.cbp)(1e-2, b1=0.0, min_scale=0.3, max_scale=3.0),
+        {}),
+    'injected equalize': (lambda: inject(cbp.equalize)(max_scale=2.0), {}),
+    'chain with another injected transform': (
+        lambda: optax.chain(inject(cbp.cbp)(1e-2, b1=0.0, max_scale=2.0),
+                            inject(optax.scale)(step_size=1.0)), {}),
+}
+
+
+@pytest.mark.parametrize('config', sorted(SCALE_CONFIGS))
+def test_reported_scales_are_the_scales_the_next_step_applies(config):
+  # Item 6: after cbp_robust it reported 4.0 and 0.707 while 1.0 is applied
+  # (the injected configurations here were read with Algorithm 1's clip).
+  make, bounds = SCALE_CONFIGS[config]
+  tx = make()
+  params, grads = two_layers()
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = tx.update(grads, state, params)
+  stats = cbp.equalize_stats(state, params, **bounds)
+  with_m1, _ = tx.update(grads, state, params)
+  plain, _ = tx.update(grads, without_m1(state), params)
+  for name in ('a', 'b'):
+    applied = np.ravel(with_m1[name]['kernel'] / plain[name]['kernel'])
+    np.testing.assert_allclose(applied, float(stats[name].scale), rtol=1e-5)
+  if config.startswith(('cbp_robust', 'injected cbp_robust')):
+    if 'with M1' not in config:
+      assert [float(s.scale) for s in stats.values()] == [1.0, 1.0]
+
+
+def test_bounds_set_by_hand_in_the_injected_state_are_the_ones_read():
+  tx = inject(cbp.cbp)(1e-2, b1=0.0)
+  params, grads = two_layers()
+  state = tx.init(params)
+  _, state = tx.update(grads, state, params)
+  state.hyperparams['max_scale'] = 1.5  # as optax's docs show
+  stats = cbp.equalize_stats(state, params)
+  with_m1, _ = tx.update(grads, state, params)
+  plain, _ = tx.update(grads, without_m1(state), params)
+  np.testing.assert_allclose(with_m1['a']['kernel'] / plain['a']['kernel'],
+                             float(stats['a'].scale), rtol=1e-5)
+  assert float(stats['a'].scale) == 1.5
+
+
+@pytest.mark.parametrize('make', [
+    lambda: cbp.cbp_robust(1e-2), lambda: cbp.cbp(1e-2),
+    lambda: cbp.equalize(), lambda: inject(lambda lr: cbp.cbp(lr))(1e-2)])
+def test_equalize_stats_without_bounds_refuses_to_guess(make):
+  tx = make()
+  params, grads = two_layers()
+  _, state = tx.update(grads, tx.init(params), params)
+  with pytest.raises(ValueError, match=(
+      'needs the clip bounds.*min_scale=1.0, max_scale=1.0 '
+      "cbp.cbp_robust's")):
+    cbp.equalize_stats(state, params)
+
+
+def test_equalize_stats_without_blocks_needs_no_bounds():
+  # The bounds matter only for a scale; no_blocks has none to report.
+  tx = cbp.cbp_robust(1e-2, block_fn=cbp.no_blocks)
+  params, _ = two_layers()
+  assert cbp.equalize_stats(tx.init(params), params,
+                            block_fn=cbp.no_blocks) == {}
+
+
+def test_a_schedule_as_a_bound_asks_for_its_value():
+  # It suggested inject_hyperparams(cbp.cbp), which is not the question.
+  params, _ = two_layers()
+  with pytest.raises(TypeError, match=r'max_scale must be a number, the '
+                     r'bound the next step applies.*schedule\(step\)'):
+    cbp.equalize_stats(cbp.equalize().init(params), params, min_scale=0.1,
+                       max_scale=optax.constant_schedule(4.0))
+
+
+def test_scheduled_or_contradicted_bounds_are_refused():
+  params, grads = two_layers()
+  tx = inject(cbp.cbp)(1e-2, max_scale=optax.linear_schedule(4.0, 1.0, 10))
+  _, state = tx.update(grads, tx.init(params), params)
+  with pytest.raises(ValueError, match=r'max_scale is scheduled.*'
+                     r'max_scale=schedule\(step\)'):
+    cbp.equalize_stats(state, params)
+  assert set(cbp.equalize_stats(state, params, max_scale=3.7)) == {'a', 'b'}
+  tx = inject(cbp.cbp_robust)(1e-2)
+  _, state = tx.update(grads, tx.init(params), params)
+  with pytest.raises(ValueError, match='max_scale=4.0 was passed, but the '
+                     r'optimizer state .* records max_scale=1.0'):
+    cbp.equalize_stats(state, params, max_scale=4.0)
+  # float32's 0.1 is 0.1: the comparison is in the recorded dtype.
+  tx = inject(cbp.cbp)(1e-2)
+  _, state = tx.update(grads, tx.init(params), params)
+  cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0)
+
+
+def test_equalize_stats_of_an_nnx_optimizer_reads_its_injected_bounds():
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+                         nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+  optimizer = cbp.nnx.Optimizer(model, inject(cbp.cbp_robust)(1e-2))
+  optimizer.update(model, nnx.state(model, nnx.Param))  # any gradient
+  stats = cbp.equalize_stats(optimizer.opt_state, nnx.state(model, nnx.Param))
+  assert [float(s.scale) for s in stats.values()] == [1.0, 1.0]
+  assert all(float(s.energy) > 0 for s in stats.values())
+
+
+def test_equalize_stats_without_the_optimizers_stacked_names_the_argument():
+  # Item 13: "the gradient tree has 2 blocks ... The updates must have ...".
+  params = {'layers': {'kernel': jnp.ones((3, 2, 2))}, 'head': {'w': jnp.ones(2)}}
+  stacked = cbp.blocks.stacked_predicate([('layers',)])
+  tx = cbp.cbp(1e-2, stacked=stacked)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=(
+      r'params have 2 blocks \(with block_fn=None, stacked=None\) but the '
+      'optimizer state holds the energies of 4. Pass the block_fn= and '
+      'stacked= the optimizer was built with')):
+    cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0)
+  stats = cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0,
+                             stacked=stacked)
+  assert list(stats) == ['head', 'layers[0]', 'layers[1]', 'layers[2]']
+
+
+def test_equalize_stats_of_a_state_without_equalize_says_what_it_reads():
+  params, _ = two_layers()
+  with pytest.raises(ValueError, match='found none in the ScaleByAdamState.*'
+                     'cbp.cbp_robust'):
+    cbp.equalize_stats(optax.scale_by_adam().init(params), params,
+                       min_scale=1.0, max_scale=1.0)
+  with pytest.raises(ValueError, match=r"found 2.*inner_states\['label'\]"):
+    cbp.equalize_stats((cbp.equalize().init(params),) * 2, params,
+                       min_scale=1.0, max_scale=1.0)
+
+
+# --- params at update ------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', ['equalize', 'precondition', 'cbp'])
+def test_params_that_do_not_match_the_gradients_are_refused(name):
+  # precondition silently ignored them (equalize refused them).
+  tx = {'equalize': cbp.equalize, 'precondition': cbp.precondition,
+        'cbp': lambda: cbp.cbp(1e-2)}[name]()
+  params, grads = two_layers()
+  state = tx.init(params)
+  shorter = {'a': params['a']}
+  reshaped = jax.tree.map(lambda x: jnp.ones(x.size + 1), params)
+  with pytest.raises(ValueError, match=(
+      f'{name if name != "cbp" else "equalize"}: the gradients do not match '
+      r'the parameters passed to update \(3 gradient leaves, 2 parameters\)')):
+    tx.update(grads, state, shorter)
+  with pytest.raises(ValueError, match=(
+      r"gradient \['a'\]\['bias'\] has shape \(2,\), its parameter \(3,\)")):
+    tx.update(grads, state, reshaped)
+
+
+def test_equalize_keeps_no_record_of_the_trees_it_was_initialized_on():
+  # equalize kept a growing set of every tree init saw: an update without
+  # params passed or failed depending on that history (a restored state,
+  # never init-ed on this instance, passed).
+  params, _ = two_layers()
+  other = {'x': {'k': jnp.ones((5, 5))}, 'y': {'k': jnp.ones(7)}}
+  used, fresh = cbp.equalize(), cbp.equalize()
+  state = used.init(params)
+  used.init({'p': {'q': jnp.ones(3)}, 'r': {'s': jnp.ones(1)}})
+  chex.assert_trees_all_equal(used.update(other, state),
+                              fresh.update(other, state))
+
+
+def test_precondition_accepts_nnx_variables_at_init_and_arrays_at_update():
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, cbp.precondition(), wrt=nnx.Param)
+  grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 3)))))(model)
+  optimizer.update(model, grads)
+  assert int(optimizer.opt_state.count[...]) == 1
+
+
+# --- one check for a function argument -------------------------------------------
+
+
+@pytest.mark.parametrize('call, match', [
+    (lambda: cbp.block_names({}, block_fn='layer'),
+     "block_fn must be a function or None, got the str 'layer'"),
+    (lambda: cbp.equalize(stacked=3), 'stacked must be a function or None'),
+    (lambda: cbp.precondition(stacked=[]), 'stacked must be a function'),
+    (lambda: cbp.cbp_robust(1e-2, block_fn='x'), 'block_fn must be a'),
+    (lambda: diagnostics.gradient_profile({}, block_fn=1.0),
+     'block_fn must be a function or None, got the float 1.0'),
+    (lambda: cbp.nnx.train_step('loss'), 'loss_fn must be a function, got'),
+])
+def test_a_function_argument_of_the_wrong_type_is_a_type_error(call, match):
+  # check_callable raised ValueError and check_function TypeError.
+  with pytest.raises(TypeError, match=match):
+    call()
+
+
+# --- item 14: diagnostics ----------------------------------------------------------
+
+
+def curvature_tree():
+  """A diagonal Hessian: every block's top eigenvalue is its largest entry."""
+  return {'a': {'kernel': jnp.array([[1.0, 9.0], [2.0, 3.0]]),
+                'bias': jnp.array([20.0, 1.0])},
+          'b': {'kernel': jnp.array([0.5, 6.0, 1.0])},
+          'norm': {'scale': jnp.array([30.0])},
+          'stack': {'kernel': jnp.array([[2.0, 12.0], [40.0, 1.0]])}}
+
+
+def diagonal_loss(curvature):
+  def loss(params):
+    return 0.5 * sum(jnp.sum(h * p**2) for h, p in zip(
+        jax.tree.leaves(curvature), jax.tree.leaves(params)))
+  return loss
+
+
+# The presets that put every leaf in a block worked before: slow tier.
+@pytest.mark.parametrize('block_fn, stacked, expected', [
+    pytest.param(None, False, {'a': 20.0, 'b': 6.0, 'norm': 30.0,
+                               'stack': 40.0}, marks=pytest.mark.slow),
+    pytest.param(cbp.layer_blocks, True, {
+        'a': 20.0, 'b': 6.0, 'norm': 30.0, 'stack[0]': 12.0,
+        'stack[1]': 40.0}, marks=pytest.mark.slow),
+    pytest.param(cbp.leaf_blocks, False, {
+        'a/bias': 20.0, 'a/kernel': 9.0, 'b/kernel': 6.0, 'norm/scale': 30.0,
+        'stack/kernel': 40.0}, marks=pytest.mark.slow),
+    (cbp.kernel_blocks, False, {'a': 9.0, 'b': 6.0, 'stack': 40.0}),
+    (cbp.kernel_blocks, True, {'a': 9.0, 'b': 6.0, 'stack[0]': 12.0,
+                               'stack[1]': 40.0}),
+    (cbp.no_blocks, False, {}),
+])
+def test_top_eigenvalue_per_block_with_every_built_in_block_fn(
+    block_fn, stacked, expected):
+  # Item 14: "'bool' object has no attribute 'astype'" for any leaf in no
+  # block (kernel_blocks' biases, no_blocks).
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  stacked_fn = cbp.blocks.stacked_predicate([('stack',)]) if stacked else None
+  out = diagnostics.top_eigenvalue(
+      diagonal_loss(curvature), params, jax.random.key(0), num_iters=40,
+      per_block=True, block_fn=block_fn, stacked=stacked_fn)
+  assert out.names == tuple(expected)
+  np.testing.assert_allclose(out.eigenvalue, list(expected.values()),
+                             rtol=1e-4)
+  # Each block's vector lies in its block: zero on every other leaf.
+  layout = cbp.blocks.block_layout(params, block_fn=block_fn,
+                                   stacked=stacked_fn)
+  leaves = jax.tree.leaves(out.vector)
+  for block, (group, stack) in enumerate(zip(layout.groups,
+                                             layout.group_stacks)):
+    if stack is not None:
+      continue
+    for i, leaf in enumerate(leaves):
+      if i not in group:
+        assert not np.any(leaf[block]), (out.names[block], i)
+
+
+@pytest.mark.parametrize('name, value', [
+    ('num_samples', 10**12), ('num_samples', 2**31), ('batch_size', 10**12),
+    ('num_iters', 10**12)])
+def test_diagnostics_counts_beyond_int32_are_refused(name, value):
+  # Item 14: "OverflowError ... argument path is y" from inside JAX.
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  loss = diagonal_loss(curvature)
+  call = (diagnostics.top_eigenvalue if name == 'num_iters'
+          else diagnostics.hessian_trace)
+  kwargs = {name: value} if name != 'batch_size' else {
+      'num_samples': 2, 'batch_size': value}
+  with pytest.raises(ValueError, match=(
+      rf'{name} must be an integer in \[[01], 2147483647\], got {value}')):
+    call(loss, params, jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize('key', [0, np.zeros(3, np.uint32),
+                                 jax.random.split(jax.random.key(0), 2)])
+def test_diagnostics_refuse_what_is_not_one_prng_key(key):
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  for call in (diagnostics.hessian_trace, diagnostics.top_eigenvalue):
+    with pytest.raises(TypeError, match='key must be one PRNG key'):
+      call(diagonal_loss(curvature), params, key)
+
+
+def test_diagnostics_accept_a_raw_key():
+  # Traced keys are covered by the jit tests of tests/test_diagnostics.py.
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  out = diagnostics.hessian_trace(diagonal_loss(curvature), params,
+                                  jax.random.PRNGKey(0), num_samples=2)
+  total = sum(float(jnp.sum(h)) for h in jax.tree.leaves(curvature))
+  assert float(out.estimate) == total
+
+
+@pytest.mark.parametrize('shape', [(0, 3), (2, 0, 3), (3, 0)])
+def test_mean_alignment_without_samples_or_features_is_refused(shape):
+  # (0, 3) gave NaN for every statistic, (3, 0) "integer modulo by zero".
+  with pytest.raises(ValueError, match='one sample and one feature, got '
+                     f'shape {re.escape(str(shape))}'):
+    diagnostics.mean_alignment(jnp.ones(shape))
