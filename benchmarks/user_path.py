@@ -256,7 +256,8 @@ def linen_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
       jax.block_until_ready(holder['state'])
 
     params = lambda: holder['state'].params  # noqa: E731
-    n_centered = len(jax.tree.leaves(variables.get('centering', {}))) // 2
+    # One entry per centered layer: its mean and its recording state.
+    n_centered = len(variables.get('centering', {}))
 
   first = _first_call(step, sync)
   return Runner(row=row, api='linen', step=step, sync=sync,

@@ -85,9 +85,10 @@ def test_default_copy_insertion_copies_exactly_the_read_after_write_state():
   # The known cause, kept visible: with XLA's default copy insertion the lag
   # costs one copy of every second-moment leaf per step -- one per kernel
   # here -- plus the M1 energies (eq. 6 reads q_{t-1}) and the centering
-  # means (eq. 10 reads mu_old after mu_new is formed); the skip select
-  # (keep the old state on a non-finite batch) reads the old first moment
-  # too. The parameters are never copied. If this count drops to zero, XLA's
+  # means (eq. 10 reads mu_old after mu_new is formed) and their recording
+  # counts (reset by the transport); the skip select (keep the old state on
+  # a non-finite batch) reads the old first moment too. The parameters are
+  # never copied. If this count drops to zero, XLA's
   # default got smarter and the library's option may go.
   runner = _runner('linen', steps.CBP_FULL_NO_RA)
   assert _kernel_copies_per_step(runner) == _two_per_kernel(runner)
@@ -98,7 +99,7 @@ def test_default_copy_insertion_copies_exactly_the_read_after_write_state():
       ['mu'] * 5 + ['nu'] * 5), copied
   assert not any('params' in name for name in copied), copied
   assert all(any(part in name for part in ('__mu__', '__nu__', 'energy',
-                                           '_mean_', '__count'))
+                                           '_mean_', '__count', 'batch_count'))
              for name in copied), copied
 
 
