@@ -1,16 +1,19 @@
 """``cbp-optax workloads``: time to target of optimizer arms on fixed workloads.
 
-``cbp-optax workloads [--quick] [--workloads a,b] [--arms a,b] [--seeds N]
-[--out DIR] [--arm NAME=module:function [--centered NAME]] [--score-only]``
+``cbp-optax workloads [--quick] [--split dev|test] [--workloads a,b]
+[--arms a,b] [--seeds N] [--out DIR] [--arm NAME=module:function [--centered
+NAME]] [--score-only]``
 
 Each arm tunes its learning rate on the workload's grid (tuning seed), then
 runs on the evaluation seeds; the report compares the time to each
-workload's target (tuned AdamW's median) over all workloads with AlgoPerf's
-performance profile. Running into an ``--out`` that already holds
-results.json replaces the (workload, arm) pairs measured now and keeps the
-others; ``--score-only`` rewrites results.md and the profile from
-results.json without training (with the targets now fixed in the code, for a
-full-size run).
+workload's target (AlgoPerf's: the best median of the tuned baselines, which
+run first) over all workloads with AlgoPerf's performance profile. Running
+into an ``--out`` that already holds results.json replaces the (workload,
+arm) pairs measured now and keeps the others; every run is also saved as
+its own file under ``--out``/runs, so the same command started again after
+an interruption resumes where it stopped. ``--score-only`` rewrites
+results.md and the profiles from results.json without training (with the
+targets now fixed in the code, for a full-size run).
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--quick', action='store_true',
                       help='tiny sizes (a smoke test; targets from the '
                       'run\'s own AdamW)')
+  parser.add_argument('--split', choices=('dev', 'test'), default=None,
+                      help='run the split\'s workloads (splits.py: dev '
+                      'chooses the defaults, test only reports; default: '
+                      'both)')
   parser.add_argument('--workloads', default=None,
-                      help='comma-separated workloads (default: all)')
+                      help='comma-separated workloads (default: all, or the '
+                      '--split\'s)')
   parser.add_argument('--arms', default=None,
                       help='comma-separated arms (default: every built-in '
                       'arm and every --arm)')
@@ -85,6 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from cbp_optax_experiments.workloads import definitions
   from cbp_optax_experiments.workloads import protocol
   from cbp_optax_experiments.workloads import report
+  from cbp_optax_experiments.workloads import splits
   # pylint: enable=g-import-not-at-top
 
   out = args.out
@@ -104,7 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for spec in args.arm:
       name = spec.partition('=')[0]
       available[name] = arms_lib.user_arm(spec, name in args.centered)
-    names = _split(args.workloads) or list(definitions.NAMES)
+    names = _split(args.workloads) or list(
+        splits.workloads(args.split) if args.split else definitions.NAMES)
     for name in names:
       definitions.workload(name, args.quick)
   except ValueError as e:
@@ -116,13 +126,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if unknown:
     raise SystemExit(f'cbp-optax workloads: unknown arm(s) {unknown}; '
                      f'choose from {", ".join(available)} or add --arm')
-  # AdamW first: it sets the targets of a --quick / --set-targets run.
-  chosen.sort(key=lambda a: a != arms_lib.REFERENCE)
+  # The baselines first: they set the targets of a run without fixed ones.
+  chosen.sort(key=lambda a: a not in arms_lib.BASELINES)
   reference = available[arms_lib.REFERENCE]
   seeds = list(range(args.seeds or (2 if args.quick else 3)))
 
   data = definitions.mnist_data(args.quick).description
-  meta = {'quick': args.quick, 'seeds': seeds,
+  meta = {'quick': args.quick, 'seeds': seeds, 'split': args.split,
           'tuning_seeds': list(protocol.TUNING_SEEDS), 'data': data,
           'jax': jax.__version__, 'platform': jax.devices()[0].platform,
           'started': datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -137,6 +147,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   else:
     results['meta'].update({k: v for k, v in meta.items() if k != 'started'})
 
+  store = protocol.RecordStore(out / 'runs',
+                               {'quick': args.quick, 'data': data})
+  window = (protocol.QUICK_COST_WINDOW_SECONDS if args.quick else
+            protocol.COST_WINDOW_SECONDS)
   workloads = [definitions.workload(n, args.quick) for n in names]
   per_arm = lambda w: (len(w.grid) + 1) * len(protocol.TUNING_SEEDS) + len(
       seeds)
@@ -148,11 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     entry = report.workload_entry(workload, workload.target,
                                   'fixed in code (definitions.TARGETS)')
     entry['arms'] = dict(old.get('arms', {}))
-    if workload.target is None or args.set_targets:
-      entry['target'], entry['target_source'] = None, 'none'
-      if old.get('target') is not None and reference.name not in chosen:
-        entry['target'] = old['target']
-        entry['target_source'] = old.get('target_source', 'earlier run')
+    from_baselines = workload.target is None or args.set_targets
+    if from_baselines:
+      # Baselines of an earlier run into --out count too.
+      report.set_baseline_target(entry)
     results['workloads'][workload.name] = entry
     for name in chosen:
       arm = available[name]
@@ -161,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       try:
         outcome = protocol.evaluate_arm(
             workload, arm, reference, entry['target'], seeds,
-            on_run=lambda: bar.update(1))
+            on_run=lambda: bar.update(1), store=store, cost_window=window)
       except Exception as e:  # pylint: disable=broad-except
         # A broken arm (a user factory that raises, say) loses its own row,
         # not the run: divergence is recorded, errors are reported.
@@ -171,12 +184,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         continue
       bar.update(per_arm(workload) - (bar.n - before))
       entry['arms'][name] = report.arm_entry(arm, outcome, entry)
-      if name == reference.name and (workload.target is None or
-                                     args.set_targets):
-        entry['target'] = report.median_target(
-            entry, name, workload.higher_is_better)
-        entry['target_source'] = ('set from this run\'s tuned AdamW '
-                                  '(median over its evaluation seeds)')
+      if name in arms_lib.BASELINES and from_baselines:
+        report.set_baseline_target(entry)
       report.apply_target(entry)
       results['meta']['wall_seconds'] = time.perf_counter() - start
       report.write(out, results)  # saved after every arm and workload
