@@ -36,7 +36,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
       'small workloads, scored with AlgoPerf\'s performance profile.')
   parser.add_argument('--quick', action='store_true',
                       help='tiny sizes (a smoke test; targets from the '
-                      'run\'s own AdamW)')
+                      'run\'s own baselines)')
   parser.add_argument('--split', choices=('dev', 'test'), default=None,
                       help='run the split\'s workloads (splits.py: dev '
                       'chooses the defaults, test only reports; default: '
@@ -62,8 +62,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help='output folder (results.json there is merged)')
   parser.add_argument('--set-targets', action='store_true',
                       help='ignore the targets fixed in the code and set '
-                      'each workload\'s from this run\'s AdamW (how the '
-                      'fixed targets were made)')
+                      'each workload\'s from this run\'s baselines (how the '
+                      'fixed targets are made)')
   parser.add_argument('--score-only', action='store_true',
                       help='rescore --out/results.json into results.md and '
                       'the profile PNG; no training')
