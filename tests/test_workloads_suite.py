@@ -241,7 +241,8 @@ def _record(seed=0, lr=1e-3):
                             np.array([0.25, np.inf]), True, 0.125)
 
 
-def test_record_store_round_trips_and_rejects_stale_or_corrupt(tmp_path):
+def test_record_store_round_trips_and_rejects_stale_or_corrupt(tmp_path,
+                                                              monkeypatch):
   workload = definitions.workload('spiral', quick=True)
   arm = arms_lib.builtin_arms()['adamw']
   store = protocol.RecordStore(tmp_path, {'quick': True})
@@ -257,6 +258,11 @@ def test_record_store_round_trips_and_rejects_stale_or_corrupt(tmp_path):
   assert other.load_run(other.identity(workload, arm), 1e-3, 0) is None
   changed = arms_lib.Arm('adamw', arm.make, description='changed')
   assert store.load_run(store.identity(workload, changed), 1e-3, 0) is None
+  # Changed code (a default of the library, say): not reused either.
+  with monkeypatch.context() as patch:
+    patch.setattr(protocol, 'code_fingerprint', lambda: 'other code')
+    assert store.load_run(store.identity(workload, arm), 1e-3, 0) is None
+  assert store.load_run(store.identity(workload, arm), 1e-3, 0) is not None
   # A truncated file (a crash of a non-atomic writer) is recomputed.
   path = next(tmp_path.rglob('run_*.json'))
   path.write_text(path.read_text()[:20])

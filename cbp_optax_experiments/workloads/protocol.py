@@ -28,6 +28,7 @@ are timings, aside).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -216,14 +217,49 @@ def write_atomically(path: pathlib.Path, text: str) -> None:
     raise
 
 
+# The modules whose code decides what a run computes (with the library).
+_RUN_MODULES = ('cbp_optax_experiments.workloads.arms',
+                'cbp_optax_experiments.workloads.definitions',
+                'cbp_optax_experiments.workloads.families',
+                'cbp_optax_experiments.workloads.protocol',
+                'cbp_optax_experiments.workloads.tasks',
+                'cbp_optax_experiments.datasets',
+                'cbp_optax_experiments.reproduce.flow',
+                'cbp_optax_experiments.reproduce.init_scale',
+                'cbp_optax_experiments.reproduce.mnist',
+                'cbp_optax_experiments.reproduce.resnet',
+                'cbp_optax_experiments.reproduce.training',
+                'cbp_optax_experiments.reproduce.transformer')
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+  """A hash of the code a run depends on: every source file of the library
+  (``cbp_optax``), the suite's run modules, and the jax, optax and flax
+  versions. A changed default of the library changes it, so records made
+  before the change are not reused."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  import cbp_optax  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256(
+      f'{jax.__version__} {optax.__version__} {flax.__version__}'.encode())
+  files = sorted(pathlib.Path(cbp_optax.__file__).parent.rglob('*.py'))
+  files += [pathlib.Path(importlib.import_module(m).__file__)
+            for m in _RUN_MODULES]
+  for path in files:
+    digest.update(path.name.encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
+
+
 class RecordStore:
   """Each (workload, arm, rate, seed) run and each (workload, arm) step cost
   as one JSON file under ``root`` (None: nothing is stored).
 
   A record is used only if the identity it was written under (the
   workload's and arm's definitions, ``context``: data source, ``--quick``,
-  ``RECORD_VERSION``) equals the current one; any other is recomputed and
-  overwritten.
+  ``RECORD_VERSION``, and ``code_fingerprint``) equals the current one; any
+  other is recomputed and overwritten.
   """
 
   def __init__(self, root: Optional[os.PathLike],
@@ -233,7 +269,8 @@ class RecordStore:
 
   def identity(self, workload: definitions.Workload,
                arm: arms_lib.Arm) -> dict[str, Any]:
-    return {'version': RECORD_VERSION, 'context': self.context,
+    return {'version': RECORD_VERSION, 'code': code_fingerprint(),
+            'context': self.context,
             'workload': {'name': workload.name, 'steps': workload.steps,
                          'eval_every': workload.eval_every,
                          'grid': list(workload.grid),
