@@ -43,6 +43,13 @@ def test_split_of_refuses_a_workload_in_both(monkeypatch):
     splits.split_of('spiral')
 
 
+def test_cli_refuses_a_workload_outside_its_split(tmp_path):
+  with pytest.raises(SystemExit, match='not in the test split'):
+    cli.main(['--quick', '--split', 'test', '--workloads', 'spiral',
+              '--out', str(tmp_path), '--no-progress'])
+  assert not list(tmp_path.iterdir())
+
+
 def test_suite_size_families_and_split_balance():
   assert len(definitions.NAMES) >= 16
   families = {definitions.REGISTRY[n].family for n in definitions.NAMES}

@@ -57,9 +57,10 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       '(M2) with the transport after each update')
   parser.add_argument('--seeds', type=int, default=None,
                       help='evaluation seeds (default 3; 2 with --quick)')
-  parser.add_argument('--out', type=pathlib.Path,
-                      default=pathlib.Path('workloads'),
-                      help='output folder (results.json there is merged)')
+  parser.add_argument('--out', type=pathlib.Path, default=None,
+                      help='output folder (results.json there is merged; '
+                      'default: workloads, or workloads/SPLIT with --split, '
+                      'so that the splits are scored apart)')
   parser.add_argument('--set-targets', action='store_true',
                       help='ignore the targets fixed in the code and set '
                       'each workload\'s from this run\'s baselines (how the '
@@ -96,7 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from cbp_optax_experiments.workloads import splits
   # pylint: enable=g-import-not-at-top
 
-  out = args.out
+  out = args.out or (pathlib.Path('workloads') / args.split if args.split
+                     else pathlib.Path('workloads'))
   if args.score_only:
     results = report.load(out)
     if results is None:
@@ -115,6 +117,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       available[name] = arms_lib.user_arm(spec, name in args.centered)
     names = _split(args.workloads) or list(
         splits.workloads(args.split) if args.split else definitions.NAMES)
+    if args.split:
+      outside = [n for n in names if n not in splits.SPLITS[args.split]]
+      if outside:
+        raise ValueError(f'{", ".join(outside)} not in the {args.split} '
+                         'split (splits.py)')
     for name in names:
       definitions.workload(name, args.quick)
   except ValueError as e:
@@ -141,6 +148,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if results is not None and results.get('meta', {}).get('quick') != args.quick:
     print(f'{out / report.RESULTS} holds a {"non-" if args.quick else ""}'
           'quick run: starting a new one there')
+    results = None
+  if results is not None and results.get('meta', {}).get(
+      'split') != args.split:
+    # One score per split: a dev run never merges into a test one.
+    print(f'{out / report.RESULTS} holds a run of split '
+          f'{results["meta"].get("split")}: starting a new one there (the '
+          'runs stored there are reused)')
     results = None
   if results is None:
     results = report.empty(meta)
