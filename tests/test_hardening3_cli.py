@@ -26,6 +26,7 @@ from cbp_optax_experiments.workloads import cli
 from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import report
+from cbp_optax_experiments.workloads import splits
 
 REFERENCE = arms_lib.REFERENCE
 
@@ -177,9 +178,12 @@ def test_help_lists_every_workload_and_arm_and_each_default_once(capsys):
   assert info.value.code == 0
   text = capsys.readouterr().out
   lines = text.splitlines()
+  # Each workload once, with its split and the registry's one-line summary.
   for name in definitions.NAMES:
-    words = definitions.workload(name, False).description.split()[:2]
-    assert any(line.split()[:3] == [name, *words] for line in lines), name
+    words = definitions.REGISTRY[name].summary.split()[:2]
+    tag = f'[{splits.split_of(name)}]'
+    assert sum(line.split()[:4] == [name, tag, *words]
+               for line in lines) == 1, name
   for name, arm in arms_lib.builtin_arms().items():
     words = arm.description.split()[:1]
     assert any(line.split()[:2] == [name, *words] for line in lines), name
@@ -197,6 +201,8 @@ def test_help_lists_every_workload_and_arm_and_each_default_once(capsys):
 def test_new_registry_entries_reach_help_and_arguments(
     monkeypatch, capsys, tmp_path, no_training):
   spiral = definitions.FACTORIES['spiral']
+  monkeypatch.setitem(definitions.REGISTRY, 'spiral-2', definitions.Entry(
+      spiral, 'synthetic-2d', 'a second spiral'))
   monkeypatch.setitem(definitions.FACTORIES, 'spiral-2', spiral)
   monkeypatch.setattr(definitions, 'NAMES', (*definitions.NAMES, 'spiral-2'))
   builtin = arms_lib.builtin_arms
@@ -209,7 +215,9 @@ def test_new_registry_entries_reach_help_and_arguments(
   with pytest.raises(SystemExit):
     cli.main(['--help'])
   text = capsys.readouterr().out
-  assert any(line.split()[:1] == ['spiral-2'] for line in text.splitlines())
+  # In no split yet: listed without one.
+  assert any(line.split() == ['spiral-2', 'a', 'second', 'spiral']
+             for line in text.splitlines())
   assert 'extra_arm  ' in text and 'an arm added to the registry' in text
   assert any(line.split() == ['bare_arm', '(no', 'description)']
              for line in text.splitlines())
@@ -524,7 +532,8 @@ def test_an_interrupted_write_leaves_the_previous_results_whole(
     report.write(tmp_path, changed)
   assert (tmp_path / report.RESULTS).read_text() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == [
-      'performance_profile.png', report.RESULTS, 'results.md']
+      'performance_profile.png', 'performance_profile_wall_clock.png',
+      report.RESULTS, 'results.md']
   monkeypatch.undo()
   report.write(tmp_path, changed)
   assert report.load(tmp_path)['workloads']['spiral']['description'] == (
