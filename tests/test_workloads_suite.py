@@ -248,8 +248,9 @@ def test_step_cost_runs_each_arm_for_the_window_alternating(monkeypatch):
 
 
 def _record(seed=0, lr=1e-3):
-  return protocol.RunRecord(seed, lr, np.array([1.0, np.nan, 0.5]),
-                            np.array([0.25, np.inf]), True, 0.125)
+  """A diverged run of spiral's --quick size (40 steps, 4 evaluations)."""
+  return protocol.RunRecord(seed, lr, np.array([1.0, np.nan] + [0.5] * 38),
+                            np.array([0.25, np.inf, 0.5, 0.5]), True, 0.125)
 
 
 def test_record_store_round_trips_and_rejects_stale_or_corrupt(tmp_path,
@@ -279,6 +280,60 @@ def test_record_store_round_trips_and_rejects_stale_or_corrupt(tmp_path,
   path.write_text(path.read_text()[:20])
   assert store.load_run(identity, 1e-3, 0) is None
   assert not list(tmp_path.rglob('.*'))  # no temporary files left
+
+
+def _damaged(value):
+  """Edits of a stored record: what a user, a disk or another run can leave
+  there."""
+  def damage(stored):
+    if value == 'not an object':
+      return [1, 2]
+    if value == 'no value':
+      return {'identity': stored['identity']}
+    stored['value'] = value(stored['value'])
+    return stored
+  return damage
+
+
+@pytest.mark.parametrize('damage', [
+    'not an object', 'no value',
+    lambda v: [v],                                         # not a record
+    lambda v: {k: x for k, x in v.items() if k != 'losses'},
+    lambda v: {**v, 'metrics': ['high', 'low']},
+    lambda v: {**v, 'diverged': 'no'},
+    lambda v: {**v, 'metrics': v['metrics'][:1]},          # a shorter run
+    lambda v: {**v, 'seed': 7},                            # another run's
+], ids=['list', 'no_value', 'value_list', 'no_losses', 'text_metrics',
+        'text_diverged', 'short_metrics', 'other_seed'])
+def test_a_damaged_run_record_is_computed_again(tmp_path, damage):
+  workload = definitions.workload('spiral', quick=True)
+  store = protocol.RecordStore(tmp_path, {'quick': True})
+  identity = store.identity(workload, arms_lib.builtin_arms()['adamw'])
+  chunks = workload.steps // workload.eval_every
+  record = protocol.RunRecord(0, 1e-3, np.ones(workload.steps),
+                              np.linspace(0.1, 0.9, chunks), False, 0.1)
+  store.save_run(identity, record)
+  assert store.load_run(identity, 1e-3, 0) is not None
+  (path,) = tmp_path.rglob('run_*.json')
+  path.write_text(json.dumps(_damaged(damage)(json.loads(path.read_text()))))
+  assert store.load_run(identity, 1e-3, 0) is None
+  store.save_run(identity, record)  # computed again, and replaced
+  np.testing.assert_array_equal(store.load_run(identity, 1e-3, 0).metrics,
+                                record.metrics)
+
+
+@pytest.mark.parametrize('cost', [
+    None, [1.0], {'own': 1.0}, {'own': 'fast', 'reference': 1.0},
+    {'own': float('nan'), 'reference': 1.0}, {'own': 1.0, 'reference': 0.0}])
+def test_a_damaged_cost_record_is_measured_again(tmp_path, cost):
+  workload = definitions.workload('spiral', quick=True)
+  store = protocol.RecordStore(tmp_path, {'quick': True})
+  identity = store.identity(workload, arms_lib.builtin_arms()['muon'])
+  store.save_cost(identity, 1e-3, {'own': 2e-3, 'reference': 1e-3})
+  assert store.load_cost(identity, 1e-3) == {'own': 2e-3, 'reference': 1e-3}
+  (path,) = tmp_path.rglob('cost_*.json')
+  path.write_text(json.dumps({'identity': identity, 'value': cost}))
+  assert store.load_cost(identity, 1e-3) is None
 
 
 def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path,

@@ -258,8 +258,10 @@ class RecordStore:
 
   A record is used only if the identity it was written under (the
   workload's and arm's definitions, ``context``: data source, ``--quick``,
-  ``RECORD_VERSION``, and ``code_fingerprint``) equals the current one; any
-  other is recomputed and overwritten.
+  ``RECORD_VERSION``, and ``code_fingerprint``) equals the current one, and
+  it holds what that run writes (the run's seed and rate, one loss per step
+  and one metric per evaluation; a positive step cost); any other, stale or
+  damaged, is recomputed and overwritten: a store is a cache.
   """
 
   def __init__(self, root: Optional[os.PathLike],
@@ -286,15 +288,19 @@ class RecordStore:
     return (self.root / identity['workload']['name'] / identity['arm']['name']
             / digest / name)
 
-  def _load(self, identity, name: str) -> Optional[Any]:
+  def _load(self, identity, name: str,
+            decode: Callable[[Any], Any]) -> Optional[Any]:
+    """``decode`` of the stored value; None where there is none to use."""
     if self.root is None:
       return None
     path = self._path(identity, name)
     try:
       stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-      return None  # absent or unreadable: computed again
-    return stored['value'] if stored.get('identity') == identity else None
+      if not isinstance(stored, dict) or stored.get('identity') != identity:
+        return None  # another definition's, or code's: stale
+      return decode(stored['value'])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None  # absent, unreadable or damaged: computed again
 
   def _save(self, identity, name: str, value: Any) -> None:
     if self.root is not None:
@@ -306,15 +312,31 @@ class RecordStore:
     return f'run_lr{float(lr)!r}_seed{int(seed)}.json'
 
   def load_run(self, identity, lr: float, seed: int) -> Optional[RunRecord]:
-    value = self._load(identity, self._run_name(lr, seed))
-    return None if value is None else RunRecord.from_json(value)
+    workload = identity['workload']
+
+    def decode(value) -> RunRecord:
+      record = RunRecord.from_json(value)
+      if ((record.seed, record.lr) != (int(seed), float(lr))
+          or not isinstance(value['diverged'], bool)
+          or record.losses.shape != (workload['steps'],)
+          or record.metrics.shape != (
+              workload['steps'] // workload['eval_every'],)):
+        raise ValueError('not this run\'s record')
+      return record
+    return self._load(identity, self._run_name(lr, seed), decode)
 
   def save_run(self, identity, record: RunRecord) -> None:
     self._save(identity, self._run_name(record.lr, record.seed),
                record.to_json())
 
   def load_cost(self, identity, lr: float) -> Optional[dict[str, float]]:
-    return self._load(identity, f'cost_lr{float(lr)!r}.json')
+    def decode(value) -> dict[str, float]:
+      cost = {key: value[key] for key in ('own', 'reference')}
+      if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and math.isfinite(v) and v > 0 for v in cost.values()):
+        raise ValueError('not a step cost')
+      return cost
+    return self._load(identity, f'cost_lr{float(lr)!r}.json', decode)
 
   def save_cost(self, identity, lr: float, cost: dict[str, float]) -> None:
     self._save(identity, f'cost_lr{float(lr)!r}.json', cost)
