@@ -447,18 +447,19 @@ def _check_merge(results: dict[str, Any], args: argparse.Namespace,
 
 
 def _split_run(split: Optional[str]) -> str:
-  return f'the {split} split' if split else 'a run without --split'
+  return (f'the {split} split' if split else
+          'both splits (a run without --split)')
 
 
 def _check_split(results: dict[str, Any], args: argparse.Namespace) -> None:
   """One score per split: results of another split (or of both, a run
-  without --split) are not merged into."""
+  without --split) are not merged into, nor rescored as this one's."""
   held = results['meta'].get('split')
   if held != args.split:
     raise ValueError(
-        f'--out {args.out}: {args.out / report.RESULTS} holds '
-        f'{_split_run(held)}\'s results and this is {_split_run(args.split)}'
-        f'; use another --out (each split is scored on its own; '
+        f'--out {args.out}: {args.out / report.RESULTS} holds results of '
+        f'{_split_run(held)} and this run is of {_split_run(args.split)}; '
+        'use another --out (each split is scored on its own; '
         + (f'the default for --split {held} is {default_out(held)}'
            if held else 'a --split run defaults to workloads/SPLIT') + ')')
 
