@@ -176,12 +176,14 @@ def test_split_runs_its_workloads_into_its_own_folder(tmp_path):
 @pytest.mark.parametrize('held, extra, message', [
     ('dev', ['--split', 'dev'], None),
     ('test', ['--split', 'dev'], 'holds results of the test split and this '
-     'run is of the dev split; use another --out (each split is scored on '
-     'its own; the default for --split test is workloads/test)'),
+     'run is of the dev split: give --split test to use them, or another '
+     '--out (each split is scored on its own; --split dev defaults to '
+     'workloads/dev)'),
     (None, ['--split', 'dev'], 'holds results of both splits (a run without '
-     '--split) and this run is of the dev split'),
+     '--split) and this run is of the dev split: drop --split to use them'),
     ('dev', [], 'holds results of the dev split and this run is of both '
-     'splits (a run without --split)'),
+     'splits (a run without --split): give --split dev to use them, or '
+     'another --out (each split is scored on its own)'),
 ])
 def test_results_of_another_split_are_not_merged_into(
     tmp_path, capsys, no_training, held, extra, message):

@@ -458,10 +458,11 @@ def _check_split(results: dict[str, Any], args: argparse.Namespace) -> None:
   if held != args.split:
     raise ValueError(
         f'--out {args.out}: {args.out / report.RESULTS} holds results of '
-        f'{_split_run(held)} and this run is of {_split_run(args.split)}; '
-        'use another --out (each split is scored on its own; '
-        + (f'the default for --split {held} is {default_out(held)}'
-           if held else 'a --split run defaults to workloads/SPLIT') + ')')
+        f'{_split_run(held)} and this run is of {_split_run(args.split)}: '
+        + (f'give --split {held}' if held else 'drop --split')
+        + ' to use them, or another --out (each split is scored on its own'
+        + (f'; --split {args.split} defaults to {default_out(args.split)}'
+           if args.split else '') + ')')
 
 
 def _needs_run_target(workload: definitions.Workload,
