@@ -27,6 +27,7 @@ from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import report
 from cbp_optax_experiments.workloads import splits
+from cbp_optax_experiments.workloads import tasks
 
 REFERENCE = arms_lib.REFERENCE
 
@@ -50,7 +51,9 @@ def no_training(monkeypatch):
     pytest.fail('loaded the data although an argument is bad')
 
   monkeypatch.setattr(protocol, 'evaluate_arm', evaluate_arm)
+  # definitions' workloads read it from there, families' from tasks.
   monkeypatch.setattr(definitions, 'mnist_data', mnist_data)
+  monkeypatch.setattr(tasks, 'mnist_data', mnist_data)
 
 
 def fails_with(capsys, argv, message):
