@@ -438,3 +438,45 @@ def load_cifar10(data_dir: PathLike) -> Cifar10:
   return Cifar10(np.concatenate([t[0] for t in train]),
                  np.concatenate([t[1] for t in train]), test_images,
                  test_labels, source=f'CIFAR-10, 50,000/10,000 ({directory})')
+
+
+# --- Tabular data bundled inside scikit-learn ---------------------------------
+# Only the loaders whose files ship inside the scikit-learn package are used
+# (no download): the experiments extra installs it.
+
+BUNDLED_TABULAR = ('breast_cancer', 'digits')
+
+
+class Tabular(NamedTuple):
+  """Raw features (float32, unscaled) and integer labels."""
+  features: np.ndarray
+  labels: np.ndarray
+  source: str
+
+
+def load_bundled_tabular(name: str) -> Tabular:
+  """A classification data set shipped inside scikit-learn, features raw.
+
+  Args:
+    name: ``'breast_cancer'`` (569 tumours, 30 measurements on scales from
+      0.001 to 4,000; 2 classes) or ``'digits'`` (1,797 8x8 images, pixel
+      counts 0-16; 10 classes).
+
+  Raises:
+    DataError: an unknown name, or scikit-learn is not installed.
+  """
+  if name not in BUNDLED_TABULAR:
+    raise DataError(f'unknown bundled tabular data set {name!r}; choose '
+                    f'from {", ".join(BUNDLED_TABULAR)}')
+  try:
+    from sklearn import datasets as sklearn_datasets  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise DataError(
+        f'the {name} data set ships inside scikit-learn, which is not '
+        'installed: pip install "cbp-optax[experiments]" (or scikit-learn)'
+    ) from e
+  found = getattr(sklearn_datasets, f'load_{name}')()
+  return Tabular(np.asarray(found.data, np.float32),
+                 np.asarray(found.target, np.int32),
+                 f'scikit-learn load_{name} (bundled with the package; '
+                 f'{len(found.target):,} examples, raw features)')

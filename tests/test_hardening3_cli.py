@@ -26,6 +26,8 @@ from cbp_optax_experiments.workloads import cli
 from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import report
+from cbp_optax_experiments.workloads import splits
+from cbp_optax_experiments.workloads import tasks
 
 REFERENCE = arms_lib.REFERENCE
 
@@ -49,7 +51,9 @@ def no_training(monkeypatch):
     pytest.fail('loaded the data although an argument is bad')
 
   monkeypatch.setattr(protocol, 'evaluate_arm', evaluate_arm)
+  # definitions' workloads read it from there, families' from tasks.
   monkeypatch.setattr(definitions, 'mnist_data', mnist_data)
+  monkeypatch.setattr(tasks, 'mnist_data', mnist_data)
 
 
 def fails_with(capsys, argv, message):
@@ -115,6 +119,14 @@ def quick_argv(out):
     (['--arm', MINE, '--arms', 'mine,adamw', '--centered', 'mine',
       '--centered', 'mine'], '--centered mine: given more than once'),
     (['--arms', 'cbp'], 'spiral has no target to race to (--quick'),
+    (['--split', 'train'], "argument --split: expected one of dev, test "
+     "(splits.py), got 'train'"),
+    (['--split', 'all'], "got 'all'"),
+    (['--split', ''], "got ''"),
+    (['--split', 'test'], "--workloads 'spiral': 'spiral' (dev split) not in "
+     'the test split'),
+    (['--split', 'dev', '--workloads', 'spiral,gcn-sbm,vit-mnist'],
+     "'gcn-sbm' (test split), 'vit-mnist' (test split) not in the dev split"),
 ])
 def test_a_bad_argument_is_one_error_before_anything_trains(
     tmp_path, capsys, no_training, extra, message):
@@ -147,6 +159,104 @@ def test_data_dir_without_mnist_is_an_error(tmp_path, capsys, no_training):
              f'--data-dir {tmp_path / "empty"}: No MNIST IDX files')
 
 
+# ---------------------------------------------------------------------------
+# The dev/test split: each split is scored on its own.
+
+
+def test_split_runs_its_workloads_into_its_own_folder(tmp_path):
+  args = cli.parse(['--quick', '--split', 'test'])
+  assert args.out == pathlib.Path('workloads') / 'test'
+  assert cli.parse(['--quick']).out == pathlib.Path('workloads')
+  checked = cli.plan(cli.parse(['--quick', '--split', 'dev', '--arms',
+                                REFERENCE, '--out', str(tmp_path)]))
+  assert [w.name for w in checked.workloads] == list(splits.workloads('dev'))
+  checked = cli.plan(cli.parse(['--quick', '--split', 'dev', '--workloads',
+                                'coord-relu,spiral', '--arms', REFERENCE,
+                                '--out', str(tmp_path)]))
+  assert [w.name for w in checked.workloads] == ['coord-relu', 'spiral']
+
+
+@pytest.mark.parametrize('held, extra, message', [
+    ('dev', ['--split', 'dev'], None),
+    ('test', ['--split', 'dev'], 'holds results of the test split and this '
+     'run is of the dev split: give --split test to use them, or another '
+     '--out (each split is scored on its own; --split dev defaults to '
+     'workloads/dev)'),
+    (None, ['--split', 'dev'], 'holds results of both splits (a run without '
+     '--split) and this run is of the dev split: drop --split to use them'),
+    ('dev', [], 'holds results of the dev split and this run is of both '
+     'splits (a run without --split): give --split dev to use them, or '
+     'another --out (each split is scored on its own)'),
+])
+def test_results_of_another_split_are_not_merged_into(
+    tmp_path, capsys, no_training, held, extra, message):
+  write_results(tmp_path, valid_results(split=held))
+  before = (tmp_path / report.RESULTS).read_text()
+  argv = quick_argv(tmp_path) + extra
+  if message is None:
+    assert cli.plan(cli.parse(argv)).results['meta']['split'] == held
+  else:
+    fails_with(capsys, argv, message)
+  assert (tmp_path / report.RESULTS).read_text() == before
+
+
+def test_score_only_takes_split_and_checks_it(tmp_path, capsys):
+  write_results(tmp_path, valid_results(split='dev'))
+  fails_with(capsys, ['--score-only', '--split', 'test', '--out',
+                      str(tmp_path)], 'holds results of the dev split and '
+             'this run is of the test split')
+  assert cli.main(['--score-only', '--split', 'dev', '--out',
+                   str(tmp_path)]) == 0
+  assert 'Split: **dev**' in (tmp_path / 'results.md').read_text()
+
+
+def test_a_split_run_records_its_split(tmp_path, monkeypatch, stub_training):
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(['--quick', '--no-progress', '--split', 'dev',
+                   '--workloads', 'spiral', '--arms', REFERENCE]) == 0
+  results = report.load(tmp_path / 'workloads' / 'dev')
+  assert results['meta']['split'] == 'dev'
+  assert '(dev split)' in (tmp_path / 'workloads' / 'dev' /
+                           'results.md').read_text()
+
+
+def test_runs_folder_that_is_a_file_is_an_error_before_training(
+    tmp_path, capsys, no_training):
+  (tmp_path / cli.RUNS).write_text('keep me')
+  fails_with(capsys, quick_argv(tmp_path),
+             f'--out {tmp_path / cli.RUNS}: a file, not a folder')
+  assert (tmp_path / cli.RUNS).read_text() == 'keep me'
+
+
+def test_data_dir_is_in_place_before_a_workload_loads_data(
+    tmp_path, monkeypatch):
+  # The workloads load (and cache) MNIST when built: --data-dir must be the
+  # source by then, not only once training starts.
+  monkeypatch.delenv('CBP_OPTAX_MNIST', raising=False)  # restored after
+  monkeypatch.setattr(datasets, 'load_mnist', lambda data_dir: None)
+  seen = []
+  build = definitions.workload
+  monkeypatch.setattr(definitions, 'workload', lambda name, quick: (
+      seen.append(os.environ.get('CBP_OPTAX_MNIST')), build(name, quick))[1])
+  cli.plan(cli.parse(quick_argv(tmp_path / 'o') + [
+      '--data-dir', str(tmp_path)]))
+  assert seen == [str(tmp_path)]
+
+
+def test_earlier_baselines_in_out_set_the_target(tmp_path, stub_training):
+  # AlgoPerf's rule over every baseline in the folder: a run of one more
+  # arm races to the target its earlier AdamW sets (best metric 0.4 on
+  # both seeds), not to a target written there by hand (0.5).
+  write_results(tmp_path, valid_results())
+  assert cli.main(quick_argv(tmp_path) + ['--arm', MINE,
+                                          '--arms', 'mine']) == 0
+  entry = report.load(tmp_path)['workloads']['spiral']
+  assert entry['target'] == 0.4 and entry['target_setter'] == REFERENCE
+  assert 'best median of the tuned baselines (adamw)' in entry[
+      'target_source']
+  assert set(entry['arms']) == {REFERENCE, 'mine'}
+
+
 @pytest.mark.parametrize('extra, flag', [
     (['--quick'], '--quick'), (['--arms', 'nadamw'], '--arms'),
     (['--workloads', 'spiral'], '--workloads'), (['--seeds', '2'], '--seeds'),
@@ -177,9 +287,12 @@ def test_help_lists_every_workload_and_arm_and_each_default_once(capsys):
   assert info.value.code == 0
   text = capsys.readouterr().out
   lines = text.splitlines()
+  # Each workload once, with its split and the registry's one-line summary.
   for name in definitions.NAMES:
-    words = definitions.workload(name, False).description.split()[:2]
-    assert any(line.split()[:3] == [name, *words] for line in lines), name
+    words = definitions.REGISTRY[name].summary.split()[:2]
+    tag = f'[{splits.split_of(name)}]'
+    assert sum(line.split()[:4] == [name, tag, *words]
+               for line in lines) == 1, name
   for name, arm in arms_lib.builtin_arms().items():
     words = arm.description.split()[:1]
     assert any(line.split()[:2] == [name, *words] for line in lines), name
@@ -197,6 +310,8 @@ def test_help_lists_every_workload_and_arm_and_each_default_once(capsys):
 def test_new_registry_entries_reach_help_and_arguments(
     monkeypatch, capsys, tmp_path, no_training):
   spiral = definitions.FACTORIES['spiral']
+  monkeypatch.setitem(definitions.REGISTRY, 'spiral-2', definitions.Entry(
+      spiral, 'synthetic-2d', 'a second spiral'))
   monkeypatch.setitem(definitions.FACTORIES, 'spiral-2', spiral)
   monkeypatch.setattr(definitions, 'NAMES', (*definitions.NAMES, 'spiral-2'))
   builtin = arms_lib.builtin_arms
@@ -209,7 +324,9 @@ def test_new_registry_entries_reach_help_and_arguments(
   with pytest.raises(SystemExit):
     cli.main(['--help'])
   text = capsys.readouterr().out
-  assert any(line.split()[:1] == ['spiral-2'] for line in text.splitlines())
+  # In no split yet: listed without one.
+  assert any(line.split() == ['spiral-2', 'a', 'second', 'spiral']
+             for line in text.splitlines())
   assert 'extra_arm  ' in text and 'an arm added to the registry' in text
   assert any(line.split() == ['bare_arm', '(no', 'description)']
              for line in text.splitlines())
@@ -262,8 +379,9 @@ def test_plan_of_good_arguments(tmp_path):
 # Item 10: damaged results.json, on every reading path.
 
 
-def valid_results(quick=True, seeds=(0, 1)):
-  """A results.json as a run writes it: spiral, AdamW, ``seeds``."""
+def valid_results(quick=True, seeds=(0, 1), split=None):
+  """A results.json as a run writes it: spiral, AdamW, ``seeds``, of
+  ``split`` (None: a run without --split)."""
   workload = definitions.workload('spiral', quick)
   entry = report.workload_entry(workload, 0.5, 'set by hand')
   chunks = workload.steps // workload.eval_every
@@ -274,10 +392,10 @@ def valid_results(quick=True, seeds=(0, 1)):
       'diverged': [False] * len(seeds), 'final_metric': [curve[-1]] * len(
           seeds), 'best_metric': [curve[-1]] * len(seeds),
       'curves': [curve] * len(seeds), 'cost_vs_adamw': 1.0,
-      'description': 'optax.adamw'}
+      'initial_metric': [0.05] * len(seeds), 'description': 'optax.adamw'}
   report.apply_target(entry)
   return {'workloads': {'spiral': entry}, 'score': {},
-          'meta': {'quick': quick, 'seeds': list(seeds)}}
+          'meta': {'quick': quick, 'seeds': list(seeds), 'split': split}}
 
 
 def write_results(out, results):
@@ -332,6 +450,23 @@ DAMAGES = {
                                'final_metric', 'best_metric',
                                'curves')}}}}}},
                  'one value per evaluation seed (at least one)'),
+    # The fields of the suite's split, checked where present.
+    'split_text': (_set(('meta', 'split'), 'train'),
+                   'meta.split must be null or one of "dev", "test", got '
+                   '"train"'),
+    'family_number': (_set(('workloads', 'spiral', 'family'), 3),
+                      'workloads.spiral.family must be a string, got 3'),
+    'validation_size_zero': (_set(('workloads', 'spiral', 'validation_size'),
+                                  0), 'validation_size must be a positive '
+                             'integer or null, got 0'),
+    'target_setter_list': (_set(('workloads', 'spiral', 'target_setter'),
+                                [REFERENCE]),
+                           'target_setter must be an arm name or null'),
+    'initial_metric_text': (_set(ARM + ('initial_metric',), ['low', 'low']),
+                            'arms.adamw.initial_metric must be a list of '
+                            'numbers or nulls'),
+    'short_initial_metric': (_set(ARM + ('initial_metric',), [0.1]),
+                             'curves 2, initial_metric 1'),
 }
 
 
@@ -524,7 +659,8 @@ def test_an_interrupted_write_leaves_the_previous_results_whole(
     report.write(tmp_path, changed)
   assert (tmp_path / report.RESULTS).read_text() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == [
-      'performance_profile.png', report.RESULTS, 'results.md']
+      'performance_profile.png', 'performance_profile_wall_clock.png',
+      report.RESULTS, 'results.md']
   monkeypatch.undo()
   report.write(tmp_path, changed)
   assert report.load(tmp_path)['workloads']['spiral']['description'] == (

@@ -8,6 +8,15 @@ kernels only (not biases, norms, embeddings or centering means), multiplied
 by the scheduled rate as in ``optax.adamw``. Schedule-free AdamW replaces the
 cosine by its own averaging and keeps the warm-up.
 
+SGD with Nesterov momentum searches the workload's grid times
+``SGD_GRID_SCALE`` (its rates are larger than Adam's by about that factor);
+every other arm searches the grid as it is.
+
+``BASELINES`` are the arms a workload's target is set from (AlgoPerf's
+rule: the best of their tuned medians; ``scoring.target``). Every peer
+optimizer also has a ``<peer>_centered`` arm: the same optimizer on the
+centered model (M2), transported after each update.
+
 A user arm (``--arm NAME=module:function``) is a callable taking the
 schedule (``optax.Schedule``; a number works too) and returning an optax
 ``GradientTransformation``; ``--centered NAME`` trains it on the centered
@@ -26,13 +35,24 @@ import optax
 import cbp_optax as cbp
 from cbp_optax_experiments.reproduce import transformer
 
+# The protocol's settings below were set a priori with the suite (commit
+# f087e46, before its first run), not chosen by comparing runs; a setting
+# that a run chooses is recorded in ``splits.CHOSEN_ON``.
 WARMUP_FRACTION = 0.1
 FINAL_FRACTION = 0.1
 WEIGHT_DECAY = 0.01
 # optax.contrib.muon: the scale that makes its update RMS match AdamW's, so
 # the shared learning-rate grid means the same for both.
 MUON_CONSISTENT_RMS = 0.2
+SGD_MOMENTUM = 0.9  # AlgoPerf's Nesterov baseline's; a priori
+# Set a priori (not from a run): SGD's usual rates are ~30x Adam's, so its
+# grid is the workload's times this (3e-4..1e-2 -> 9e-3..0.3).
+SGD_GRID_SCALE = 30.0
 REFERENCE = 'adamw'
+# AlgoPerf's target-setting baselines, run first on every workload.
+BASELINES = ('adamw', 'nadamw', 'sgd_nesterov')
+# The peers whose ``<peer>_centered`` arm is built.
+PEERS = ('adamw', 'nadamw', 'muon', 'schedule_free_adamw', 'adopt')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +92,7 @@ class Arm:
     eval_params: ``eval_params(opt_state, params)``: the parameters the
       metric is computed at (schedule-free's averaged iterate); None: params.
     description: one line for the report.
+    grid_scale: the arm searches the workload's grid times this.
   """
   name: str
   make: Callable[[Any, Context], optax.GradientTransformation]
@@ -79,6 +100,11 @@ class Arm:
   center_batch_norm_models: bool = True
   eval_params: Optional[Callable[[Any, Any], Any]] = None
   description: str = ''
+  grid_scale: float = 1.0
+
+  def grid(self, workload: Any) -> list[float]:
+    """The learning rates this arm tries first on ``workload``."""
+    return [lr * self.grid_scale for lr in workload.grid]
 
   def centers(self, workload: Any) -> bool:
     """Whether this arm trains ``workload``'s centered model.
@@ -124,6 +150,25 @@ def _schedule_free_adamw(lr, ctx):
   return optax.contrib.schedule_free(base, learning_rate=rate, b1=0.9)
 
 
+def _adopt(lr, ctx):
+  """``optax.contrib.adopt`` (its defaults: b2 0.9999, eps 1e-6, clipping)
+  with the shared decoupled decay: the chain that function builds, plus
+  ``add_decayed_weights`` before the rate, as in ``optax.adamw``."""
+  return optax.chain(
+      optax.contrib.scale_by_adopt(),
+      optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
+      optax.scale_by_learning_rate(ctx.schedule(lr)))
+
+
+def _sgd_nesterov(lr, ctx):
+  """SGD with Nesterov momentum 0.9 and the shared decoupled decay (times
+  the scheduled rate, kernels only)."""
+  return optax.chain(
+      optax.trace(decay=SGD_MOMENTUM, nesterov=True),
+      optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
+      optax.scale_by_learning_rate(ctx.schedule(lr)))
+
+
 def _cbp(lr, ctx):
   return cbp.cbp(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
                  mask=decay_mask, stacked=ctx.stacked)
@@ -145,9 +190,8 @@ def _with_supported(factory, lr, ctx):
                  **{k: v for k, v in policy.items() if k in accepted})
 
 
-def builtin_arms() -> dict[str, Arm]:
-  """The built-in arms; ``cbp_robust`` only where the library has it."""
-  arms = [
+def _peer_arms() -> list[Arm]:
+  return [
       Arm('adamw', _adamw, description='optax.adamw'),
       Arm('nadamw', _nadamw, description='optax.nadamw'),
       Arm('muon', _muon, description='optax.contrib.muon (AdamW on '
@@ -156,8 +200,32 @@ def builtin_arms() -> dict[str, Arm]:
           eval_params=optax.contrib.schedule_free_eval_params,
           description='optax.contrib.schedule_free AdamW, scored at its '
           'evaluation parameters'),
-      Arm('adamw_centered', _adamw, centered=True,
-          description='optax.adamw on the centered model (M2 alone)'),
+      Arm('adopt', _adopt, description='optax.contrib.adopt (b2 0.9999, '
+          'eps 1e-6, clipped) with decoupled decay'),
+  ]
+
+
+def _centered(arm: Arm) -> Arm:
+  # The transport moves the bias with the mean; it does not yet move
+  # schedule-free's z (the other copy of the weights that its averaging
+  # keeps), so schedule_free_adamw_centered transports only the iterate:
+  # see docs/reproduction/workloads.md.
+  return dataclasses.replace(
+      arm, name=f'{arm.name}_centered', centered=True,
+      description=f'{arm.description}, on the centered model (M2)')
+
+
+def builtin_arms() -> dict[str, Arm]:
+  """The built-in arms, in run order (the baselines first): the peers, SGD
+  with Nesterov momentum, each peer on the centered model, the CBP arms
+  (``cbp_robust`` only where the library has it), then ``RECOMMENDED``."""
+  peers = _peer_arms()
+  arms = [
+      *peers,
+      Arm('sgd_nesterov', _sgd_nesterov, grid_scale=SGD_GRID_SCALE,
+          description=f'SGD with Nesterov momentum {SGD_MOMENTUM:g} and '
+          f'decoupled decay, grid x{SGD_GRID_SCALE:g}'),
+      *[_centered(arm) for arm in peers],
       Arm('cbp', _cbp, centered=True,
           description='cbp.cbp (Algorithm 1) on the centered model (full '
           'CBP)'),
@@ -172,7 +240,16 @@ def builtin_arms() -> dict[str, Arm]:
                     centered=True, center_batch_norm_models=False,
                     description='cbp.cbp_robust on the centered model (the '
                     'plain one where the model has BatchNorm)'))
+  arms.extend(RECOMMENDED)
+  order = {name: i for i, name in enumerate(BASELINES)}
+  arms.sort(key=lambda arm: order.get(arm.name, len(order)))
   return {arm.name: arm for arm in arms}
+
+
+# The place for the library's recommended recipe: an ``Arm('recommended',
+# ...)`` added here once it is chosen on the dev split (and recorded in
+# ``splits.CHOSEN_ON``). Empty until then.
+RECOMMENDED: tuple[Arm, ...] = ()
 
 
 def user_arm(spec: str, centered: bool = False) -> Arm:

@@ -1,24 +1,31 @@
 """``cbp-optax workloads``: time to target of optimizer arms on fixed workloads.
 
-``cbp-optax workloads [--quick] [--workloads all|a,b] [--arms all|a,b]
-[--seeds N] [--out DIR] [--arm NAME=module:function [--centered NAME]]
-[--set-targets] [--score-only]``
+``cbp-optax workloads [--quick] [--split dev|test] [--workloads all|a,b]
+[--arms all|a,b] [--seeds N] [--out DIR] [--arm NAME=module:function
+[--centered NAME]] [--set-targets] [--score-only]``
 
 Each arm tunes its learning rate on the workload's grid (tuning seed), then
 runs on the evaluation seeds 0..N-1; the report compares the time to each
-workload's target (tuned AdamW's median) over all workloads with AlgoPerf's
-performance profile. Running into an ``--out`` that already holds
-results.json replaces the (workload, arm) pairs measured now and keeps the
-others; ``--score-only`` rewrites results.md and the profile from
-results.json without training (with the targets now fixed in the code, for a
-full-size run).
+workload's target (AlgoPerf's rule: the best median of the tuned baselines
+``arms.BASELINES``, which run first) over all workloads with AlgoPerf's
+performance profile, in steps (the headline) and in wall-clock, beside the
+normalized final metric. ``--split`` runs one split of ``splits.SPLITS``
+(dev chooses the defaults, test only reports) into its own folder,
+``workloads/<split>``: each split is scored on its own. Running into an
+``--out`` that already holds results.json replaces the (workload, arm) pairs
+measured now and keeps the others; every run is also saved as its own file
+under ``--out``/runs, so the same command started again after an
+interruption resumes where it stopped. ``--score-only`` rewrites results.md
+and the profiles from results.json without training (with the targets now
+fixed in the code, for a full-size run).
 
 Every argument is checked before anything trains (names against the
-registries ``definitions.FACTORIES`` and ``arms.builtin_arms``, the seed
-count, ``--out`` and the results.json there): a bad one exits with status 2
-and one ``error:`` line naming it. A (workload, arm) that raises loses its
-own row, not the run; the run then exits with status 1 and lists the
-failures (see ``EPILOG_EXIT``).
+registries ``definitions.REGISTRY``, ``splits.SPLITS`` and
+``arms.builtin_arms``, the seed count, ``--out`` and the results.json there,
+which must be of the same size, seeds and split): a bad one exits with
+status 2 and one ``error:`` line naming it. A (workload, arm) that raises
+loses its own row, not the run; the run then exits with status 1 and lists
+the failures (see ``EPILOG_EXIT``).
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from cbp_optax_experiments.workloads import arms as arms_lib
 from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import report
+from cbp_optax_experiments.workloads import splits
 
 ALL = 'all'
+RUNS = 'runs'  # under --out: one file per run (protocol.RecordStore)
 EXIT_FAILED = 1  # some (workload, arm) failed, or results.json not written
 # A user arm's name is a results.json key, a markdown table cell and an item
 # of the comma-separated --arms.
@@ -90,17 +99,20 @@ def _listing(title: str, rows: Sequence[tuple[str, str]]) -> str:
 
 def target_setters() -> tuple[str, ...]:
   """The arms whose tuned runs set a workload's target where the code fixes
-  none (``--quick``, ``--set-targets``): ``arms.BASELINES`` where the arms
-  module defines it (AlgoPerf's rule), else the reference arm alone."""
-  return tuple(getattr(arms_lib, 'BASELINES', (arms_lib.REFERENCE,)))
+  none (``--quick``, ``--set-targets``): ``arms.BASELINES`` (AlgoPerf's
+  rule: the best of their tuned medians, ``report.baseline_target``)."""
+  return tuple(arms_lib.BASELINES)
 
 
-def _description(name: str) -> str:
-  try:
-    return definitions.workload(name, False).description
-  except Exception as e:  # pylint: disable=broad-except
-    # --help must not fail with the workload; running it will say why.
-    return f'(cannot be built here: {type(e).__name__}: {e})'
+def _help_line(name: str) -> str:
+  """The workload's line of ``--help``: its split and the registry's
+  summary. Read from the registries, not from a built workload: building
+  one loads its data (MNIST for most), which --help should neither wait for
+  nor fail on."""
+  entry = definitions.REGISTRY.get(name)
+  text = entry.summary if entry and entry.summary else '(no description)'
+  split = [s for s, names in splits.SPLITS.items() if name in names]
+  return f'[{split[0]}] {text}' if len(split) == 1 else text
 
 
 def _width() -> int:
@@ -110,15 +122,15 @@ def _width() -> int:
 def epilog() -> str:
   """The workloads and arms, read from their registries, and the exit
   status."""
-  workloads = [(name, _description(name)) for name in definitions.NAMES]
+  workloads = [(name, _help_line(name)) for name in definitions.NAMES]
   arms = [(arm.name, arm.description + (
       ' (sets the targets of a --quick or --set-targets run)'
       if arm.name in target_setters() else ''))
           for arm in arms_lib.builtin_arms().values()]
   width = _width()
   return '\n\n'.join([
-      _listing("workloads (--workloads; 'all' runs them in this order):",
-               workloads),
+      _listing("workloads (--workloads; 'all' runs them in this order; "
+               '[split], --split):', workloads),
       _listing("built-in arms (--arms; 'all' runs these and every --arm):",
                arms),
       textwrap.fill(EPILOG_EXIT, width, break_on_hyphens=False)])
@@ -138,10 +150,16 @@ def make_parser() -> argparse.ArgumentParser:
       epilog=epilog())
   parser.add_argument('--quick', action='store_true',
                       help='tiny sizes (a smoke test; targets from the '
-                      'run\'s own AdamW)')
+                      'run\'s own baselines)')
+  parser.add_argument('--split', type=_split_name, default=None,
+                      metavar='|'.join(splits.SPLITS),
+                      help='run the split\'s workloads only (splits.py: '
+                      'dev chooses the defaults, test only reports), into '
+                      'its own --out; without it: every workload')
   parser.add_argument('--workloads', default=ALL, metavar='NAMES',
-                      help="'all' or comma-separated workloads (listed "
-                      'below)')
+                      help="'all' (with --split: the split's) or "
+                      'comma-separated workloads (listed below; with '
+                      '--split, of that split)')
   parser.add_argument('--arms', default=ALL, metavar='NAMES',
                       help="'all' (every built-in arm and every --arm) or "
                       'comma-separated arms (listed below, or --arm names)')
@@ -163,17 +181,19 @@ def make_parser() -> argparse.ArgumentParser:
                       'it: 3, or 2 with --quick); an --out that holds '
                       'results must hold them on the same seeds')
   parser.add_argument('--out', type=pathlib.Path, metavar='DIR',
-                      default=pathlib.Path('workloads'),
-                      help='output folder, created if missing (its '
-                      'results.json is merged: same --quick and --seeds)')
+                      default=None,
+                      help='output folder, created if missing (without it: '
+                      'workloads, or workloads/SPLIT with --split); its '
+                      'results.json is merged (same --quick, --seeds and '
+                      '--split) and its runs/ are reused')
   parser.add_argument('--set-targets', action='store_true',
                       help='ignore the targets fixed in the code and set '
-                      'each workload\'s from this run\'s AdamW (how the '
-                      'fixed targets were made)')
+                      'each workload\'s from this run\'s baselines (how '
+                      'the fixed targets are made)')
   parser.add_argument('--score-only', action='store_true',
                       help='rescore --out/results.json into results.md and '
-                      'the profile PNG; no training (takes only --out and '
-                      '--no-progress)')
+                      'the profile PNGs; no training (takes only --out, '
+                      '--split and --no-progress)')
   parser.add_argument('--data-dir', type=pathlib.Path, default=None,
                       metavar='DIR',
                       help='folder with the MNIST IDX files (without it: '
@@ -183,8 +203,29 @@ def make_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  return make_parser().parse_args(argv)
+def default_out(split: Optional[str]) -> pathlib.Path:
+  """The ``--out`` of a run without one: each split in its own folder, so
+  that the splits are scored apart."""
+  return pathlib.Path('workloads') / split if split else pathlib.Path(
+      'workloads')
+
+
+def parse(argv: Optional[Sequence[str]],
+          parser: Optional[argparse.ArgumentParser] = None
+          ) -> argparse.Namespace:
+  """The arguments, with ``--out`` defaulted (``default_out``)."""
+  args = (parser or make_parser()).parse_args(argv)
+  if args.out is None:
+    args.out = default_out(args.split)
+  return args
+
+
+def _split_name(text: str) -> str:
+  if text not in splits.SPLITS:
+    raise argparse.ArgumentTypeError(
+        f'expected one of {", ".join(splits.SPLITS)} (splits.py), got '
+        f'{text!r}')
+  return text
 
 
 def _seed_count(text: str) -> int:
@@ -330,6 +371,32 @@ def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
   return [available[name] for name in names]
 
 
+def _chosen_workloads(args: argparse.Namespace) -> list[str]:
+  """The workloads to run: ``--workloads``, within ``--split`` when given
+  (its workloads, in registry order, for 'all')."""
+  names = _names('--workloads', args.workloads, list(definitions.NAMES),
+                 'workload')
+  if args.split is None:
+    return names
+  if args.workloads.strip() == ALL:
+    return list(splits.workloads(args.split))
+  outside = [name for name in names if name not in splits.SPLITS[args.split]]
+  if outside:
+    raise ValueError(
+        f'--workloads {args.workloads!r}: '
+        + ', '.join(f'{name!r} ({_split_of(name)})' for name in outside)
+        + f' not in the {args.split} split (splits.py): each split is '
+        'scored on its own; run it with its --split')
+  return names
+
+
+def _split_of(name: str) -> str:
+  try:
+    return f'{splits.split_of(name)} split'
+  except ValueError:
+    return 'in no split'
+
+
 def _check_seeds(seeds: Sequence[int]) -> None:
   shared = sorted(set(seeds) & set(protocol.TUNING_SEEDS))
   if shared:
@@ -353,6 +420,7 @@ def _check_merge(results: dict[str, Any], args: argparse.Namespace,
         f'--out {args.out}: {path} holds {kinds[args.quick]}\'s results and '
         f'this is {kinds[not args.quick]}; use another --out (the two '
         'sizes do not share a table)')
+  _check_split(results, args)
   other = sorted({a for (_, a), arm in measured.items()
                   if arm['seeds'] != list(seeds)})
   if other:
@@ -376,6 +444,25 @@ def _check_merge(results: dict[str, Any], args: argparse.Namespace,
           + ', '.join(f'{key} ({old[key]} there, {new[key]} now)'
                       for key in changed)
           + '; use another --out, or drop the workload there')
+
+
+def _split_run(split: Optional[str]) -> str:
+  return (f'the {split} split' if split else
+          'both splits (a run without --split)')
+
+
+def _check_split(results: dict[str, Any], args: argparse.Namespace) -> None:
+  """One score per split: results of another split (or of both, a run
+  without --split) are not merged into, nor rescored as this one's."""
+  held = results['meta'].get('split')
+  if held != args.split:
+    raise ValueError(
+        f'--out {args.out}: {args.out / report.RESULTS} holds results of '
+        f'{_split_run(held)} and this run is of {_split_run(args.split)}: '
+        + (f'give --split {held}' if held else 'drop --split')
+        + ' to use them, or another --out (each split is scored on its own'
+        + (f'; --split {args.split} defaults to {default_out(args.split)}'
+           if args.split else '') + ')')
 
 
 def _needs_run_target(workload: definitions.Workload,
@@ -423,12 +510,17 @@ def plan(args: argparse.Namespace) -> Plan:
       value. ``report.ResultsError``: an unreadable results.json.
   """
   top_cli.check_out_dir(args.out)
+  top_cli.check_out_dir(args.out / RUNS)
   arms = _chosen_arms(args)
-  workloads = [definitions.workload(name, args.quick) for name in _names(
-      '--workloads', args.workloads, list(definitions.NAMES), 'workload')]
+  names = _chosen_workloads(args)
   seeds = list(range(args.seeds or (2 if args.quick else 3)))
   _check_seeds(seeds)
   _check_data_dir(args.data_dir)
+  if args.data_dir is not None:
+    # Before a workload is built: building one loads (and caches) MNIST
+    # for its validation size, from wherever $CBP_OPTAX_MNIST says.
+    os.environ['CBP_OPTAX_MNIST'] = str(args.data_dir)
+  workloads = [definitions.workload(name, args.quick) for name in names]
   results = report.load(args.out)
   if results is not None:
     _check_merge(results, args, workloads, seeds)
@@ -441,6 +533,7 @@ def plan(args: argparse.Namespace) -> Plan:
 def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
   """The results.json to rescore; a training flag beside --score-only is an
   error (it would be ignored)."""
+  # --split is taken: it names the default --out (and checks the split).
   given = [flag for flag, value in (
       ('--quick', args.quick), ('--workloads', args.workloads != ALL),
       ('--arms', args.arms != ALL), ('--arm', args.arm),
@@ -454,6 +547,8 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
   results = report.load(args.out)
   if results is None:
     raise ValueError(f'--score-only: no {args.out / report.RESULTS}')
+  if args.split is not None:
+    _check_split(results, args)
   return results
 
 
@@ -474,8 +569,12 @@ def _score_only(args: argparse.Namespace, results: dict[str, Any]) -> int:
     report.use_code_targets(results)
   _write(args.out, results)
   print(f'rescored {args.out / report.RESULTS} -> results.md, '
-        'performance_profile.png')
+        f'{", ".join(_PROFILE_PNGS)}')
   return 0
+
+
+_PROFILE_PNGS = ('performance_profile.png',
+                 'performance_profile_wall_clock.png')  # report.write's
 
 
 def _runs_per_arm(workload: definitions.Workload, seeds) -> int:
@@ -485,22 +584,27 @@ def _runs_per_arm(workload: definitions.Workload, seeds) -> int:
 def _new_entry(workload: definitions.Workload, old: dict[str, Any],
                args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
   """The workload's results entry before this run's arms: its earlier arms,
-  and the target (the earlier one where no arm of this run can set it)."""
+  and the target: from the baselines among them (AlgoPerf's rule counts an
+  earlier run's baselines too), else the earlier target where no arm of
+  this run can set one."""
   entry = report.workload_entry(workload, workload.target,
                                 'fixed in code (definitions.TARGETS)')
   entry['arms'] = dict(old.get('arms', {}))
   if _needs_run_target(workload, args):
-    entry['target'], entry['target_source'] = None, 'none'
-    if old.get('target') is not None and not plan_.sets_targets:
+    report.set_baseline_target(entry)
+    if (entry['target'] is None and old.get('target') is not None
+        and not plan_.sets_targets):
       entry['target'] = old['target']
       entry['target_source'] = old.get('target_source', 'earlier run')
   return entry
 
 
 def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
-              plan_: Plan, target: Optional[float], bar
+              plan_: Plan, target: Optional[float], bar,
+              store: protocol.RecordStore, window: float
               ) -> tuple[Optional[protocol.ArmOutcome], Optional[str]]:
-  """(outcome, None), or (None, what failed) when the arm raised."""
+  """(outcome, None), or (None, what failed) when the arm raised; the runs
+  in ``store`` are loaded, the others computed and saved there."""
   runs = 0
 
   def on_run():
@@ -510,8 +614,9 @@ def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
 
   bar.set_description(f'{workload.name} / {arm.name}')
   try:
-    return protocol.evaluate_arm(workload, arm, plan_.reference, target,
-                                 list(plan_.seeds), on_run=on_run), None
+    return protocol.evaluate_arm(
+        workload, arm, plan_.reference, target, list(plan_.seeds),
+        on_run=on_run, store=store, cost_window=window), None
   except Exception as e:  # pylint: disable=broad-except
     # A broken arm (a user factory that raises, say) loses its own row,
     # not the run: divergence is recorded, errors are reported.
@@ -527,6 +632,7 @@ def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
 def _meta(args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
   import jax  # pylint: disable=g-import-not-at-top
   return {'quick': args.quick, 'seeds': list(plan_.seeds),
+          'split': args.split,
           'tuning_seeds': list(protocol.TUNING_SEEDS),
           'data': definitions.mnist_data(args.quick).description,
           'jax': jax.__version__, 'platform': jax.devices()[0].platform,
@@ -547,6 +653,11 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
   bar = tqdm.tqdm(total=sum(_runs_per_arm(w, plan_.seeds)
                             for w in plan_.workloads) * len(plan_.arms),
                   unit='run', disable=args.no_progress)
+  # The records are keyed on the code, the definitions and this context.
+  store = protocol.RecordStore(args.out / RUNS,
+                               {'quick': args.quick, 'data': meta['data']})
+  window = (protocol.QUICK_COST_WINDOW_SECONDS if args.quick else
+            protocol.COST_WINDOW_SECONDS)
   start = time.perf_counter()
   setters = target_setters()
   failures: list[str] = []
@@ -555,7 +666,8 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
     entry = _new_entry(workload, results['workloads'].get(workload.name, {}),
                        args, plan_)
     for i, arm in enumerate(plan_.arms):
-      outcome, failure = _evaluate(workload, arm, plan_, entry['target'], bar)
+      outcome, failure = _evaluate(workload, arm, plan_, entry['target'],
+                                   bar, store, window)
       if failure:
         failures.append(failure)
         rest = plan_.arms[i + 1:]
@@ -568,12 +680,8 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
           break
         continue
       entry['arms'][arm.name] = report.arm_entry(arm, outcome, entry)
-      if arm.name == plan_.reference.name and _needs_run_target(
-          workload, args):
-        entry['target'] = report.median_target(
-            entry, arm.name, workload.higher_is_better)
-        entry['target_source'] = ('set from this run\'s tuned AdamW '
-                                  '(median over its evaluation seeds)')
+      if arm.name in setters and _needs_run_target(workload, args):
+        report.set_baseline_target(entry)
       report.apply_target(entry)
       # The entry replaces the earlier one only once one of its arms ran.
       results['workloads'][workload.name] = entry
@@ -593,7 +701,7 @@ def _summary(out: pathlib.Path, results: dict[str, Any], written: int,
   if written:
     print(report.score_table(results))
     print(f'wrote {out / "results.md"}, {report.RESULTS}, '
-          f'performance_profile.png ({seconds:.0f} s)')
+          f'{", ".join(_PROFILE_PNGS)} ({seconds:.0f} s)')
   if not failures:
     return 0
   print(f'cbp-optax workloads: error: {len(failures)} of {total} (workload, '
@@ -611,15 +719,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # Before anything makes JAX create its backend, which reads the flag.
   reproduce_cli._prefer_fast_cpu_convolutions()  # pylint: disable=protected-access
   parser = make_parser()
-  args = parser.parse_args(argv)
+  args = parse(argv, parser)
   try:
     checked = _check_score_only(args) if args.score_only else plan(args)
   except ValueError as e:  # report.ResultsError included
     parser.error(str(e))
   if args.score_only:
     return _score_only(args, checked)
-  if args.data_dir is not None:
-    os.environ['CBP_OPTAX_MNIST'] = str(args.data_dir)
   return _train(args, checked)
 
 

@@ -14,14 +14,27 @@ initialization, the minibatches and the dropout masks (``seed_keys``).
 A run diverged when a loss or metric is not finite or the smoothed training
 loss exceeds ``BLOWUP`` times the first step's loss; it is recorded per seed
 and scored as a miss, never raised. The step cost relative to the reference
-arm (AdamW) is measured in the same process by alternating single steps of
-the two compiled chunks and taking the ratio of the medians.
+arm (AdamW) is measured in the same process by alternating compiled chunks
+of the two for a fixed time window each (``COST_WINDOW_SECONDS``, not a
+fixed step count) and taking the ratio of the medians.
+
+Every run (workload, arm, rate, seed) and every cost measurement is saved as
+its own file, written atomically, by a ``RecordStore``: a run interrupted at
+any point and started again loads what it had and computes only the rest,
+and gives the same results as an uninterrupted one (the step costs, which
+are timings, aside).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
 import math
+import os
+import pathlib
+import tempfile
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -36,13 +49,14 @@ from cbp_optax_experiments.workloads import definitions
 
 TUNING_SEEDS = (1000,)
 BLOWUP = 3.0
-# Step cost: medians over at least 3 and at most 15 alternated chunks,
-# about COST_STEPS steps of each arm.
-COST_STEPS = 150
-
-
-def cost_repeats(eval_every: int) -> int:
-  return max(3, min(15, COST_STEPS // eval_every))
+# Step cost: chunks of the arm and of AdamW alternate until each has run for
+# this long (and at least COST_MIN_CHUNKS chunks); medians per step. Short
+# for --quick (a smoke test).
+COST_WINDOW_SECONDS = 2.0
+QUICK_COST_WINDOW_SECONDS = 0.2
+COST_MIN_CHUNKS = 3
+# Bumped when a change would make stored runs differ from new ones.
+RECORD_VERSION = 1
 
 
 def seed_keys(seed) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -93,15 +107,22 @@ class Runner(NamedTuple):
 
   def __call__(self, seed: int, lr: float) -> tuple[np.ndarray, np.ndarray]:
     """One run: per-step losses and the metric after every chunk."""
+    return self.run(seed, lr)[:2]
+
+  def run(self, seed: int, lr: float
+          ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per-step losses, the metric after every chunk, and the metric of the
+    initialization (where every arm starts)."""
     seed, lr = jnp.int32(seed), jnp.float32(lr)
     carry = self.init(seed, lr)
+    initial = float(self.evaluate(carry))
     losses, metrics = [], []
     for c in range(self.workload.steps // self.workload.eval_every):
       carry, chunk_losses = self.chunk(carry, jnp.int32(c), seed, lr)
       losses.append(chunk_losses)
       metrics.append(self.evaluate(carry))
     return (np.concatenate([np.asarray(x, np.float64) for x in losses]),
-            np.asarray([float(m) for m in metrics], np.float64))
+            np.asarray([float(m) for m in metrics], np.float64), initial)
 
 
 def make_runner(task: definitions.Task, arm: arms_lib.Arm,
@@ -159,6 +180,166 @@ class RunRecord:
   losses: np.ndarray
   metrics: np.ndarray
   diverged: bool
+  initial_metric: float = math.nan
+
+  def to_json(self) -> dict[str, Any]:
+    # Python's float repr round-trips exactly; NaN and inf are kept.
+    return {'seed': self.seed, 'lr': self.lr,
+            'losses': [float(x) for x in self.losses],
+            'metrics': [float(x) for x in self.metrics],
+            'diverged': self.diverged,
+            'initial_metric': float(self.initial_metric)}
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> 'RunRecord':
+    return cls(int(data['seed']), float(data['lr']),
+               np.asarray(data['losses'], np.float64),
+               np.asarray(data['metrics'], np.float64),
+               bool(data['diverged']), float(data['initial_metric']))
+
+
+# ---------------------------------------------------------------------------
+# The record store: one file per run, written atomically
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+  """``path`` holds either its old content or all of ``text``, never part."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
+  try:
+    with os.fdopen(fd, 'w') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise
+
+
+# The modules whose code decides what a run computes (with the library).
+_RUN_MODULES = ('cbp_optax_experiments.workloads.arms',
+                'cbp_optax_experiments.workloads.definitions',
+                'cbp_optax_experiments.workloads.families',
+                'cbp_optax_experiments.workloads.protocol',
+                'cbp_optax_experiments.workloads.tasks',
+                'cbp_optax_experiments.datasets',
+                'cbp_optax_experiments.reproduce.flow',
+                'cbp_optax_experiments.reproduce.init_scale',
+                'cbp_optax_experiments.reproduce.mnist',
+                'cbp_optax_experiments.reproduce.resnet',
+                'cbp_optax_experiments.reproduce.training',
+                'cbp_optax_experiments.reproduce.transformer')
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+  """A hash of the code a run depends on: every source file of the library
+  (``cbp_optax``), the suite's run modules, and the jax, optax and flax
+  versions. A changed default of the library changes it, so records made
+  before the change are not reused."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  import cbp_optax  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256(
+      f'{jax.__version__} {optax.__version__} {flax.__version__}'.encode())
+  files = sorted(pathlib.Path(cbp_optax.__file__).parent.rglob('*.py'))
+  files += [pathlib.Path(importlib.import_module(m).__file__)
+            for m in _RUN_MODULES]
+  for path in files:
+    digest.update(path.name.encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
+
+
+class RecordStore:
+  """Each (workload, arm, rate, seed) run and each (workload, arm) step cost
+  as one JSON file under ``root`` (None: nothing is stored).
+
+  A record is used only if the identity it was written under (the
+  workload's and arm's definitions, ``context``: data source, ``--quick``,
+  ``RECORD_VERSION``, and ``code_fingerprint``) equals the current one, and
+  it holds what that run writes (the run's seed and rate, one loss per step
+  and one metric per evaluation; a positive step cost); any other, stale or
+  damaged, is recomputed and overwritten: a store is a cache.
+  """
+
+  def __init__(self, root: Optional[os.PathLike],
+               context: Optional[dict[str, Any]] = None):
+    self.root = None if root is None else pathlib.Path(root)
+    self.context = dict(context or {})
+
+  def identity(self, workload: definitions.Workload,
+               arm: arms_lib.Arm) -> dict[str, Any]:
+    return {'version': RECORD_VERSION, 'code': code_fingerprint(),
+            'context': self.context,
+            'workload': {'name': workload.name, 'steps': workload.steps,
+                         'eval_every': workload.eval_every,
+                         'grid': list(workload.grid),
+                         'description': workload.description,
+                         'metric': workload.metric},
+            'arm': {'name': arm.name, 'description': arm.description,
+                    'centered': arm.centers(workload),
+                    'grid_scale': arm.grid_scale}}
+
+  def _path(self, identity, name: str) -> pathlib.Path:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()
+                            ).hexdigest()[:12]
+    return (self.root / identity['workload']['name'] / identity['arm']['name']
+            / digest / name)
+
+  def _load(self, identity, name: str,
+            decode: Callable[[Any], Any]) -> Optional[Any]:
+    """``decode`` of the stored value; None where there is none to use."""
+    if self.root is None:
+      return None
+    path = self._path(identity, name)
+    try:
+      stored = json.loads(path.read_text())
+      if not isinstance(stored, dict) or stored.get('identity') != identity:
+        return None  # another definition's, or code's: stale
+      return decode(stored['value'])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None  # absent, unreadable or damaged: computed again
+
+  def _save(self, identity, name: str, value: Any) -> None:
+    if self.root is not None:
+      write_atomically(self._path(identity, name),
+                        json.dumps({'identity': identity, 'value': value}))
+
+  @staticmethod
+  def _run_name(lr: float, seed: int) -> str:
+    return f'run_lr{float(lr)!r}_seed{int(seed)}.json'
+
+  def load_run(self, identity, lr: float, seed: int) -> Optional[RunRecord]:
+    workload = identity['workload']
+
+    def decode(value) -> RunRecord:
+      record = RunRecord.from_json(value)
+      if ((record.seed, record.lr) != (int(seed), float(lr))
+          or not isinstance(value['diverged'], bool)
+          or record.losses.shape != (workload['steps'],)
+          or record.metrics.shape != (
+              workload['steps'] // workload['eval_every'],)):
+        raise ValueError('not this run\'s record')
+      return record
+    return self._load(identity, self._run_name(lr, seed), decode)
+
+  def save_run(self, identity, record: RunRecord) -> None:
+    self._save(identity, self._run_name(record.lr, record.seed),
+               record.to_json())
+
+  def load_cost(self, identity, lr: float) -> Optional[dict[str, float]]:
+    def decode(value) -> dict[str, float]:
+      cost = {key: value[key] for key in ('own', 'reference')}
+      if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and math.isfinite(v) and v > 0 for v in cost.values()):
+        raise ValueError('not a step cost')
+      return cost
+    return self._load(identity, f'cost_lr{float(lr)!r}.json', decode)
+
+  def save_cost(self, identity, lr: float, cost: dict[str, float]) -> None:
+    self._save(identity, f'cost_lr{float(lr)!r}.json', cost)
 
 
 def diverged(losses: np.ndarray, metrics: np.ndarray) -> bool:
@@ -220,22 +401,36 @@ _REFERENCE: dict = {}
 
 
 def step_cost(runners: Sequence[Runner], lr: float,
-              repeats: Optional[int] = None) -> list[float]:
-  """Median seconds per step of each runner's compiled chunk, measured by
-  alternating chunks of the runners (seed 0, rate ``lr``)."""
-  if repeats is None:
-    repeats = cost_repeats(runners[0].workload.eval_every)
+              window: float = COST_WINDOW_SECONDS,
+              min_chunks: int = COST_MIN_CHUNKS) -> list[float]:
+  """Median seconds per step of each runner's compiled chunk (seed 0, rate
+  ``lr``), measured by alternating one chunk of each runner until every one
+  has run for ``window`` seconds and ``min_chunks`` chunks.
+
+  Each runner walks through its real trajectory (chunk 0, 1, ...) and starts
+  again from its initialization after the budget's last chunk, so the
+  timed steps are the steps the runs take. A first round warms up.
+  """
   lr, seed = jnp.float32(lr), jnp.int32(0)
+  chunks = runners[0].workload.steps // runners[0].workload.eval_every
   carries = [jax.block_until_ready(r.init(seed, lr)) for r in runners]
-  times = [[] for _ in runners]
-  for rep in range(repeats + 1):
+  times: list[list[float]] = [[] for _ in runners]
+  spent = [0.0 for _ in runners]
+  index = 0
+  while index == 0 or any(s < window or len(t) < min_chunks
+                          for s, t in zip(spent, times)):
+    c = index % chunks
     for k, runner in enumerate(runners):
+      if c == 0 and index:
+        carries[k] = jax.block_until_ready(runner.init(seed, lr))
       start = time.perf_counter()
       carries[k] = jax.block_until_ready(
-          runner.chunk(carries[k], jnp.int32(rep), seed, lr)[0])
-      if rep:  # the first round warms up
-        times[k].append((time.perf_counter() - start) /
-                        runner.workload.eval_every)
+          runner.chunk(carries[k], jnp.int32(c), seed, lr)[0])
+      elapsed = time.perf_counter() - start
+      if index:  # the first round warms up
+        times[k].append(elapsed / runner.workload.eval_every)
+        spent[k] += elapsed
+    index += 1
   return [float(np.median(t)) for t in times]
 
 
@@ -264,20 +459,37 @@ def evaluate_arm(
     seeds: Sequence[int],
     tuning_seeds: Sequence[int] = TUNING_SEEDS,
     on_run: Optional[Callable[[], None]] = None,
+    store: Optional[RecordStore] = None,
+    cost_window: float = COST_WINDOW_SECONDS,
 ) -> ArmOutcome:
-  """Grid (extended once at an edge) on ``tuning_seeds``, then ``seeds``."""
+  """Grid (extended once at an edge) on ``tuning_seeds``, then ``seeds``.
+
+  Runs and the step cost found in ``store`` are loaded, not recomputed;
+  the ones computed are saved there as soon as each is done.
+  """
   start = time.perf_counter()
+  store = store or RecordStore(None)
   centered = arm.centers(workload)
-  run = make_runner(workload.build(centered), arm, workload)
+  identity = store.identity(workload, arm)
+  runner: list[Runner] = []
+
+  def run():
+    if not runner:  # built (and compiled) only when something is computed
+      runner.append(make_runner(workload.build(centered), arm, workload))
+    return runner[0]
 
   def one(seed, lr):
-    losses, metrics = run(seed, lr)
+    record = store.load_run(identity, lr, seed)
+    if record is None:
+      losses, metrics, initial = run().run(seed, lr)
+      record = RunRecord(int(seed), float(lr), losses, metrics,
+                         diverged(losses, metrics), initial)
+      store.save_run(identity, record)
     if on_run is not None:
       on_run()
-    return RunRecord(int(seed), float(lr), losses, metrics,
-                     diverged(losses, metrics))
+    return record
 
-  grid = list(workload.grid)
+  grid = arm.grid(workload)
   tuning = {lr: [one(s, lr) for s in tuning_seeds] for lr in grid}
   chosen = _select(tuning, workload, target)
   if chosen is None or chosen in (grid[0], grid[-1]):
@@ -287,16 +499,21 @@ def evaluate_arm(
     if chosen is None:  # every rate diverged: report the smallest one tried
       chosen = min(tuning)
   runs = [one(s, chosen) for s in seeds]
-  key = (workload.name, workload.steps, reference.name)
-  if arm.name == reference.name:
-    _REFERENCE[key] = run
-    cost, own = 1.0, step_cost([run], chosen)[0]
-    ref_seconds = own
-  else:
-    if key not in _REFERENCE:
-      _REFERENCE[key] = make_runner(
-          workload.build(reference.centers(workload)), reference, workload)
-    own, ref_seconds = step_cost([run, _REFERENCE[key]], chosen)
-    cost = own / ref_seconds
-  return ArmOutcome(chosen, tuning, runs, cost, own, ref_seconds,
+  cost = store.load_cost(identity, chosen)
+  if cost is None:
+    key = (workload.name, workload.steps, reference.name)
+    if arm.name == reference.name:
+      _REFERENCE[key] = run()
+      own = step_cost([run()], chosen, cost_window)[0]
+      cost = {'own': own, 'reference': own}
+    else:
+      if key not in _REFERENCE:
+        _REFERENCE[key] = make_runner(
+            workload.build(reference.centers(workload)), reference, workload)
+      own, ref_seconds = step_cost([run(), _REFERENCE[key]], chosen,
+                                   cost_window)
+      cost = {'own': own, 'reference': ref_seconds}
+    store.save_cost(identity, chosen, cost)
+  return ArmOutcome(chosen, tuning, runs, cost['own'] / cost['reference'],
+                    cost['own'], cost['reference'],
                     time.perf_counter() - start, centered)

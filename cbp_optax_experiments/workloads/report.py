@@ -1,19 +1,25 @@
-"""results.json (merged across runs), results.md and the profile PNG.
+"""results.json (merged across runs), results.md and the profile PNGs.
 
 ``results.json`` keeps every (workload, arm) measured into the output folder:
 a later run replaces the (workload, arm) pairs it measures and keeps the
-others, so one more arm can be added without rerunning the rest; the score is
-recomputed over everything there (``rescore``), after every workload.
+others, so one more arm can be added without rerunning the rest; the scores
+are recomputed over everything there (``rescore``), after every arm.
+
+Three scores (``PROFILES``): the performance profile of time to target in
+steps (device-independent; the headline, ``HEADLINE``), the one in
+wall-clock (steps times the step cost relative to AdamW measured on this
+machine), and the final metric at the budget normalized per workload.
+
 ``load`` checks what it reads back (a damaged file is a ``ResultsError``
 that names the file and the field), and ``write`` replaces results.json in
-one step, so that an interrupted write leaves the previous file whole.
+one step (``protocol.write_atomically``), so that an interrupted write
+leaves the previous file whole.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 from typing import Any, Optional
 
@@ -24,8 +30,20 @@ from cbp_optax_experiments.workloads import arms as arms_lib
 from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import scoring
+from cbp_optax_experiments.workloads import splits
 
 RESULTS = 'results.json'
+STEPS, WALL_CLOCK, FINAL = 'steps', 'wall_clock', 'final_metric'
+PROFILES = {
+    STEPS: 'time to target in steps (device-independent)',
+    WALL_CLOCK: 'time to target in wall-clock (AdamW steps on this machine)',
+    FINAL: 'final metric at the budget, normalized per workload',
+}
+# The headline: steps to target are deterministic and the same on every
+# device; a CPU's step costs are not what a GPU user pays (Muon's
+# Newton-Schulz costs 2-7x an AdamW step here), and they move by up to 0.3
+# between runs. The wall-clock profile is reported beside it.
+HEADLINE = STEPS
 
 
 class ResultsError(ValueError):
@@ -68,7 +86,11 @@ _NUMBERS_OR_NULLS = (_list_of(_optional(_is_number)),
 # Key -> (check, what the value must be): the fields that ``write``,
 # ``use_code_targets`` and a resumed run read back. Other keys are kept as
 # they are, unchecked.
-_META_FIELDS = {'quick': (_is(bool), 'true or false')}
+_META_FIELDS = {
+    'quick': (_is(bool), 'true or false'),
+    'split': (lambda value: value is None or value in splits.SPLITS,
+              f'null or one of {", ".join(map(json.dumps, splits.SPLITS))}'),
+}
 _WORKLOAD_FIELDS = {
     'metric': (_is(str), 'a string'),
     'target': (_optional(_is_number), 'a number or null'),
@@ -79,6 +101,9 @@ _WORKLOAD_FIELDS = {
     'description': (_is(str), 'a string'),
     'target_source': (_is(str), 'a string'),
     'arms': (_is(dict), 'an object (arm name -> record)'),
+    'family': (_is(str), 'a string'),
+    'validation_size': (_optional(_is_count), 'a positive integer or null'),
+    'target_setter': (_optional(_is(str)), 'an arm name or null'),
 }
 _ARM_FIELDS = {
     'learning_rate': (_is_positive, 'a positive number'),
@@ -91,10 +116,17 @@ _ARM_FIELDS = {
     'curves': (_list_of(_NUMBERS_OR_NULLS[0]),
                'a list of lists of numbers or nulls'),
     'cost_vs_adamw': (_is_positive, 'a positive number'),
+    'initial_metric': _NUMBERS_OR_NULLS,
 }
 # One value per evaluation seed.
 _PER_SEED = ('seeds', 'steps_to_target', 'diverged', 'final_metric',
-             'best_metric', 'curves')
+             'best_metric', 'curves', 'initial_metric')
+# Written since the dev/test split: the results.json of an earlier run lacks
+# them and stays readable (the report reads each with a default); where
+# present they are checked like the others. ``normalized_final`` and
+# ``resolution`` are not read back (``rescore`` recomputes them).
+_SINCE_THE_SPLIT = frozenset({'split', 'family', 'validation_size',
+                              'target_setter', 'initial_metric'})
 
 
 def _shown(value) -> str:
@@ -107,6 +139,8 @@ def _check_fields(record, fields, where: str) -> None:
   for key, (check, what) in fields.items():
     field = f'{where}.{key}' if where else key
     if key not in record:
+      if key in _SINCE_THE_SPLIT:
+        continue
       raise ResultsError(f'{field} is missing')
     if not check(record[key]):
       raise ResultsError(f'{field} must be {what}, got '
@@ -133,11 +167,11 @@ def validate(results) -> None:
         raise ResultsError(f'{arm_where} must be an object, got '
                            f'{_shown(arm)}')
       _check_fields(arm, _ARM_FIELDS, arm_where)
-      lengths = {key: len(arm[key]) for key in _PER_SEED}
+      lengths = {key: len(arm[key]) for key in _PER_SEED if key in arm}
       if not arm['seeds'] or len(set(lengths.values())) > 1:
         raise ResultsError(
             f'{arm_where} must hold one value per evaluation seed (at least '
-            'one) in each of ' + ', '.join(_PER_SEED) + '; lengths '
+            'one) in each of ' + ', '.join(lengths) + '; lengths '
             + ', '.join(f'{k} {n}' for k, n in lengths.items()))
 
 
@@ -176,7 +210,8 @@ def workload_entry(workload: definitions.Workload, target: Optional[float],
           'budget_steps': workload.steps,
           'higher_is_better': workload.higher_is_better,
           'eval_every': workload.eval_every, 'grid': list(workload.grid),
-          'description': workload.description,
+          'description': workload.description, 'family': workload.family,
+          'validation_size': workload.validation_size,
           'target_source': target_source, 'arms': {}}
 
 
@@ -196,6 +231,7 @@ def arm_entry(arm: arms_lib.Arm, outcome: protocol.ArmOutcome,
       'best_metric': _floats([protocol.best_metric(r.metrics.tolist(),
                                                    entry['higher_is_better'])
                               for r in outcome.runs]),
+      'initial_metric': _floats([r.initial_metric for r in outcome.runs]),
       'curves': [_floats(r.metrics) for r in outcome.runs],
       'cost_vs_adamw': outcome.cost_vs_reference,
       'ms_per_step': 1e3 * outcome.seconds_per_step,
@@ -232,38 +268,124 @@ def use_code_targets(results: dict[str, Any]) -> None:
       apply_target(entry)
 
 
-def median_target(entry: dict[str, Any], arm: str, higher: bool) -> float:
-  """The median over seeds of ``arm``'s best metric (for an even count the
-  worse of the two middle values, so that at least half the seeds reach it
-  and the arm's median time is finite), rounded down to 3 digits (up when
-  lower is better) so that those seeds still reach it."""
-  worst = -math.inf if higher else math.inf
-  best = sorted((worst if v is None else v
-                 for v in entry['arms'][arm]['best_metric']),
-                reverse=higher)
-  value = float(best[len(best) // 2])
-  rounded = (math.floor if higher else math.ceil)(value * 1000) / 1000
-  return rounded if math.isfinite(value) else value
+def baseline_target(entry: dict[str, Any]
+                    ) -> tuple[Optional[float], str, Optional[str]]:
+  """AlgoPerf's target from the baselines in ``entry`` (``scoring.target``):
+  ``(target, source, baseline)``; ``(None, ..., None)`` when none has
+  run."""
+  present = [b for b in arms_lib.BASELINES if b in entry['arms']]
+  if not present:
+    return None, 'none (no baseline has run)', None
+  # A diverged seed counts as the worst metric, whatever it reached first.
+  value, best = scoring.target(
+      {b: [None if bad else v for v, bad in zip(
+          entry['arms'][b]['best_metric'], entry['arms'][b]['diverged'])]
+           for b in present},
+      entry['higher_is_better'])
+  missing = [b for b in arms_lib.BASELINES if b not in present]
+  source = (f'best median of the tuned baselines ({", ".join(present)}): '
+            f'{best}\'s' if best else 'no baseline reached a finite metric')
+  if missing:
+    source += f'; {", ".join(missing)} not run'
+  return (value if math.isfinite(value) else None), source, best
 
 
-def times(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-  return {name: {arm: scoring.arm_time(a['steps_to_target'],
-                                       a['cost_vs_adamw'])
-                 for arm, a in w['arms'].items()}
+def set_baseline_target(entry: dict[str, Any]) -> None:
+  """``entry``'s target (and its source and setter) from its baselines."""
+  value, source, setter = baseline_target(entry)
+  entry['target'], entry['target_source'] = value, (
+      f'set from this run: {source}')
+  entry['target_setter'] = setter
+
+
+# ---------------------------------------------------------------------------
+# Scores
+
+
+def arm_time(arm: dict[str, Any], profile: str) -> float:
+  cost = arm['cost_vs_adamw'] if profile == WALL_CLOCK else 1.0
+  return scoring.arm_time(arm['steps_to_target'], cost)
+
+
+def times(results: dict[str, Any], profile: str = WALL_CLOCK
+          ) -> dict[str, dict[str, float]]:
+  return {name: {arm: arm_time(a, profile) for arm, a in w['arms'].items()}
           for name, w in results['workloads'].items()}
 
 
+def initial_metric(entry: dict[str, Any]) -> float:
+  """Median over every run of the metric at initialization (every arm
+  starts from the same one; a centered model computes the same function)."""
+  values = [v for arm in entry['arms'].values()
+            for v in arm.get('initial_metric', []) if v is not None]
+  return float(np.median(values)) if values else math.nan
+
+
+def normalized_finals(entry: dict[str, Any]) -> dict[str, float]:
+  initial = initial_metric(entry)
+  finals = {a: scoring.final_value(r['final_metric'], r['diverged'], initial)
+            for a, r in entry['arms'].items()}
+  return scoring.normalized_finals(finals, initial, entry['higher_is_better'])
+
+
+def resolution(entry: dict[str, Any]) -> dict[str, Any]:
+  """How well the workload resolves its target: the seed-to-seed standard
+  deviation of the final metric (of the baseline that set the target, and
+  the median over every arm), the gap between the target and where training
+  starts, and that gap in standard deviations."""
+  setter = entry.get('target_setter')
+  if setter not in entry['arms']:
+    setter = next((b for b in arms_lib.BASELINES if b in entry['arms']),
+                  None)
+
+  def std(arm):
+    values = [v for v in arm['final_metric'] if v is not None]
+    return float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+  per_arm = [std(a) for a in entry['arms'].values()]
+  per_arm = [s for s in per_arm if math.isfinite(s)]
+  sigma = std(entry['arms'][setter]) if setter else math.nan
+  start = initial_metric(entry)
+  target = entry.get('target')
+  gap = abs(target - start) if target is not None else math.nan
+  return {'target_setter': setter, 'seed_std': sigma,
+          'median_arm_seed_std': (float(np.median(per_arm)) if per_arm
+                                  else math.nan),
+          'initial_metric': start, 'target_gap': gap,
+          'gap_in_std': gap / sigma if sigma and math.isfinite(sigma)
+                        else math.nan,
+          'validation_size': entry.get('validation_size')}
+
+
 def rescore(results: dict[str, Any]) -> dict[str, Any]:
-  """Fills ``score``, ``speedup_vs_adamw`` and ``ratios`` from the arms."""
-  all_times = times(results)
-  found = scoring.scores(all_times, arms_lib.REFERENCE)
-  results['score'] = {arm: s['score'] for arm, s in found.items()}
-  results['speedup_vs_adamw'] = {arm: s['speedup_vs_reference']
-                                 for arm, s in found.items()}
-  results['reached'] = {arm: s['reached'] for arm, s in found.items()}
-  results['ratios'] = {arm: {w: (r if math.isfinite(r) else None)
-                             for w, r in rs.items()}
-                       for arm, rs in scoring.ratios(all_times).items()}
+  """Fills ``profiles`` (each of ``PROFILES``), ``score`` (the headline's),
+  ``speedup_vs_adamw``, ``reached``, ``ratios`` and, per workload,
+  ``resolution`` and ``normalized_final``."""
+  profiles = {}
+  for profile in (STEPS, WALL_CLOCK):
+    all_times = times(results, profile)
+    found = scoring.scores(all_times, arms_lib.REFERENCE)
+    profiles[profile] = {
+        'score': {arm: s['score'] for arm, s in found.items()},
+        'speedup_vs_adamw': {arm: s['speedup_vs_reference']
+                             for arm, s in found.items()},
+        'reached': {arm: s['reached'] for arm, s in found.items()},
+        'ratios': {arm: {w: (r if math.isfinite(r) else None)
+                         for w, r in rs.items()}
+                   for arm, rs in scoring.ratios(all_times).items()},
+    }
+  normalized = {}
+  for name, entry in results['workloads'].items():
+    normalized[name] = normalized_finals(entry)
+    entry['normalized_final'] = normalized[name]
+    entry['resolution'] = resolution(entry)
+  profiles[FINAL] = {'score': scoring.final_scores(normalized)}
+  results['profiles'] = profiles
+  results['headline'] = HEADLINE
+  headline = profiles[HEADLINE]
+  results['score'] = headline['score']
+  results['speedup_vs_adamw'] = headline['speedup_vs_adamw']
+  results['reached'] = headline['reached']
+  results['ratios'] = headline['ratios']
   results['r_max'] = scoring.R_MAX
   return results
 
@@ -273,9 +395,8 @@ def rescore(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fmt_metric(value: Optional[float], metric: str) -> str:
-  if value is None:
-    return 'nan'
-  return f'{value:.3f}' if metric != definitions.BITS_PER_BYTE else f'{value:.3f}'
+  del metric
+  return 'nan' if value is None else f'{value:.3f}'
 
 
 def _steps_cell(arm: dict[str, Any]) -> str:
@@ -290,56 +411,83 @@ def _time_cell(t: float) -> str:
   return f'{t:.0f}' if math.isfinite(t) else 'missed'
 
 
+def _ratio_cell(t: float, best: float) -> str:
+  return f'{t / best:.2f}' if math.isfinite(t) else '∞'
+
+
+def _best(per_arm: dict[str, float]) -> float:
+  finite = [t for t in per_arm.values() if math.isfinite(t)]
+  return min(finite) if finite else math.inf
+
+
 def workload_table(name: str, entry: dict[str, Any]) -> str:
-  per_arm_time = {a: scoring.arm_time(r['steps_to_target'], r['cost_vs_adamw'])
-                  for a, r in entry['arms'].items()}
-  finite = [t for t in per_arm_time.values() if math.isfinite(t)]
-  best = min(finite) if finite else math.inf
+  steps = {a: arm_time(r, STEPS) for a, r in entry['arms'].items()}
+  wall = {a: arm_time(r, WALL_CLOCK) for a, r in entry['arms'].items()}
+  best_steps, best_wall = _best(steps), _best(wall)
+  normalized = entry.get('normalized_final') or normalized_finals(entry)
   rows = []
   for arm, r in entry['arms'].items():
-    t = per_arm_time[arm]
-    finals = r['final_metric']
     rows.append([
         arm, f'{r["learning_rate"]:g}', _steps_cell(r),
-        f'{r["cost_vs_adamw"]:.2f}', _time_cell(t),
-        f'{t / best:.2f}' if math.isfinite(t) else '∞',
-        ', '.join(_fmt_metric(v, entry['metric']) for v in finals),
+        _time_cell(steps[arm]), _ratio_cell(steps[arm], best_steps),
+        f'{r["cost_vs_adamw"]:.2f}', _time_cell(wall[arm]),
+        _ratio_cell(wall[arm], best_wall),
+        ', '.join(_fmt_metric(v, entry['metric']) for v in r['final_metric']),
+        f'{normalized.get(arm, 0.0):.2f}',
         f'{sum(r["diverged"])}/{len(r["diverged"])}',
     ])
-  header = ['arm', 'lr', 'steps to target (per seed)', 'cost vs AdamW',
-            'time to target (AdamW steps)', 'ratio to best',
-            f'final {entry["metric"]} (per seed)', 'diverged']
+  header = ['arm', 'lr', 'steps to target (per seed)', 'median steps',
+            'ratio (steps)', 'cost vs AdamW', 'wall-clock (AdamW steps)',
+            'ratio (wall-clock)', f'final {entry["metric"]} (per seed)',
+            'final, normalized', 'diverged']
   target = entry['target']
-  return (f'### {name}\n\n{entry["description"]}. Target: '
-          f'{entry["metric"]} {"≥" if entry["higher_is_better"] else "≤"} '
-          f'{target if target is not None else "none"} ({entry["target_source"]}); '
-          f'budget {entry["budget_steps"]} steps, evaluated every '
-          f'{entry["eval_every"]}; grid {entry["grid"]}.\n\n'
+  res = entry.get('resolution') or resolution(entry)
+  fmt = lambda v: f'{v:.3g}' if v is not None and math.isfinite(v) else 'n/a'
+  return (f'### {name}\n\n{entry["description"]} (family '
+          f'{entry.get("family") or "?"}). Target: {entry["metric"]} '
+          f'{"≥" if entry["higher_is_better"] else "≤"} '
+          f'{target if target is not None else "none"} '
+          f'({entry["target_source"]}); budget {entry["budget_steps"]} '
+          f'steps, evaluated every {entry["eval_every"]}; grid '
+          f'{entry["grid"]}.\n\nResolution: {res["validation_size"]} '
+          f'validation examples; seed-to-seed std of the final metric '
+          f'{fmt(res["seed_std"])} ({res["target_setter"]}; median over '
+          f'arms {fmt(res["median_arm_seed_std"])}); the target is '
+          f'{fmt(res["target_gap"])} from the initial '
+          f'{fmt(res["initial_metric"])}, {fmt(res["gap_in_std"])} std.\n\n'
           + plotting.markdown_table(header, rows) + '\n\n'
           + verdict(name, entry))
 
 
-def verdict(name: str, entry: dict[str, Any]) -> str:
-  """One line: the winner, by how much, and where CBP stands."""
-  per_arm = {a: scoring.arm_time(r['steps_to_target'], r['cost_vs_adamw'])
-             for a, r in entry['arms'].items()}
+def _winner(per_arm: dict[str, float], unit: str) -> str:
   ranked = sorted((t, a) for a, t in per_arm.items() if math.isfinite(t))
   if not ranked:
-    return f'**Verdict ({name}):** no arm reached the target.'
+    return f'in {unit}, no arm reached the target'
   best_t, best = ranked[0]
-  parts = [f'**Verdict ({name}):** {best} wins ({best_t:.0f} AdamW steps']
+  text = f'in {unit}, {best} wins ({best_t:.0f}'
   if len(ranked) > 1:
-    parts.append(f', {ranked[1][0] / best_t:.2f}x faster than the next, '
-                 f'{ranked[1][1]}')
+    text += f'; {ranked[1][0] / best_t:.2f}x faster than the next, ' \
+            f'{ranked[1][1]}'
   adamw = per_arm.get(arms_lib.REFERENCE, math.inf)
   if best != arms_lib.REFERENCE and math.isfinite(adamw):
-    parts.append(f'; {adamw / best_t:.2f}x faster than AdamW')
-  parts.append(')')
-  for cbp_arm in ('cbp', 'former_cbp_transformer', 'cbp_robust'):
-    if cbp_arm in per_arm and cbp_arm != best:
-      t = per_arm[cbp_arm]
-      parts.append(f'; {cbp_arm}: ' + (f'{t / best_t:.2f}x the best' if
-                                        math.isfinite(t) else
+    text += f'; {adamw / best_t:.2f}x faster than AdamW'
+  return text + ')'
+
+
+def verdict(name: str, entry: dict[str, Any]) -> str:
+  """The winner in steps and in wall-clock, by how much, and where the CBP
+  arms stand (in steps)."""
+  steps = {a: arm_time(r, STEPS) for a, r in entry['arms'].items()}
+  wall = {a: arm_time(r, WALL_CLOCK) for a, r in entry['arms'].items()}
+  parts = [f'**Verdict ({name}):** ' + _winner(steps, 'steps') + '; '
+           + _winner(wall, 'wall-clock (AdamW steps)')]
+  best = _best(steps)
+  for cbp_arm in ('cbp', 'former_cbp_transformer', 'cbp_robust',
+                  'recommended'):
+    if cbp_arm in steps and math.isfinite(best):
+      t = steps[cbp_arm]
+      parts.append(f'; {cbp_arm}: ' + (f'{t / best:.2f}x the best in steps'
+                                        if math.isfinite(t) else
                                         _miss_reason(entry['arms'][cbp_arm])))
   return ''.join(parts) + '.'
 
@@ -353,19 +501,29 @@ def _miss_reason(arm: dict[str, Any]) -> str:
 
 
 def score_table(results: dict[str, Any]) -> str:
-  rows = []
+  """One row per arm: the three scores, workloads reached, speedups."""
+  profiles = results.get('profiles') or rescore(results)['profiles']
   n = len(results['workloads'])
-  for arm, score in sorted(results['score'].items(), key=lambda kv: -kv[1]):
-    speed = results['speedup_vs_adamw'].get(arm)
-    rows.append([arm, f'{score:.3f}', f'{results["reached"][arm]}/{n}',
-                 '—' if speed is None else f'{speed:.2f}x'])
+  steps, wall = profiles[STEPS], profiles[WALL_CLOCK]
+  final = profiles[FINAL]['score']
+  rows = []
+  fmt = lambda s: '—' if s is None else f'{s:.2f}x'
+  for arm, score in sorted(steps['score'].items(),
+                           key=lambda kv: (-kv[1], kv[0])):
+    rows.append([arm, f'{score:.3f}', f'{wall["score"][arm]:.3f}',
+                 f'{final.get(arm, 0.0):.3f}',
+                 f'{steps["reached"][arm]}/{n}',
+                 fmt(steps['speedup_vs_adamw'].get(arm)),
+                 fmt(wall['speedup_vs_adamw'].get(arm))])
   return plotting.markdown_table(
-      ['arm', f'profile score (r_max = {scoring.R_MAX:g})',
-       'workloads reached', 'geo-mean speedup vs AdamW (both reach)'], rows)
+      ['arm', f'score, steps (r_max = {scoring.R_MAX:g}; headline)',
+       'score, wall-clock', 'final metric, normalized',
+       'workloads reached', 'speedup vs AdamW, steps (both reach)',
+       'speedup vs AdamW, wall-clock'], rows)
 
 
 def write(out: pathlib.Path, results: dict[str, Any]) -> None:
-  """results.json, results.md and performance_profile.png in ``out``.
+  """results.json, results.md and the profile PNGs in ``out``.
 
   Raises:
     OSError: ``out`` cannot be written; results.json is then the previous
@@ -373,56 +531,64 @@ def write(out: pathlib.Path, results: dict[str, Any]) -> None:
   """
   out = pathlib.Path(out)
   rescore(results)
-  _replace_json(out / RESULTS, results)
+  protocol.write_atomically(
+      out / RESULTS,
+      json.dumps(plotting._jsonable(results), indent=1) + '\n')  # pylint: disable=protected-access
   meta = results.get('meta', {})
+  split = meta.get('split')
   lines = [
       ('**QUICK RUN (--quick): tiny sizes, targets set from this run\'s '
-       'AdamW; the numbers say nothing about the optimizers.**\n'
+       'baselines; the numbers say nothing about the optimizers.**\n'
        if meta.get('quick') else ''),
+      (f'Split: **{split}** ({"chooses the defaults" if split == "dev" else "reports only, never chooses"}).'
+       if split in ('dev', 'test') else ''),
       f'Data: {meta.get("data", "?")}. jax {meta.get("jax", "?")} on '
       f'{meta.get("platform", "?")}. Evaluation seeds {meta.get("seeds")}, '
       f'tuning seed(s) {meta.get("tuning_seeds")}.',
-      'Time to target = median over the evaluation seeds of the steps to '
-      'the target (a missed or diverged seed counts as infinite) x the arm\'s '
-      'step cost relative to AdamW (measured in the same process, '
-      'alternating compiled chunks, medians): wall-clock in AdamW steps. '
-      f'Score: AlgoPerf performance profile, rho(tau) integrated over [1, '
-      f'{scoring.R_MAX:g}] and divided by {scoring.R_MAX - 1:g}.',
+      'Targets: AlgoPerf\'s rule, the best over the tuned baselines '
+      f'({", ".join(arms_lib.BASELINES)}) of the median over the evaluation '
+      'seeds of the best validation metric within the budget. Time to '
+      'target = median over the evaluation seeds of the steps to the target '
+      '(a missed or diverged seed counts as infinite); in wall-clock, times '
+      'the arm\'s step cost relative to AdamW (measured in the same process, '
+      'compiled chunks of the two alternating for '
+      f'{protocol.COST_WINDOW_SECONDS:g} s each, medians). Scores: '
+      f'AlgoPerf performance profile, rho(tau) integrated over [1, '
+      f'{scoring.R_MAX:g}] and divided by {scoring.R_MAX - 1:g}, in steps '
+      '(the headline: device-independent and deterministic) and in '
+      'wall-clock; and the final metric at the budget, normalized per '
+      'workload from the initial metric (0) to the best arm\'s (1), averaged '
+      'over workloads.',
   ]
   sections = ['\n'.join(l for l in lines if l), '## Score', score_table(results),
-              '![performance profile](performance_profile.png)',
+              '![performance profile, steps](performance_profile.png)\n'
+              '![performance profile, wall-clock]'
+              '(performance_profile_wall_clock.png)',
               '## Workloads']
   for name, entry in results['workloads'].items():
     sections.append(workload_table(name, entry))
-  plotting.write_markdown(out / 'results.md',
-                          'Workloads: time to target vs AdamW', sections)
-  plot_profile(out / 'performance_profile.png', results)
+  title = 'Workloads: time to target' + (f' ({split} split)' if split else '')
+  plotting.write_markdown(out / 'results.md', title, sections)
+  plot_profile(out / 'performance_profile.png', results, STEPS)
+  plot_profile(out / 'performance_profile_wall_clock.png', results,
+               WALL_CLOCK)
 
 
-def _replace_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
-  """Writes a temporary file beside ``path``, then renames it over ``path``:
-  a crash or a full disk mid-write leaves the previous file whole (the
-  rename is atomic on POSIX and Windows)."""
-  partial = path.with_name(f'.{path.name}.partial')
-  try:
-    plotting.write_json(partial, payload)
-    os.replace(partial, path)
-  finally:
-    partial.unlink(missing_ok=True)
-
-
-def plot_profile(path: pathlib.Path, results: dict[str, Any]) -> None:
-  all_ratios = scoring.ratios(times(results))
+def plot_profile(path: pathlib.Path, results: dict[str, Any],
+                 profile: str = STEPS) -> None:
+  all_ratios = scoring.ratios(times(results, profile))
+  scores = results['profiles'][profile]['score']
   fig, ax = plotting.new_axes()
   taus = np.linspace(1.0, scoring.R_MAX, 301)
   for i, (arm, rs) in enumerate(sorted(all_ratios.items())):
     values = [scoring.rho(rs, t) for t in taus]
     ax.step(taus, values, where='post', color=f'C{i % 10}',
-            ls='-' if i < 10 else '--',
-            label=f'{arm} ({results["score"][arm]:.2f})')
+            ls=('-', '--', ':')[(i // 10) % 3],
+            label=f'{arm} ({scores[arm]:.2f})')
   ax.set_xlabel('tau (time to target / best arm\'s)')
   ax.set_ylabel('fraction of workloads')
   ax.set_ylim(-0.02, 1.02)
-  ax.set_title('performance profile (score in legend)', fontsize=9)
-  ax.legend(fontsize=6)
+  ax.set_title(f'performance profile, {PROFILES[profile]} (score in '
+               'legend)', fontsize=8)
+  ax.legend(fontsize=5)
   plotting.save(fig, path)
