@@ -861,6 +861,8 @@ def train_step(
           'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
           'centering=..., tx=...).'
       )
+    if donate:
+      args = (_step.unaliased(args[0]),) + args[1:]
     return jitted(*args)
 
   train.lower = jitted.lower

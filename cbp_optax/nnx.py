@@ -935,6 +935,8 @@ def train_step(
     _check_step_arguments(model, optimizer)
     nodes = _graph_nodes(args)
     graphdef, state = nnx.split((model, optimizer, nodes))
+    if donate:
+      state = _step.unaliased(state)
     try:
       new_state, out = jitted(graphdef, state, _slots(args, nodes))
     except (TypeError, ValueError) as error:
