@@ -48,6 +48,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 
 Shape = tuple[int, ...]
 DENSE, CONV = 'dense', 'conv'
@@ -494,6 +496,73 @@ def _from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   return jnp.moveaxis(x, tuple(range(len(axes))), axes)
 
 
+def layer_axes(
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    mean_stack_axes: Optional[tuple[int, ...]],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """The stack axes of ``mean``, ``kernel`` and ``bias``, which must agree."""
+  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
+  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
+  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
+  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
+           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
+  if len(set(sizes)) != 1:
+    raise ValueError(
+        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
+    )
+  return mean_axes, kernel_axes, bias_axes
+
+
+def _moved_bias(spec, kernel, bias, mean, new_mean):
+  """``b~ + W (mu_new - mu_old)`` for one layer."""
+  shift = bias_shift(spec, kernel, new_mean - mean)
+  return (bias + shift.astype(bias.dtype)).astype(bias.dtype)
+
+
+def shift_bias(
+    spec: LayerSpec,
+    kernel: jax.Array,
+    bias: jax.Array,
+    mean: jax.Array,
+    new_mean: jax.Array,
+    *,
+    mask: Optional[jax.Array] = None,
+    mean_stack_axes: Optional[tuple[int, ...]] = None,
+) -> jax.Array:
+  """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
+
+  For one layer or one stack (each slice by its own kernel), given the old
+  and new means. :func:`transport` is :func:`ema` followed by this; a copy
+  of the parameters (an optimizer's, with its own kernel) is moved by this
+  with the same means, so that it keeps representing the same function.
+
+  Args:
+    spec: the layer, unstacked.
+    kernel: the kernel, possibly with stack axes.
+    bias: the bias, with the same stack axes.
+    mean: ``mu_old``, with the same stack sizes.
+    new_mean: ``mu_new``, shaped like ``mean``.
+    mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
+    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
+
+  Returns:
+    The new bias.
+  """
+  mean_axes, kernel_axes, bias_axes = layer_axes(
+      spec, kernel, bias, mean, mean_stack_axes)
+  if mask is not None:
+    if mask.ndim < kernel.ndim:
+      mask = jnp.expand_dims(mask, kernel_axes)
+    kernel = kernel * mask
+  fn = functools.partial(_moved_bias, spec)
+  for _ in mean_axes:
+    fn = jax.vmap(fn)
+  new_bias = fn(
+      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
+      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes))
+  return _from_front(new_bias, bias_axes)
+
+
 def transport(
     spec: LayerSpec,
     kernel: jax.Array,
@@ -549,32 +618,75 @@ def transport(
     §4.2 (eqs. 8-10) and Algorithm 1, steps 10-11.
   """
   _checks.check_mean_decay(decay)
-  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
-  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
-  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
-  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
-           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
-  if len(set(sizes)) != 1:
-    raise ValueError(
-        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
-    )
-  if mask is not None:
-    if mask.ndim < kernel.ndim:
-      mask = jnp.expand_dims(mask, kernel_axes)
-    kernel = kernel * mask
+  new_mean = ema(mean, recorded, decay)
+  new_bias = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
+                        mean_stack_axes=mean_stack_axes)
+  return new_bias, new_mean
 
-  def one_layer(kernel, bias, mean, recorded):
-    new = ema(mean, recorded, decay)
-    shift = bias_shift(spec, kernel, new - mean)
-    return (bias + shift.astype(bias.dtype)).astype(bias.dtype), new
 
-  fn = one_layer
-  for _ in mean_axes:
-    fn = jax.vmap(fn)
-  new_bias, new_mean = fn(
-      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
-      _to_front(mean, mean_axes), _to_front(recorded, mean_axes))
-  return _from_front(new_bias, bias_axes), _from_front(new_mean, mean_axes)
+def register_parameter_state(state_type: type, *fields: str) -> None:
+  """Declares the fields of an optimizer state type that hold parameters.
+
+  The transport (eq. 10) moves the biases of the parameters so that the
+  function is unchanged. An optimizer state that holds a copy or an average
+  of the parameters (an EMA of the weights, a Polyak or lookahead average,
+  an anchor point) represents a function too, and must move the same way,
+  each copy with its own kernel: ``b_k += W_k (mu_new - mu_old)``. Gradient
+  statistics (moments, momenta) must not move.
+
+  ``cbp_optax.nnx.transport(model, optimizer=...)``,
+  ``cbp_optax.linen.transport(..., opt_state=...)`` and the fused train
+  steps walk the optimizer state and move every field registered here, and
+  optax's own (``schedule_free``'s ``z``, SAM's cache, the initial points of
+  DoG, DoWG, Prodigy, MADGRAD, Mechanic and COCOB, ``LookaheadParams``).
+  A tree shaped like the parameters anywhere else, in a state type neither
+  optax's, cbp's, nor registered, is refused with an
+  :class:`UnclassifiedStateError` naming the type and field: a guess could
+  change the function silently.
+
+  Args:
+    state_type: the state class of your transform (a ``NamedTuple``, or any
+      pytree node whose children have names).
+    *fields: the names of its fields that hold a tree like the parameters.
+      With none, the state is declared to hold gradient statistics only:
+      its parameter-shaped fields are left as they are.
+
+  Examples:
+    An EMA of the parameters, kept by a transform of your own:
+
+    >>> from typing import NamedTuple
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from cbp_optax import centering
+    >>> class ParamEmaState(NamedTuple):
+    ...   ema: optax.Params
+    >>> centering.register_parameter_state(ParamEmaState, 'ema')
+    >>> def param_ema(decay):
+    ...   def update(updates, state, params):
+    ...     new = optax.apply_updates(params, updates)
+    ...     ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p,
+    ...                        state.ema, new)
+    ...     return updates, ParamEmaState(ema)
+    ...   return optax.GradientTransformation(
+    ...       lambda params: ParamEmaState(params), update)
+
+    A centered model's optimizer may now hold it; the fused step moves the
+    EMA's biases with its own kernels:
+
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> _ = cbp.nnx.center(model)
+    >>> optimizer = cbp.nnx.Optimizer(
+    ...     model, optax.chain(optax.sgd(0.1), param_ema(0.9)))
+    >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+    >>> out = step(model, optimizer, jnp.ones((4, 2)))
+    >>> type(optimizer.opt_state[1]).__name__, bool(out.skipped)
+    ('ParamEmaState', False)
+  """
+  _opt_state.register_parameter_state(state_type, *fields)
+
+
+UnclassifiedStateError = _opt_state.UnclassifiedStateError
 
 
 # How center names a model that holds parameters itself (its path is empty).

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
@@ -38,6 +39,7 @@ from flax.nnx import graphlib
 
 from cbp_optax import _batch_stats
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -45,8 +47,8 @@ from cbp_optax._step import StepOutput
 
 __all__ = [
     'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedCount',
-    'RecordedMean', 'StepOutput', 'center', 'recalibrate_batch_stats',
-    'stacked_blocks', 'train_step', 'transport',
+    'RecordedMean', 'StepOutput', 'center', 'eval_model',
+    'recalibrate_batch_stats', 'stacked_blocks', 'train_step', 'transport',
 ]
 
 
@@ -314,7 +316,11 @@ class Centered(nnx.Module):
     return bias - correction.astype(bias.dtype)
 
   def transport(self, mean_decay: Any = 0.99) -> None:
-    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
+    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10).
+
+    The layer's own bias only: an optimizer's copies of the parameters move
+    with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
+    """
     bias, mean = core.transport(
         self.spec,
         self.layer.kernel[...],
@@ -345,6 +351,11 @@ class Optimizer(nnx.Optimizer):
   for every batch whose loss, gradients or recorded statistics were not
   finite; ``optimizer.step`` counts only the updates applied. A plain
   ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
+  On a centered model the optimizer state is classified at construction
+  (see :func:`transport`): one holding a parameter-shaped tree the
+  transport cannot tell copy from statistic is refused with a
+  :class:`cbp_optax.centering.UnclassifiedStateError` there, not at the
+  first step.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -365,6 +376,9 @@ class Optimizer(nnx.Optimizer):
   def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
     super().__init__(model, tx, wrt=wrt)
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
+    # A centered model's transport must know what the state holds: refuse
+    # an unclassifiable one now rather than at the first step.
+    _check_optimizer_state(model, self, 'Optimizer')
 
   def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
     """``nnx.Optimizer.update``; says so when ``center`` came after it."""
@@ -382,8 +396,52 @@ def centered_layers(model: nnx.Module) -> list[Centered]:
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
 
 
+def _centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]:
+  return [(tuple(path), m) for path, m in nnx.iter_modules(model)
+          if isinstance(m, Centered)]
+
+
+def _layer_moves(
+    model: nnx.Module, optimizer: nnx.Optimizer,
+    shifts: Optional[Sequence[Any]] = None,
+) -> list[_opt_state.LayerMove]:
+  """The centered layers as the optimizer state's copies see them."""
+  layers = _centered_paths(model)
+  if not layers:
+    return []
+  trained = {tuple(path) for path, _ in
+             nnx.to_flat_state(nnx.state(model, optimizer.wrt))}
+  shifts = shifts if shifts is not None else [None] * len(layers)
+  moves = []
+  for (path, layer), shift in zip(layers, shifts):
+    moves.append(_opt_state.LayerMove(
+        path=path, kernel_key=('layer', 'kernel'), bias_key=('layer', 'bias'),
+        bias_shape=tuple(layer.layer.bias.shape),
+        kernel=layer.layer.kernel[...],
+        kernel_trained=path + ('layer', 'kernel') in trained,
+        shift=shift))
+  return moves
+
+
+def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
+                           where: str) -> None:
+  """Classifies the optimizer's state before anything is traced."""
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        f'{where}: optimizer must be an nnx.Optimizer (or '
+        f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
+  moves = _layer_moves(model, optimizer)
+  _opt_state.transport_state(optimizer.opt_state, moves,
+                             what='optimizer.opt_state')
+
+
+# The optimizers whose states the fused step classified (for which model).
+_CLASSIFIED = _opt_state.CheckCache()
+
+
 def transport(
-    model: nnx.Module, mean_decay: Any = 0.99, *, decay: Any = None
+    model: nnx.Module, mean_decay: Any = 0.99, *,
+    optimizer: Optional[nnx.Optimizer] = None, decay: Any = None,
 ) -> None:
   """Mean refresh and bias transport for every centered layer, in place.
 
@@ -393,10 +451,28 @@ def transport(
   stacks are transported slice by slice. Call it after the optimizer update,
   inside the same ``nnx.jit`` -- or use :func:`train_step`, which does.
 
+  Pass the ``optimizer`` whenever its state holds copies of the parameters
+  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
+  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state of your own
+  declared with :func:`cbp_optax.centering.register_parameter_state`): each
+  copy's biases then move by its own kernel, so that every function the
+  optimizer holds (schedule-free's evaluation point included) is unchanged
+  too. Gradient statistics (moments, momenta, M1's energies) are left as
+  they are. A parameter-shaped tree in a state type the transport does not
+  know is refused with a :class:`cbp_optax.centering.UnclassifiedStateError`.
+  Without ``optimizer`` only the model moves.
+
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    optimizer: the ``nnx.Optimizer`` training ``model``; its state's
+      parameter copies are moved in place.
     decay: deprecated name of ``mean_decay``.
+
+  Raises:
+    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
+      optimizer's state holds a parameter-shaped tree that is neither a
+      registered copy nor a known statistic (before anything moves).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -420,8 +496,76 @@ def transport(
     eq. (10) and Algorithm 1, steps 10-11.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
-  for layer in centered_layers(model):
+  if optimizer is None:
+    for layer in centered_layers(model):
+      layer.transport(mean_decay)
+    return
+  _check_optimizer_state(model, optimizer, 'transport')
+  shifts = []
+  for _, layer in _centered_paths(model):
+    old = layer.mean[...]
     layer.transport(mean_decay)
+    shifts.append(functools.partial(
+        core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
+        mask=getattr(layer.layer, 'mask', None),
+        mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
+  _opt_state.transport_state(optimizer.opt_state,
+                             _layer_moves(model, optimizer, shifts),
+                             what='optimizer.opt_state')
+
+
+def eval_model(model: nnx.Module,
+               optimizer: Optional[nnx.Optimizer] = None) -> nnx.Module:
+  """A copy of ``model`` to evaluate: in eval mode, at the evaluation point.
+
+  Schedule-free optimizers train at one point and evaluate at another,
+  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
+  with ``optimizer`` holding a ``schedule_free`` state, the copy has those
+  parameters, with the model's centering means (both ``y`` and ``z`` were
+  transported, so ``x`` is too). Otherwise it has the model's own. Either
+  way the copy is in ``eval()`` mode (running averages, no dropout, no mean
+  recording) and the model itself is left as it is. For a model with
+  BatchNorm, whose running averages were gathered at ``y``, recalibrate the
+  copy at ``x``: ``recalibrate_batch_stats(eval_model(model, optimizer),
+  batches)``.
+
+  Args:
+    model: the trained model.
+    optimizer: its optimizer (``nnx.Optimizer``), or None.
+
+  Returns:
+    A new module sharing no variable with ``model``.
+
+  Raises:
+    ValueError: an optimizer state with more than one ``schedule_free``
+      state, or one that covers only part of the parameters.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = cbp.nnx.Optimizer(
+    ...     model, optax.contrib.schedule_free_sgd(0.1, b1=0.5))
+    >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+    >>> _ = step(model, optimizer, jnp.ones((4, 2)))
+    >>> evaluated = cbp.nnx.eval_model(model, optimizer)
+    >>> x = optax.contrib.schedule_free_eval_params(
+    ...     nnx.as_pure(optimizer.opt_state),
+    ...     nnx.as_pure(nnx.state(model, nnx.Param)))
+    >>> bool(jnp.array_equal(evaluated.kernel[...], x['kernel']))
+    True
+  """
+  if optimizer is None:
+    copy = nnx.clone(model)
+    copy.eval()
+    return copy
+  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+  params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
+                                        nnx.as_pure(params))
+  copy = nnx.merge(graphdef, params, nnx.as_pure(rest))
+  copy.eval()
+  return copy
 
 
 CenterReport = core.CenterReport
@@ -806,7 +950,9 @@ def train_step(
   *args)`` (the forward pass with centering, recording batch means), the
   backward pass, ``optimizer.update`` with whatever optax transform the
   ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
-  "Adam + Center"), then :func:`transport`; all in one compiled program with
+  "Adam + Center", ``optax.contrib.schedule_free_adamw``, Muon, ...), then
+  :func:`transport` of the model and of the optimizer state's copies of the
+  parameters (schedule-free's ``z``, ...); all in one compiled program with
   the model and optimizer buffers donated. Calling ``step`` inside your own
   ``@nnx.jit`` train step works too (the tutorials' pattern: metrics, EMA
   or logging beside it): it is then traced into your program, with the same
@@ -842,7 +988,10 @@ def train_step(
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
       model whose centered layers are in evaluation mode (at the call).
     TypeError: ``step(optimizer, model, ...)``, or a second argument that is
-      not an ``nnx.Optimizer`` (at the call).
+      not an ``nnx.Optimizer`` (at the call); an optimizer state the
+      transport cannot classify
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
+      before tracing).
 
   Examples:
     Full CBP on a centered two-layer model:
@@ -905,8 +1054,7 @@ def train_step(
     def apply_step(model, optimizer, nodes, grads, changed):
       nnx.update((model, nodes), changed)
       optimizer.update(model, grads)
-      for layer in centered_layers(model):
-        layer.transport(mean_decay)
+      transport(model, mean_decay, optimizer=optimizer)
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
@@ -933,6 +1081,9 @@ def train_step(
           f'optimizer first, got {len(args)} argument(s).')
     model, optimizer, *args = args
     _check_step_arguments(model, optimizer)
+    _CLASSIFIED.check(
+        optimizer, (id(model), id(optimizer.tx)),
+        lambda: _check_optimizer_state(model, optimizer, 'train_step'))
     nodes = _graph_nodes(args)
     graphdef, state = nnx.split((model, optimizer, nodes))
     if donate:
