@@ -453,3 +453,22 @@ def evaluation_params(state: Any, params: Any) -> Any:
         'of that part with optax.contrib.schedule_free_eval_params.')
   return optax.contrib.schedule_free_eval_params(free, params)
 
+
+def dimension_numbers_fn(table: dict[tuple[str, ...], Any]) -> Callable[[Any], Any]:
+  """``dims(params)``: ``table[path]`` at each leaf's path, else None.
+
+  For ``optax.contrib.muon``'s ``muon_weight_dimension_numbers``; paths are
+  key names as strings, NNX ``Variable`` leaves count as leaves.
+  """
+  def name(key):
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+
+  def dims(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: table.get(tuple(name(k) for k in path)), params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  return dims

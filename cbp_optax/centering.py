@@ -55,6 +55,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from cbp_optax import _checks
@@ -511,6 +512,39 @@ def layer_axes(
         f'transport: mean, kernel and bias have different stack sizes {sizes}.'
     )
   return mean_axes, kernel_axes, bias_axes
+
+
+def muon_dimension_numbers(
+    spec: LayerSpec, kernel_stack_axes: Sequence[int] = ()
+) -> Any:
+  """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
+
+  The reduction axes are the kernel's input axes (a dense layer's
+  contracted axes; a convolution's window and input-channel axes), the
+  output axes its feature axes, and the stack axes of a layer stack are
+  batch axes (each slice its own matrix).
+
+  Args:
+    spec: the layer, unstacked.
+    kernel_stack_axes: where the stacked kernel's stack axes are.
+
+  Returns:
+    An ``optax.contrib.MuonDimensionNumbers``.
+
+  Examples:
+    >>> from cbp_optax import centering
+    >>> spec = centering.conv_spec((3, 3), 8, 16, feature_group_count=1)
+    >>> centering.muon_dimension_numbers(spec, kernel_stack_axes=(0,))
+    MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=(4,))
+  """
+  stack = sorted(kernel_stack_axes)
+  ndim = len(spec.kernel_shape) + len(stack)
+  own_axes = [a for a in range(ndim) if a not in stack]
+  inputs = (len(spec.kernel_shape) - 1 if spec.kind == CONV
+            else len(spec.mean_shape))
+  return optax.contrib.MuonDimensionNumbers(
+      reduction_axis=tuple(own_axes[:inputs]),
+      output_axis=tuple(own_axes[inputs:]))
 
 
 def _moved_bias(spec, kernel, bias, mean, new_mean):

@@ -57,6 +57,7 @@ __all__ = [
     'TrainState',
     'center',
     'eval_params',
+    'muon_dimension_numbers',
     'recalibrate_batch_stats',
     'stacked_blocks',
     'train_step',
@@ -723,6 +724,72 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
   if opt_state is None:
     return params
   return _opt_state.evaluation_params(opt_state, params)
+
+
+def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
+
+  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
+  parameter to AdamW unless told how to see a kernel as a matrix. For every
+  centered layer this is derived from its recorded configuration: a dense
+  kernel's contracted input axes are the reduction axes and its feature
+  axes the output axes (``nn.DenseGeneral`` and attention projections
+  included); a convolution's window and input-channel axes are the
+  reduction axes (``(h, w, c_in, c_out)`` seen as ``(h w c_in, c_out)``);
+  the stack axes of ``nn.scan`` / ``nn.vmap`` stacks are batch axes. Any
+  other leaf named ``kernel`` with two or more axes is seen as a matrix over
+  its last axis; biases, norms and embeddings get None (AdamW).
+
+  Args:
+    params: the ``'params'`` collection.
+    centering: the ``'centering'`` collection (empty for a plain model).
+
+  Returns:
+    ``dims(params)``, for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Conv(4, (3, 3)))
+    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 5, 5, 3)))
+    >>> dims = cbp.linen.muon_dimension_numbers(
+    ...     variables['params'], variables['centering'])
+    >>> dims(variables['params'])['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+  """
+  table = {}
+
+  def plain(path, leaf):
+    if str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2:
+      names = tuple(str(blocks.key_name(k)) for k in path)
+      table[names] = optax.contrib.MuonDimensionNumbers(
+          reduction_axis=tuple(range(jnp.ndim(leaf) - 1)),
+          output_axis=(jnp.ndim(leaf) - 1,))
+
+  jax.tree_util.tree_map_with_path(plain, flax.core.unfreeze(params))
+  unfrozen = flax.core.unfreeze(params)
+  for move in _moves(params, centering):
+    layer = unfrozen
+    for key in move.path:
+      layer = layer[key]
+    box = _entry_at(centering, move.path)[_MEAN]
+    _, axes, _ = core.layer_axes(box.spec, layer['kernel'], layer['bias'],
+                                 box.value, box.stack_axes)
+    names = tuple(str(k) for k in move.path) + ('kernel',)
+    table[names] = core.muon_dimension_numbers(box.spec, axes)
+  return _opt_state.dimension_numbers_fn(table)
+
+
+def _entry_at(centering: Any, layer_path: tuple[Any, ...]) -> Mapping[str, Any]:
+  """The centering entry of the layer whose parameters are at ``layer_path``."""
+  entry = flax.core.unfreeze(centering)
+  for key in layer_path:
+    if _is_entry(entry):
+      break  # the rest is the wrapper's inner name ('dense' or 'conv')
+    entry = entry[key]
+  return entry
 
 
 def stacked_blocks(params: Any, centering: Any, *stack_paths: str):

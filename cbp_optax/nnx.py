@@ -48,7 +48,8 @@ from cbp_optax._step import StepOutput
 __all__ = [
     'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedCount',
     'RecordedMean', 'StepOutput', 'center', 'eval_model',
-    'recalibrate_batch_stats', 'stacked_blocks', 'train_step', 'transport',
+    'muon_dimension_numbers', 'recalibrate_batch_stats', 'stacked_blocks',
+    'train_step', 'transport',
 ]
 
 
@@ -566,6 +567,76 @@ def eval_model(model: nnx.Module,
   copy = nnx.merge(graphdef, params, nnx.as_pure(rest))
   copy.eval()
   return copy
+
+
+def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
+
+  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
+  parameter to AdamW unless told how to see a kernel as a matrix. This
+  derives that from each linear layer's own configuration, centered or not:
+  a dense kernel's contracted input axes are the reduction axes and its
+  feature axes the output axes (``nnx.LinearGeneral`` and attention
+  projections included); a convolution's window and input-channel axes are
+  the reduction axes (the reshape of a kernel ``(h, w, c_in, c_out)`` to
+  ``(h w c_in, c_out)``); the stack axes of a layer stack are batch axes
+  (each slice is its own matrix). Biases, norms, embeddings and other
+  parameters get None (AdamW).
+
+  Args:
+    model: the model (before or after :func:`center`).
+
+  Returns:
+    ``dims(params)``, a callable for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``, valid for the parameters
+    ``nnx.state(model, nnx.Param)`` (with variables or as arrays).
+
+  Examples:
+    >>> import optax
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)))
+    >>> _ = cbp.nnx.center(model)
+    >>> dims = cbp.nnx.muon_dimension_numbers(model)
+    >>> dims(nnx.state(model, nnx.Param))['layers'][0]['layer']['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
+    ...     wrt=nnx.Param)
+  """
+  table = {}
+  for path, module in nnx.iter_modules(model):
+    path = tuple(path)
+    if isinstance(module, Centered):
+      layer = module.layer
+      kernel = layer.kernel[...]
+      _, axes, _ = core.layer_axes(
+          module.spec, kernel, layer.bias[...], module.mean[...],
+          module.mean.get_metadata().get('stack_axes'))
+      table[_str_path(path + ('layer', 'kernel'))] = (
+          core.muon_dimension_numbers(module.spec, axes))
+    elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
+      spec = _plain_spec(module)
+      axes = core.locate_stack_axes(tuple(module.kernel.shape),
+                                    spec.kernel_shape)
+      if axes is not None:
+        table[_str_path(path + ('kernel',))] = core.muon_dimension_numbers(
+            spec, axes)
+  return _opt_state.dimension_numbers_fn(table)
+
+
+def _str_path(path: Sequence[Any]) -> tuple[str, ...]:
+  return tuple(str(p) for p in path)
+
+
+def _plain_spec(layer: nnx.Module) -> core.LayerSpec:
+  """A layer's spec without the checks centering needs (Muon needs none)."""
+  if isinstance(layer, nnx.Conv):
+    return core.conv_spec(layer.kernel_size, layer.in_features,
+                          layer.out_features, layer.feature_group_count)
+  if isinstance(layer, nnx.LinearGeneral):
+    return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
+  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
 
 
 CenterReport = core.CenterReport

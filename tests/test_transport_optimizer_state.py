@@ -761,3 +761,152 @@ def test_nnx_checkpoint_resume_with_schedule_free_is_bit_exact(tmp_path):
   chex.assert_trees_all_equal(
       cbp.nnx.eval_model(resumed, resumed_opt)(x[0]),
       cbp.nnx.eval_model(model, optimizer)(x[0]))
+
+
+# ----------------------------------------------------------------------------
+# Muon's dimension numbers for centered kernels
+
+class MuonNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(2, 3, (3, 3), padding='SAME', rngs=rngs)
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def create(rngs):
+      return nnx.Linear(3, 3, rngs=rngs)
+
+    self.stack = create(rngs)
+    self.proj = nnx.LinearGeneral(3, (2, 4), rngs=rngs)
+    self.head = nnx.Linear(8, 2, rngs=rngs)
+    self.plain = nnx.Linear(2, 2, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.conv(x))
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(h, layer):
+      return jnp.tanh(layer(h))
+
+    h = self.proj(body(h, self.stack).mean((1, 2)))
+    return self.plain(self.head(h.reshape(h.shape[0], -1)))
+
+
+def muon_matrices(update, dims):
+  """The update as the batch of matrices Muon orthogonalized."""
+  reduction, output = dims.reduction_axis, dims.output_axis
+  batch = [a for a in range(update.ndim) if a not in reduction + output]
+  moved = jnp.transpose(update, batch + list(reduction) + list(output))
+  rows = int(np.prod([update.shape[a] for a in reduction]))
+  cols = int(np.prod([update.shape[a] for a in output]))
+  return moved.reshape(-1, rows, cols)
+
+
+def assert_orthogonalized(update, dims):
+  for matrix in muon_matrices(update, dims):
+    singular = np.linalg.svd(np.asarray(matrix, np.float64), compute_uv=False)
+    singular /= singular.max()
+    # Newton-Schulz (5 steps) drives every singular value towards one.
+    assert singular.min() > 0.5, singular
+
+
+def muon_update(tx, params):
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape),
+                       params)
+  return jax.jit(tx.update)(grads, tx.init(params), params)[0]
+
+
+def muon_momentum(state):
+  """The momentum of Muon's own branch (the kernels it orthogonalizes)."""
+  return state.inner_states['muon'].inner_state[0].mu
+
+
+def test_nnx_muon_dimension_numbers_treat_centered_kernels_as_matrices():
+  model = MuonNet(nnx.Rngs(0))
+  assert cbp.nnx.center(model).centered == ['conv', 'head', 'proj', 'stack']
+  dims = cbp.nnx.muon_dimension_numbers(model)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  table = dims(params)
+  expected = {
+      'conv': ((0, 1, 2), (3,)),
+      'stack': ((1,), (2,)),  # axis 0 is the stack: a batch axis
+      'proj': ((0,), (1, 2)),
+      'head': ((0,), (1,)),
+  }
+  for name, (reduction, output) in expected.items():
+    got = table[name]['layer']['kernel']
+    assert (got.reduction_axis, got.output_axis) == (reduction, output), name
+    assert table[name]['layer']['bias'] is None
+  assert table['plain']['kernel'] == optax.contrib.MuonDimensionNumbers(
+      (0,), (1,))
+  tx = optax.contrib.muon(1.0, muon_weight_dimension_numbers=dims)
+  updates = muon_update(tx, params)
+  for name in expected:
+    assert_orthogonalized(updates[name]['layer']['kernel'],
+                          table[name]['layer']['kernel'])
+  # Muon's own branch holds them (without the helper, the 4-D conv kernel
+  # and the 3-D stack went to AdamW); the optimizer accepts its state.
+  optimizer = cbp.nnx.Optimizer(model, tx)
+  mu = muon_momentum(nnx.as_pure(optimizer.opt_state))
+  assert all(not isinstance(mu[name]['layer']['kernel'], optax.MaskedNode)
+             for name in expected)
+  assert isinstance(mu['conv']['layer']['bias'], optax.MaskedNode)
+  default = muon_momentum(optax.contrib.muon(1.0).init(params))
+  assert isinstance(default['conv']['layer']['kernel'], optax.MaskedNode)
+  assert isinstance(default['stack']['layer']['kernel'], optax.MaskedNode)
+
+
+def linen_muon_model():
+  model = cbp.linen.center(LinenNet(dtype=jnp.float32))
+  variables = model.init(jax.random.key(0), jnp.ones(X_SHAPE))
+  return model, variables['params'], variables['centering']
+
+
+def test_linen_muon_dimension_numbers_treat_centered_kernels_as_matrices():
+  _, params, centering = linen_muon_model()
+  dims = cbp.linen.muon_dimension_numbers(params, centering)
+  table = dims(params)
+  expected = {
+      ('Conv_0',): ((0, 1, 2), (3,)),
+      ('stack', 'Dense_0'): ((1,), (2,)),
+      ('Dense_0',): ((0,), (1,)),
+  }
+  for path, (reduction, output) in expected.items():
+    node = table
+    for key in path:
+      node = node[key]
+    got = node['kernel']
+    assert (got.reduction_axis, got.output_axis) == (reduction, output), path
+    assert node['bias'] is None
+  tx = optax.contrib.muon(1.0, muon_weight_dimension_numbers=dims)
+  updates = muon_update(tx, params)
+  assert_orthogonalized(updates['Conv_0']['kernel'], table['Conv_0']['kernel'])
+  assert_orthogonalized(updates['stack']['Dense_0']['kernel'],
+                        table['stack']['Dense_0']['kernel'])
+  mu = muon_momentum(tx.init(params))
+  assert not isinstance(mu['Conv_0']['kernel'], optax.MaskedNode)
+  assert isinstance(mu['Conv_0']['bias'], optax.MaskedNode)
+
+
+@pytest.mark.slow
+def test_muon_with_the_helper_trains_centered_models():
+  x = jnp.ones(X_SHAPE) + 1.0
+  model = MuonNet(nnx.Rngs(0))
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, optax.contrib.muon(
+      0.05, muon_weight_dimension_numbers=cbp.nnx.muon_dimension_numbers(
+          model)))
+  step = cbp.nnx.train_step(lambda m, x: jnp.mean((m(x) - 1.0) ** 2))
+  losses = [float(step(model, optimizer, x).loss) for _ in range(4)]
+  assert losses[-1] < losses[0], losses
+  model, params, centering = linen_muon_model()
+  state = cbp.linen.TrainState.create(
+      apply_fn=model.apply, params=params, centering=centering,
+      tx=optax.contrib.muon(0.05, muon_weight_dimension_numbers=(
+          cbp.linen.muon_dimension_numbers(params, centering))))
+  step = cbp.linen.train_step(lambda apply, x: jnp.mean((apply(x) - 1.) ** 2))
+  losses = []
+  for _ in range(4):
+    state, out = step(state, x)
+    losses.append(float(out.loss))
+  assert losses[-1] < losses[0], losses
