@@ -415,8 +415,14 @@ def centered_output(
 
 
 def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
-  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10)."""
-  return (decay * mean + (1 - decay) * recorded).astype(mean.dtype)
+  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10).
+
+  In float32 at least: in bfloat16, ``0.99`` and ``0.01`` round to weights
+  that sum to 0.998, and the mean would settle at 85% of the inputs' mean.
+  """
+  wide = jnp.promote_types(mean.dtype, jnp.float32)
+  return (decay * mean.astype(wide)
+          + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)
 
 
 def stack_axes_placements(
@@ -547,10 +553,56 @@ def muon_dimension_numbers(
       output_axis=tuple(own_axes[inputs:]))
 
 
-def _moved_bias(spec, kernel, bias, mean, new_mean):
-  """``b~ + W (mu_new - mu_old)`` for one layer."""
-  shift = bias_shift(spec, kernel, new_mean - mean)
-  return (bias + shift.astype(bias.dtype)).astype(bias.dtype)
+def needs_bias_residual(dtype: Any) -> bool:
+  """Whether a bias of ``dtype`` keeps a float32 transport residual.
+
+  A 16-bit bias (bfloat16, float16) rounds at every transport, by up to half
+  its unit in the last place, and the roundings add up over thousands of
+  transports. Its residual carries the part of the exact bias the stored one
+  lacks into the next transport (compensated summation), so the stored bias
+  stays within one rounding of the exact one.
+  """
+  return jnp.finfo(dtype).bits < 32
+
+
+def _stored(x: jax.Array, wide: Any) -> jax.Array:
+  """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds.
+
+  XLA may keep a narrow (16-bit) result in the wider precision it was
+  computed in (``xla_allow_excess_precision``): the mean just refreshed, or
+  a kernel just updated, would then enter the bias move unrounded while the
+  stored one is rounded, and the difference would add up over transports.
+  ``reduce_precision`` pins the stored value.
+  """
+  narrow = jnp.finfo(x.dtype)
+  x = x.astype(wide)
+  if narrow.bits >= jnp.finfo(wide).bits:
+    return x
+  return lax.reduce_precision(x, exponent_bits=narrow.nexp,
+                              mantissa_bits=narrow.nmant)
+
+
+def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
+  """``b~ + W (mu_new - mu_old)`` for one layer, and the new residual.
+
+  In float32 at least, from the values as stored; a float32 or float64
+  layer computes exactly what ``bias + bias_shift(kernel, new - mean)``
+  does.
+  """
+  if residual is None:
+    wide = jnp.promote_types(jnp.promote_types(kernel.dtype, mean.dtype),
+                             jnp.float32)
+  else:
+    wide = residual.dtype
+  delta = _stored(new_mean, wide) - _stored(mean, wide)
+  shift = bias_shift(spec, _stored(kernel, wide), delta)
+  if residual is None:
+    return (_stored(bias, wide) + shift).astype(bias.dtype), None
+  exact = _stored(bias, wide) + residual + shift
+  rounded = lax.reduce_precision(
+      exact, exponent_bits=jnp.finfo(bias.dtype).nexp,
+      mantissa_bits=jnp.finfo(bias.dtype).nmant)
+  return rounded.astype(bias.dtype), exact - rounded
 
 
 def shift_bias(
@@ -562,7 +614,8 @@ def shift_bias(
     *,
     mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
-) -> jax.Array:
+    residual: Optional[jax.Array] = None,
+) -> Any:
   """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
 
   For one layer or one stack (each slice by its own kernel), given the old
@@ -578,9 +631,12 @@ def shift_bias(
     new_mean: ``mu_new``, shaped like ``mean``.
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
+    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`),
+      shaped like ``bias``; the move is then computed in float32 and what
+      the stored bias cannot hold is carried in the returned residual.
 
   Returns:
-    The new bias.
+    The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.
   """
   mean_axes, kernel_axes, bias_axes = layer_axes(
       spec, kernel, bias, mean, mean_stack_axes)
@@ -591,10 +647,20 @@ def shift_bias(
   fn = functools.partial(_moved_bias, spec)
   for _ in mean_axes:
     fn = jax.vmap(fn)
-  new_bias = fn(
+  if residual is None:
+    residual_axes = fronted_residual = None
+  else:
+    residual_axes = _stack_axes('residual', residual, spec.bias_shape,
+                                mean_axes, spec)
+    fronted_residual = _to_front(residual, residual_axes)
+  new_bias, new_residual = fn(
       _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
-      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes))
-  return _from_front(new_bias, bias_axes)
+      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes),
+      fronted_residual)
+  new_bias = _from_front(new_bias, bias_axes)
+  if residual is None:
+    return new_bias
+  return new_bias, _from_front(new_residual, residual_axes)
 
 
 def transport(
@@ -607,7 +673,8 @@ def transport(
     *,
     mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
-) -> tuple[jax.Array, jax.Array]:
+    residual: Optional[jax.Array] = None,
+) -> tuple[jax.Array, ...]:
   r"""Mean refresh and bias transport of one layer or one stack of layers.
 
   ``mu_new = decay * mu + (1 - decay) * recorded`` (Algorithm 1, step 10) and
@@ -624,9 +691,12 @@ def transport(
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows;
       found from the shapes otherwise.
+    residual: a 16-bit bias's float32 transport residual (see
+      :func:`shift_bias`).
 
   Returns:
-    ``(new_bias, new_mean)``.
+    ``(new_bias, new_mean)``; ``(new_bias, new_mean, new_residual)`` when
+    ``residual`` is given.
 
   Examples:
     A dense layer with two inputs and one output. The mean moves half-way to
@@ -653,9 +723,11 @@ def transport(
   """
   _checks.check_mean_decay(decay)
   new_mean = ema(mean, recorded, decay)
-  new_bias = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
-                        mean_stack_axes=mean_stack_axes)
-  return new_bias, new_mean
+  moved = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
+                     mean_stack_axes=mean_stack_axes, residual=residual)
+  if residual is None:
+    return moved, new_mean
+  return moved[0], new_mean, moved[1]
 
 
 def register_parameter_state(state_type: type, *fields: str) -> None:

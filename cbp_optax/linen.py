@@ -68,6 +68,8 @@ COLLECTION = 'centering'
 _MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
 # How many input positions 'batch_mean' averages since the last transport.
 _COUNT = 'batch_count'
+# A 16-bit bias's float32 transport residual (core.needs_bias_residual).
+_RESIDUAL = 'bias_residual'
 # Inside the Centered wrapper the layer's parameters live under these names.
 _DENSE, _CONV = 'dense', 'conv'
 
@@ -160,6 +162,7 @@ def _centered_call(
     use_running_average: bool,
     mean_dtype: Any,
     axis_name: Any,
+    bias_dtype: Any = None,
 ) -> jax.Array:
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
   try:
@@ -179,6 +182,13 @@ def _centered_call(
                           core.count_dtype(mean_dtype))
   if mask is not None:
     host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
+  # A collection made before the residual existed has none: its 16-bit
+  # bias then rounds at every transport, as it did.
+  if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
+      and (host.is_initializing()
+           or host.has_variable(COLLECTION, _RESIDUAL))):
+    host.variable(COLLECTION, _RESIDUAL, jnp.zeros, spec.bias_shape,
+                  jnp.float32)
   if (
       not use_running_average
       and not host.is_initializing()
@@ -288,6 +298,7 @@ class Centered(nn.Module):
         use_running_average=use_running_average,
         mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
         axis_name=self.axis_name,
+        bias_dtype=layer.param_dtype,
     )
 
 
@@ -377,6 +388,7 @@ class CenteredModel(NamedTuple):
         use_running_average=False,
         mean_dtype=core.mean_dtype(self.mean_dtype, module.param_dtype),
         axis_name=self.axis_name,
+        bias_dtype=module.param_dtype,
     )
 
   def init(self, *args, **kwargs):
@@ -524,10 +536,12 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves):
         'initialize the model again.'
     )
   name, inner = _layer_params(layer_params)
-  mask = entry.get(_MASK)
-  bias, mean = core.transport(
+  mask, residual = entry.get(_MASK), entry.get(_RESIDUAL)
+  moved = core.transport(
       box.spec, inner['kernel'], inner['bias'], box.value, entry[_RECORDED],
-      mean_decay, mask=mask, mean_stack_axes=box.stack_axes)
+      mean_decay, mask=mask, mean_stack_axes=box.stack_axes,
+      residual=residual)
+  bias, mean = moved[0], moved[1]
   layer_path = path if name is None else path + (name,)
   moves.append(_opt_state.LayerMove(
       path=layer_path, kernel_key=('kernel',), bias_key=('bias',),
@@ -538,8 +552,11 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves):
           mask=mask, mean_stack_axes=box.stack_axes)))
   inner = dict(inner, bias=bias)
   new_params = inner if name is None else dict(layer_params, **{name: inner})
-  return new_params, _restart_recording(
+  new_entry = _restart_recording(
       dict(entry, **{_MEAN: box.replace_boxed(mean)}))
+  if residual is not None:
+    new_entry[_RESIDUAL] = moved[2]
+  return new_params, new_entry
 
 
 def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:

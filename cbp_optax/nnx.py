@@ -47,7 +47,7 @@ from cbp_optax._step import StepOutput
 
 __all__ = [
     'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedCount',
-    'RecordedMean', 'StepOutput', 'center', 'eval_model',
+    'RecordedMean', 'StepOutput', 'TransportResidual', 'center', 'eval_model',
     'muon_dimension_numbers', 'recalibrate_batch_stats', 'stacked_blocks',
     'train_step', 'transport',
 ]
@@ -86,6 +86,14 @@ class RecordedCount(_StackTracked):
 
   ``mu``'s shape with every feature axis 1 (its stack axes kept), so that
   the calls of one forward pass are weighted by the positions each saw.
+  """
+
+
+class TransportResidual(_StackTracked):
+  """What a 16-bit bias lacks of its exact transported value (float32).
+
+  See :func:`cbp_optax.centering.needs_bias_residual`: carried into the next
+  transport, so that the roundings of the bias do not add up.
   """
 
 
@@ -266,6 +274,9 @@ class Centered(nnx.Module):
     self.batch_count = RecordedCount(
         jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
         stack_axes=stack_axes)
+    if core.needs_bias_residual(layer.bias.dtype):
+      self.bias_residual = TransportResidual(
+          jnp.zeros(layer.bias.shape, jnp.float32))
 
   def set_view(self, use_running_average: Optional[bool] = None):
     """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
@@ -322,7 +333,8 @@ class Centered(nnx.Module):
     The layer's own bias only: an optimizer's copies of the parameters move
     with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
     """
-    bias, mean = core.transport(
+    residual = getattr(self, 'bias_residual', None)
+    moved = core.transport(
         self.spec,
         self.layer.kernel[...],
         self.layer.bias[...],
@@ -331,9 +343,12 @@ class Centered(nnx.Module):
         mean_decay,
         mask=getattr(self.layer, 'mask', None),
         mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
+        residual=None if residual is None else residual[...],
     )
-    self.layer.bias[...] = bias
-    self.mean[...] = mean
+    self.layer.bias[...] = moved[0]
+    self.mean[...] = moved[1]
+    if residual is not None:
+      residual[...] = moved[2]
     self.restart_recording()
 
   def restart_recording(self) -> None:
