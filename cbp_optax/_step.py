@@ -139,6 +139,30 @@ def select(ok: jax.Array, apply_step: Callable[..., Any],
   return select_leaves(ok, apply_step(*operands), skip_step(*operands))
 
 
+def unaliased(tree: Any) -> Any:
+  """``tree`` with every array that occurs in it twice copied, but the first.
+
+  Donation refuses one buffer twice, and optimizers that keep a copy of the
+  parameters often keep the very arrays at ``init`` (SAM's cache, the initial
+  point of DoG, Prodigy, MADGRAD, Mechanic, COCOB): the first fused step
+  would fail. Without repeats (every step after the first) ``tree`` is
+  returned as it is.
+  """
+  leaves = jax.tree.leaves(tree)
+  if len({id(x) for x in leaves}) == len(leaves):
+    return tree
+  seen = set()
+
+  def fresh(x):
+    if isinstance(x, jax.Array):
+      if id(x) in seen:
+        return jnp.copy(x)
+      seen.add(id(x))
+    return x
+
+  return jax.tree.map(fresh, tree)
+
+
 def staged(tree: Any) -> bool:
   """True when called while an outer ``jit`` (or another transform) traces.
 

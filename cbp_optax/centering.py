@@ -48,15 +48,18 @@ References:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 
 Shape = tuple[int, ...]
 DENSE, CONV = 'dense', 'conv'
@@ -412,8 +415,14 @@ def centered_output(
 
 
 def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
-  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10)."""
-  return (decay * mean + (1 - decay) * recorded).astype(mean.dtype)
+  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10).
+
+  In float32 at least: in bfloat16, ``0.99`` and ``0.01`` round to weights
+  that sum to 0.998, and the mean would settle at 85% of the inputs' mean.
+  """
+  wide = jnp.promote_types(mean.dtype, jnp.float32)
+  return (decay * mean.astype(wide)
+          + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)
 
 
 def stack_axes_placements(
@@ -494,6 +503,166 @@ def _from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   return jnp.moveaxis(x, tuple(range(len(axes))), axes)
 
 
+def layer_axes(
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    mean_stack_axes: Optional[tuple[int, ...]],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """The stack axes of ``mean``, ``kernel`` and ``bias``, which must agree."""
+  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
+  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
+  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
+  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
+           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
+  if len(set(sizes)) != 1:
+    raise ValueError(
+        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
+    )
+  return mean_axes, kernel_axes, bias_axes
+
+
+def muon_dimension_numbers(
+    spec: LayerSpec, kernel_stack_axes: Sequence[int] = ()
+) -> Any:
+  """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
+
+  The reduction axes are the kernel's input axes (a dense layer's
+  contracted axes; a convolution's window and input-channel axes), the
+  output axes its feature axes, and the stack axes of a layer stack are
+  batch axes (each slice its own matrix).
+
+  Args:
+    spec: the layer, unstacked.
+    kernel_stack_axes: where the stacked kernel's stack axes are.
+
+  Returns:
+    An ``optax.contrib.MuonDimensionNumbers``.
+
+  Examples:
+    >>> from cbp_optax import centering
+    >>> spec = centering.conv_spec((3, 3), 8, 16, feature_group_count=1)
+    >>> centering.muon_dimension_numbers(spec, kernel_stack_axes=(0,))
+    MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=(4,))
+  """
+  stack = sorted(kernel_stack_axes)
+  ndim = len(spec.kernel_shape) + len(stack)
+  own_axes = [a for a in range(ndim) if a not in stack]
+  inputs = (len(spec.kernel_shape) - 1 if spec.kind == CONV
+            else len(spec.mean_shape))
+  return optax.contrib.MuonDimensionNumbers(
+      reduction_axis=tuple(own_axes[:inputs]),
+      output_axis=tuple(own_axes[inputs:]))
+
+
+def needs_bias_residual(dtype: Any) -> bool:
+  """Whether a bias of ``dtype`` keeps a float32 transport residual.
+
+  A 16-bit bias (bfloat16, float16) rounds at every transport, by up to half
+  its unit in the last place, and the roundings add up over thousands of
+  transports. Its residual carries the part of the exact bias the stored one
+  lacks into the next transport (compensated summation), so the stored bias
+  stays within one rounding of the exact one.
+  """
+  return jnp.finfo(dtype).bits < 32
+
+
+def _stored(x: jax.Array, wide: Any) -> jax.Array:
+  """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds.
+
+  XLA may keep a narrow (16-bit) result in the wider precision it was
+  computed in (``xla_allow_excess_precision``): the mean just refreshed, or
+  a kernel just updated, would then enter the bias move unrounded while the
+  stored one is rounded, and the difference would add up over transports.
+  ``reduce_precision`` pins the stored value.
+  """
+  narrow = jnp.finfo(x.dtype)
+  x = x.astype(wide)
+  if narrow.bits >= jnp.finfo(wide).bits:
+    return x
+  return lax.reduce_precision(x, exponent_bits=narrow.nexp,
+                              mantissa_bits=narrow.nmant)
+
+
+def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
+  """``b~ + W (mu_new - mu_old)`` for one layer, and the new residual.
+
+  In float32 at least, from the values as stored; a float32 or float64
+  layer computes exactly what ``bias + bias_shift(kernel, new - mean)``
+  does.
+  """
+  if residual is None:
+    wide = jnp.promote_types(jnp.promote_types(kernel.dtype, mean.dtype),
+                             jnp.float32)
+  else:
+    wide = residual.dtype
+  delta = _stored(new_mean, wide) - _stored(mean, wide)
+  shift = bias_shift(spec, _stored(kernel, wide), delta)
+  if residual is None:
+    return (_stored(bias, wide) + shift).astype(bias.dtype), None
+  exact = _stored(bias, wide) + residual + shift
+  rounded = lax.reduce_precision(
+      exact, exponent_bits=jnp.finfo(bias.dtype).nexp,
+      mantissa_bits=jnp.finfo(bias.dtype).nmant)
+  return rounded.astype(bias.dtype), exact - rounded
+
+
+def shift_bias(
+    spec: LayerSpec,
+    kernel: jax.Array,
+    bias: jax.Array,
+    mean: jax.Array,
+    new_mean: jax.Array,
+    *,
+    mask: Optional[jax.Array] = None,
+    mean_stack_axes: Optional[tuple[int, ...]] = None,
+    residual: Optional[jax.Array] = None,
+) -> Any:
+  """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
+
+  For one layer or one stack (each slice by its own kernel), given the old
+  and new means. :func:`transport` is :func:`ema` followed by this; a copy
+  of the parameters (an optimizer's, with its own kernel) is moved by this
+  with the same means, so that it keeps representing the same function.
+
+  Args:
+    spec: the layer, unstacked.
+    kernel: the kernel, possibly with stack axes.
+    bias: the bias, with the same stack axes.
+    mean: ``mu_old``, with the same stack sizes.
+    new_mean: ``mu_new``, shaped like ``mean``.
+    mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
+    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
+    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`),
+      shaped like ``bias``; the move is then computed in float32 and what
+      the stored bias cannot hold is carried in the returned residual.
+
+  Returns:
+    The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.
+  """
+  mean_axes, kernel_axes, bias_axes = layer_axes(
+      spec, kernel, bias, mean, mean_stack_axes)
+  if mask is not None:
+    if mask.ndim < kernel.ndim:
+      mask = jnp.expand_dims(mask, kernel_axes)
+    kernel = kernel * mask
+  fn = functools.partial(_moved_bias, spec)
+  for _ in mean_axes:
+    fn = jax.vmap(fn)
+  if residual is None:
+    residual_axes = fronted_residual = None
+  else:
+    residual_axes = _stack_axes('residual', residual, spec.bias_shape,
+                                mean_axes, spec)
+    fronted_residual = _to_front(residual, residual_axes)
+  new_bias, new_residual = fn(
+      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
+      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes),
+      fronted_residual)
+  new_bias = _from_front(new_bias, bias_axes)
+  if residual is None:
+    return new_bias
+  return new_bias, _from_front(new_residual, residual_axes)
+
+
 def transport(
     spec: LayerSpec,
     kernel: jax.Array,
@@ -504,7 +673,8 @@ def transport(
     *,
     mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
-) -> tuple[jax.Array, jax.Array]:
+    residual: Optional[jax.Array] = None,
+) -> tuple[jax.Array, ...]:
   r"""Mean refresh and bias transport of one layer or one stack of layers.
 
   ``mu_new = decay * mu + (1 - decay) * recorded`` (Algorithm 1, step 10) and
@@ -521,9 +691,12 @@ def transport(
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows;
       found from the shapes otherwise.
+    residual: a 16-bit bias's float32 transport residual (see
+      :func:`shift_bias`).
 
   Returns:
-    ``(new_bias, new_mean)``.
+    ``(new_bias, new_mean)``; ``(new_bias, new_mean, new_residual)`` when
+    ``residual`` is given.
 
   Examples:
     A dense layer with two inputs and one output. The mean moves half-way to
@@ -549,32 +722,77 @@ def transport(
     §4.2 (eqs. 8-10) and Algorithm 1, steps 10-11.
   """
   _checks.check_mean_decay(decay)
-  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
-  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
-  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
-  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
-           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
-  if len(set(sizes)) != 1:
-    raise ValueError(
-        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
-    )
-  if mask is not None:
-    if mask.ndim < kernel.ndim:
-      mask = jnp.expand_dims(mask, kernel_axes)
-    kernel = kernel * mask
+  new_mean = ema(mean, recorded, decay)
+  moved = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
+                     mean_stack_axes=mean_stack_axes, residual=residual)
+  if residual is None:
+    return moved, new_mean
+  return moved[0], new_mean, moved[1]
 
-  def one_layer(kernel, bias, mean, recorded):
-    new = ema(mean, recorded, decay)
-    shift = bias_shift(spec, kernel, new - mean)
-    return (bias + shift.astype(bias.dtype)).astype(bias.dtype), new
 
-  fn = one_layer
-  for _ in mean_axes:
-    fn = jax.vmap(fn)
-  new_bias, new_mean = fn(
-      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
-      _to_front(mean, mean_axes), _to_front(recorded, mean_axes))
-  return _from_front(new_bias, bias_axes), _from_front(new_mean, mean_axes)
+def register_parameter_state(state_type: type, *fields: str) -> None:
+  """Declares the fields of an optimizer state type that hold parameters.
+
+  The transport (eq. 10) moves the biases of the parameters so that the
+  function is unchanged. An optimizer state that holds a copy or an average
+  of the parameters (an EMA of the weights, a Polyak or lookahead average,
+  an anchor point) represents a function too, and must move the same way,
+  each copy with its own kernel: ``b_k += W_k (mu_new - mu_old)``. Gradient
+  statistics (moments, momenta) must not move.
+
+  ``cbp_optax.nnx.transport(model, optimizer=...)``,
+  ``cbp_optax.linen.transport(..., opt_state=...)`` and the fused train
+  steps walk the optimizer state and move every field registered here, and
+  optax's own (``schedule_free``'s ``z``, SAM's cache, the initial points of
+  DoG, DoWG, Prodigy, MADGRAD, Mechanic and COCOB, ``LookaheadParams``).
+  A tree shaped like the parameters anywhere else, in a state type neither
+  optax's, cbp's, nor registered, is refused with an
+  :class:`UnclassifiedStateError` naming the type and field: a guess could
+  change the function silently.
+
+  Args:
+    state_type: the state class of your transform (a ``NamedTuple``, or any
+      pytree node whose children have names).
+    *fields: the names of its fields that hold a tree like the parameters.
+      With none, the state is declared to hold gradient statistics only:
+      its parameter-shaped fields are left as they are.
+
+  Examples:
+    An EMA of the parameters, kept by a transform of your own:
+
+    >>> from typing import NamedTuple
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from cbp_optax import centering
+    >>> class ParamEmaState(NamedTuple):
+    ...   ema: optax.Params
+    >>> centering.register_parameter_state(ParamEmaState, 'ema')
+    >>> def param_ema(decay):
+    ...   def update(updates, state, params):
+    ...     new = optax.apply_updates(params, updates)
+    ...     ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p,
+    ...                        state.ema, new)
+    ...     return updates, ParamEmaState(ema)
+    ...   return optax.GradientTransformation(
+    ...       lambda params: ParamEmaState(params), update)
+
+    A centered model's optimizer may now hold it; the fused step moves the
+    EMA's biases with its own kernels:
+
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> _ = cbp.nnx.center(model)
+    >>> optimizer = cbp.nnx.Optimizer(
+    ...     model, optax.chain(optax.sgd(0.1), param_ema(0.9)))
+    >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+    >>> out = step(model, optimizer, jnp.ones((4, 2)))
+    >>> type(optimizer.opt_state[1]).__name__, bool(out.skipped)
+    ('ParamEmaState', False)
+  """
+  _opt_state.register_parameter_state(state_type, *fields)
+
+
+UnclassifiedStateError = _opt_state.UnclassifiedStateError
 
 
 # How center names a model that holds parameters itself (its path is empty).

@@ -42,6 +42,7 @@ from flax.training import train_state
 
 from cbp_optax import _batch_stats
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -55,6 +56,8 @@ __all__ = [
     'StepOutput',
     'TrainState',
     'center',
+    'eval_params',
+    'muon_dimension_numbers',
     'recalibrate_batch_stats',
     'stacked_blocks',
     'train_step',
@@ -65,6 +68,8 @@ COLLECTION = 'centering'
 _MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
 # How many input positions 'batch_mean' averages since the last transport.
 _COUNT = 'batch_count'
+# A 16-bit bias's float32 transport residual (core.needs_bias_residual).
+_RESIDUAL = 'bias_residual'
 # Inside the Centered wrapper the layer's parameters live under these names.
 _DENSE, _CONV = 'dense', 'conv'
 
@@ -157,6 +162,7 @@ def _centered_call(
     use_running_average: bool,
     mean_dtype: Any,
     axis_name: Any,
+    bias_dtype: Any = None,
 ) -> jax.Array:
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
   try:
@@ -176,6 +182,13 @@ def _centered_call(
                           core.count_dtype(mean_dtype))
   if mask is not None:
     host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
+  # A collection made before the residual existed has none: its 16-bit
+  # bias then rounds at every transport, as it did.
+  if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
+      and (host.is_initializing()
+           or host.has_variable(COLLECTION, _RESIDUAL))):
+    host.variable(COLLECTION, _RESIDUAL, jnp.zeros, spec.bias_shape,
+                  jnp.float32)
   if (
       not use_running_average
       and not host.is_initializing()
@@ -285,6 +298,7 @@ class Centered(nn.Module):
         use_running_average=use_running_average,
         mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
         axis_name=self.axis_name,
+        bias_dtype=layer.param_dtype,
     )
 
 
@@ -374,6 +388,7 @@ class CenteredModel(NamedTuple):
         use_running_average=False,
         mean_dtype=core.mean_dtype(self.mean_dtype, module.param_dtype),
         axis_name=self.axis_name,
+        bias_dtype=module.param_dtype,
     )
 
   def init(self, *args, **kwargs):
@@ -512,7 +527,7 @@ def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mappi
   )
 
 
-def _transport_layer(layer_params, entry, mean_decay):
+def _transport_layer(layer_params, entry, mean_decay, path, moves):
   box = entry[_MEAN]
   if not isinstance(box, CenteringMean):
     raise ValueError(
@@ -521,13 +536,27 @@ def _transport_layer(layer_params, entry, mean_decay):
         'initialize the model again.'
     )
   name, inner = _layer_params(layer_params)
-  bias, mean = core.transport(
+  mask, residual = entry.get(_MASK), entry.get(_RESIDUAL)
+  moved = core.transport(
       box.spec, inner['kernel'], inner['bias'], box.value, entry[_RECORDED],
-      mean_decay, mask=entry.get(_MASK), mean_stack_axes=box.stack_axes)
+      mean_decay, mask=mask, mean_stack_axes=box.stack_axes,
+      residual=residual)
+  bias, mean = moved[0], moved[1]
+  layer_path = path if name is None else path + (name,)
+  moves.append(_opt_state.LayerMove(
+      path=layer_path, kernel_key=('kernel',), bias_key=('bias',),
+      bias_shape=tuple(jnp.shape(inner['bias'])), kernel=inner['kernel'],
+      kernel_trained=True,
+      shift=functools.partial(
+          core.shift_bias, box.spec, mean=box.value, new_mean=mean,
+          mask=mask, mean_stack_axes=box.stack_axes)))
   inner = dict(inner, bias=bias)
   new_params = inner if name is None else dict(layer_params, **{name: inner})
-  return new_params, _restart_recording(
+  new_entry = _restart_recording(
       dict(entry, **{_MEAN: box.replace_boxed(mean)}))
+  if residual is not None:
+    new_entry[_RESIDUAL] = moved[2]
+  return new_params, new_entry
 
 
 def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -541,9 +570,9 @@ def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
   return dict(entry, **{_COUNT: jnp.zeros_like(entry[_COUNT])})
 
 
-def _transport_tree(params, centering, mean_decay):
+def _transport_tree(params, centering, mean_decay, path=(), moves=None):
   if _is_entry(centering):
-    return _transport_layer(params, centering, mean_decay)
+    return _transport_layer(params, centering, mean_decay, path, moves)
   new_params, new_centering = dict(params), dict(centering)
   for key, sub in centering.items():
     if key not in params:
@@ -552,13 +581,59 @@ def _transport_tree(params, centering, mean_decay):
           'pass the params and centering collections of the same model.'
       )
     new_params[key], new_centering[key] = _transport_tree(
-        params[key], sub, mean_decay)
+        params[key], sub, mean_decay, path + (key,), moves)
   return new_params, new_centering
 
 
+def _freeze_like(like: Any, tree: Any) -> Any:
+  if isinstance(like, flax.core.FrozenDict):
+    return flax.core.freeze(tree)
+  return tree
+
+
+def _lookahead(params: Any) -> bool:
+  return isinstance(params, optax.LookaheadParams)
+
+
+def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
+  """The centered layers, for classifying an optimizer state (no transport)."""
+  if _lookahead(params):
+    params = params.fast
+  moves = []
+  boxes = flax.core.unfreeze(centering)
+
+  def visit(params, entries, path):
+    if _is_entry(entries):
+      name, inner = _layer_params(params)
+      moves.append(_opt_state.LayerMove(
+          path=path if name is None else path + (name,),
+          kernel_key=('kernel',), bias_key=('bias',),
+          bias_shape=tuple(jnp.shape(inner['bias'])), kernel=inner['kernel'],
+          kernel_trained=True, shift=None))
+      return
+    for key, sub in entries.items():
+      if key in params:
+        visit(params[key], sub, path + (key,))
+
+  visit(flax.core.unfreeze(params), boxes, ())
+  return moves
+
+
+# The optimizers (tx) whose states the fused step classified.
+_CLASSIFIED = _opt_state.CheckCache()
+
+
+def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
+  """Refuses, before any tracing, an optimizer state the transport cannot
+  classify (see :func:`transport`)."""
+  _opt_state.transport_state(opt_state, _moves(params, centering),
+                             what='opt_state')
+
+
 def transport(
-    params: Any, centering: Any, mean_decay: Any = 0.99, *, decay: Any = None
-) -> tuple[Any, Any]:
+    params: Any, centering: Any, mean_decay: Any = 0.99, *,
+    opt_state: Any = None, decay: Any = None,
+) -> tuple[Any, ...]:
   """Mean refresh and bias transport for every centered layer (pure).
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
@@ -567,15 +642,30 @@ def transport(
   transported slice by slice. The model's output is unchanged for every
   input.
 
+  Pass the ``opt_state`` whenever it may hold copies of the parameters
+  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
+  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state declared with
+  :func:`cbp_optax.centering.register_parameter_state`): each copy's biases
+  move by its own kernel, so every function the optimizer holds is
+  unchanged too, and the new state is returned third. Gradient statistics
+  are left as they are; a parameter-shaped tree in a state type the
+  transport does not know raises
+  :class:`cbp_optax.centering.UnclassifiedStateError`. ``params`` may also
+  be ``optax.LookaheadParams``: the fast and the slow parameters both move,
+  each by its own kernel.
+
   Args:
-    params: the ``'params'`` collection.
+    params: the ``'params'`` collection (or ``optax.LookaheadParams`` of
+      two).
     centering: the ``'centering'`` collection (with recorded batch means).
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    opt_state: the optimizer's state, to move its parameter copies too.
     decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``(params, centering)`` with transported biases and refreshed means, in
-    the containers they came in (dict or FrozenDict).
+    the containers they came in (dict or FrozenDict);
+    ``(params, centering, opt_state)`` when ``opt_state`` is given.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -599,12 +689,124 @@ def transport(
     eq. (10) and Algorithm 1, steps 10-11.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
-  frozen = isinstance(params, flax.core.FrozenDict)
+  if opt_state is not None:
+    check_opt_state(params, centering, opt_state)
+  lookahead = _lookahead(params)
+  fast = params.fast if lookahead else params
+  moves = []
   new_params, new_centering = _transport_tree(
-      flax.core.unfreeze(params), flax.core.unfreeze(centering), mean_decay)
-  if frozen:
-    return flax.core.freeze(new_params), flax.core.freeze(new_centering)
-  return new_params, new_centering
+      flax.core.unfreeze(fast), flax.core.unfreeze(centering), mean_decay,
+      (), moves)
+  new_params = _freeze_like(fast, new_params)
+  new_centering = _freeze_like(centering, new_centering)
+  if lookahead:
+    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow')
+    new_params = params._replace(fast=new_params, slow=slow)
+  if opt_state is None:
+    return new_params, new_centering
+  return new_params, new_centering, _opt_state.transport_state(
+      opt_state, moves, what='opt_state')
+
+
+def eval_params(params: Any, opt_state: Any = None) -> Any:
+  """The parameters to evaluate a (centered) model at.
+
+  Schedule-free optimizers train at one point and evaluate at another,
+  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
+  for an ``opt_state`` holding a ``schedule_free`` state (at any depth of a
+  chain or wrapper) this is ``x``, to be used with the model's
+  ``'centering'`` collection as it is: the transport moved ``y`` and ``z``
+  alike, so ``x`` is consistent with the means. ``optax.LookaheadParams``
+  give their slow parameters. Otherwise ``params`` themselves. For a model
+  with BatchNorm, recalibrate its statistics at these parameters
+  (:func:`recalibrate_batch_stats`) before evaluating.
+
+  Args:
+    params: the trained ``'params'`` (or ``optax.LookaheadParams``).
+    opt_state: the optimizer state, or None.
+
+  Returns:
+    A parameter tree like ``params`` (the slow one for lookahead).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import cbp_optax as cbp
+    >>> params = {'w': jnp.ones(2)}
+    >>> opt_state = optax.contrib.schedule_free_sgd(0.1).init(params)
+    >>> cbp.linen.eval_params(params, opt_state)['w']
+    Array([1., 1.], dtype=float32)
+  """
+  if _lookahead(params):
+    return params.slow
+  if opt_state is None:
+    return params
+  return _opt_state.evaluation_params(opt_state, params)
+
+
+def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
+
+  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
+  parameter to AdamW unless told how to see a kernel as a matrix. For every
+  centered layer this is derived from its recorded configuration: a dense
+  kernel's contracted input axes are the reduction axes and its feature
+  axes the output axes (``nn.DenseGeneral`` and attention projections
+  included); a convolution's window and input-channel axes are the
+  reduction axes (``(h, w, c_in, c_out)`` seen as ``(h w c_in, c_out)``);
+  the stack axes of ``nn.scan`` / ``nn.vmap`` stacks are batch axes. Any
+  other leaf named ``kernel`` with two or more axes is seen as a matrix over
+  its last axis; biases, norms and embeddings get None (AdamW).
+
+  Args:
+    params: the ``'params'`` collection.
+    centering: the ``'centering'`` collection (empty for a plain model).
+
+  Returns:
+    ``dims(params)``, for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Conv(4, (3, 3)))
+    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 5, 5, 3)))
+    >>> dims = cbp.linen.muon_dimension_numbers(
+    ...     variables['params'], variables['centering'])
+    >>> dims(variables['params'])['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+  """
+  table = {}
+
+  def plain(path, leaf):
+    if str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2:
+      names = tuple(str(blocks.key_name(k)) for k in path)
+      table[names] = optax.contrib.MuonDimensionNumbers(
+          reduction_axis=tuple(range(jnp.ndim(leaf) - 1)),
+          output_axis=(jnp.ndim(leaf) - 1,))
+
+  jax.tree_util.tree_map_with_path(plain, flax.core.unfreeze(params))
+  unfrozen = flax.core.unfreeze(params)
+  for move in _moves(params, centering):
+    layer = unfrozen
+    for key in move.path:
+      layer = layer[key]
+    box = _entry_at(centering, move.path)[_MEAN]
+    _, axes, _ = core.layer_axes(box.spec, layer['kernel'], layer['bias'],
+                                 box.value, box.stack_axes)
+    names = tuple(str(k) for k in move.path) + ('kernel',)
+    table[names] = core.muon_dimension_numbers(box.spec, axes)
+  return _opt_state.dimension_numbers_fn(table)
+
+
+def _entry_at(centering: Any, layer_path: tuple[Any, ...]) -> Mapping[str, Any]:
+  """The centering entry of the layer whose parameters are at ``layer_path``."""
+  entry = flax.core.unfreeze(centering)
+  for key in layer_path:
+    if _is_entry(entry):
+      break  # the rest is the wrapper's inner name ('dense' or 'conv')
+    entry = entry[key]
+  return entry
 
 
 def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
@@ -730,7 +932,8 @@ def train_step(
   The returned ``step(state, *batch)`` runs the forward pass with centering
   (recording batch means), the backward pass, ``state.tx`` (``cbp.cbp`` for
   full CBP, any optax transform otherwise, e.g. ``optax.adam`` for "Adam +
-  Center"), the parameter update and :func:`transport`, in one ``jax.jit``
+  Center"), the parameter update and :func:`transport` (of the parameters
+  and of the optimizer state's copies of them), in one ``jax.jit``
   with the state donated. A non-finite loss, gradient or recorded statistic
   skips the step: the returned state equals the input state (parameters,
   optimizer state, centering, model state, step) but for ``skipped_steps``,
@@ -756,7 +959,9 @@ def train_step(
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction).
     TypeError: a first argument that is not a :class:`TrainState` (at the
-      call).
+      call); an optimizer state the transport cannot classify
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
+      before tracing).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -838,7 +1043,8 @@ def train_step(
       updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       if centering:
-        params, centering = transport(params, centering, mean_decay)
+        params, centering, opt_state = transport(
+            params, centering, mean_decay, opt_state=opt_state)
       return state.replace(step=state.step + 1, params=params,
                            opt_state=opt_state, centering=centering,
                            model_state=model_state)
@@ -861,6 +1067,15 @@ def train_step(
           'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
           'centering=..., tx=...).'
       )
+    state = args[0]
+    if state.centering:
+      # Classified once per tx (again while tracing, for any other state).
+      _CLASSIFIED.check(
+          state.tx, id(state.apply_fn),
+          lambda: check_opt_state(state.params, state.centering,
+                                  state.opt_state))
+    if donate:
+      args = (_step.unaliased(state),) + args[1:]
     return jitted(*args)
 
   train.lower = jitted.lower

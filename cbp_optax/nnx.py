@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
@@ -38,6 +39,7 @@ from flax.nnx import graphlib
 
 from cbp_optax import _batch_stats
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -45,8 +47,9 @@ from cbp_optax._step import StepOutput
 
 __all__ = [
     'CenterReport', 'Centered', 'CenteringMean', 'Optimizer', 'RecordedCount',
-    'RecordedMean', 'StepOutput', 'center', 'recalibrate_batch_stats',
-    'stacked_blocks', 'train_step', 'transport',
+    'RecordedMean', 'StepOutput', 'TransportResidual', 'center', 'eval_model',
+    'muon_dimension_numbers', 'recalibrate_batch_stats', 'stacked_blocks',
+    'train_step', 'transport',
 ]
 
 
@@ -83,6 +86,14 @@ class RecordedCount(_StackTracked):
 
   ``mu``'s shape with every feature axis 1 (its stack axes kept), so that
   the calls of one forward pass are weighted by the positions each saw.
+  """
+
+
+class TransportResidual(_StackTracked):
+  """What a 16-bit bias lacks of its exact transported value (float32).
+
+  See :func:`cbp_optax.centering.needs_bias_residual`: carried into the next
+  transport, so that the roundings of the bias do not add up.
   """
 
 
@@ -263,6 +274,9 @@ class Centered(nnx.Module):
     self.batch_count = RecordedCount(
         jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
         stack_axes=stack_axes)
+    if core.needs_bias_residual(layer.bias.dtype):
+      self.bias_residual = TransportResidual(
+          jnp.zeros(layer.bias.shape, jnp.float32))
 
   def set_view(self, use_running_average: Optional[bool] = None):
     """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
@@ -314,8 +328,13 @@ class Centered(nnx.Module):
     return bias - correction.astype(bias.dtype)
 
   def transport(self, mean_decay: Any = 0.99) -> None:
-    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10)."""
-    bias, mean = core.transport(
+    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10).
+
+    The layer's own bias only: an optimizer's copies of the parameters move
+    with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
+    """
+    residual = getattr(self, 'bias_residual', None)
+    moved = core.transport(
         self.spec,
         self.layer.kernel[...],
         self.layer.bias[...],
@@ -324,9 +343,12 @@ class Centered(nnx.Module):
         mean_decay,
         mask=getattr(self.layer, 'mask', None),
         mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
+        residual=None if residual is None else residual[...],
     )
-    self.layer.bias[...] = bias
-    self.mean[...] = mean
+    self.layer.bias[...] = moved[0]
+    self.mean[...] = moved[1]
+    if residual is not None:
+      residual[...] = moved[2]
     self.restart_recording()
 
   def restart_recording(self) -> None:
@@ -345,6 +367,11 @@ class Optimizer(nnx.Optimizer):
   for every batch whose loss, gradients or recorded statistics were not
   finite; ``optimizer.step`` counts only the updates applied. A plain
   ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
+  On a centered model the optimizer state is classified at construction
+  (see :func:`transport`): one holding a parameter-shaped tree the
+  transport cannot tell copy from statistic is refused with a
+  :class:`cbp_optax.centering.UnclassifiedStateError` there, not at the
+  first step.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -365,6 +392,9 @@ class Optimizer(nnx.Optimizer):
   def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
     super().__init__(model, tx, wrt=wrt)
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
+    # A centered model's transport must know what the state holds: refuse
+    # an unclassifiable one now rather than at the first step.
+    _check_optimizer_state(model, self, 'Optimizer')
 
   def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
     """``nnx.Optimizer.update``; says so when ``center`` came after it."""
@@ -382,8 +412,52 @@ def centered_layers(model: nnx.Module) -> list[Centered]:
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
 
 
+def _centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]:
+  return [(tuple(path), m) for path, m in nnx.iter_modules(model)
+          if isinstance(m, Centered)]
+
+
+def _layer_moves(
+    model: nnx.Module, optimizer: nnx.Optimizer,
+    shifts: Optional[Sequence[Any]] = None,
+) -> list[_opt_state.LayerMove]:
+  """The centered layers as the optimizer state's copies see them."""
+  layers = _centered_paths(model)
+  if not layers:
+    return []
+  trained = {tuple(path) for path, _ in
+             nnx.to_flat_state(nnx.state(model, optimizer.wrt))}
+  shifts = shifts if shifts is not None else [None] * len(layers)
+  moves = []
+  for (path, layer), shift in zip(layers, shifts):
+    moves.append(_opt_state.LayerMove(
+        path=path, kernel_key=('layer', 'kernel'), bias_key=('layer', 'bias'),
+        bias_shape=tuple(layer.layer.bias.shape),
+        kernel=layer.layer.kernel[...],
+        kernel_trained=path + ('layer', 'kernel') in trained,
+        shift=shift))
+  return moves
+
+
+def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
+                           where: str) -> None:
+  """Classifies the optimizer's state before anything is traced."""
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        f'{where}: optimizer must be an nnx.Optimizer (or '
+        f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
+  moves = _layer_moves(model, optimizer)
+  _opt_state.transport_state(optimizer.opt_state, moves,
+                             what='optimizer.opt_state')
+
+
+# The optimizers whose states the fused step classified (for which model).
+_CLASSIFIED = _opt_state.CheckCache()
+
+
 def transport(
-    model: nnx.Module, mean_decay: Any = 0.99, *, decay: Any = None
+    model: nnx.Module, mean_decay: Any = 0.99, *,
+    optimizer: Optional[nnx.Optimizer] = None, decay: Any = None,
 ) -> None:
   """Mean refresh and bias transport for every centered layer, in place.
 
@@ -393,10 +467,28 @@ def transport(
   stacks are transported slice by slice. Call it after the optimizer update,
   inside the same ``nnx.jit`` -- or use :func:`train_step`, which does.
 
+  Pass the ``optimizer`` whenever its state holds copies of the parameters
+  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
+  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state of your own
+  declared with :func:`cbp_optax.centering.register_parameter_state`): each
+  copy's biases then move by its own kernel, so that every function the
+  optimizer holds (schedule-free's evaluation point included) is unchanged
+  too. Gradient statistics (moments, momenta, M1's energies) are left as
+  they are. A parameter-shaped tree in a state type the transport does not
+  know is refused with a :class:`cbp_optax.centering.UnclassifiedStateError`.
+  Without ``optimizer`` only the model moves.
+
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    optimizer: the ``nnx.Optimizer`` training ``model``; its state's
+      parameter copies are moved in place.
     decay: deprecated name of ``mean_decay``.
+
+  Raises:
+    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
+      optimizer's state holds a parameter-shaped tree that is neither a
+      registered copy nor a known statistic (before anything moves).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -420,8 +512,146 @@ def transport(
     eq. (10) and Algorithm 1, steps 10-11.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
-  for layer in centered_layers(model):
+  if optimizer is None:
+    for layer in centered_layers(model):
+      layer.transport(mean_decay)
+    return
+  _check_optimizer_state(model, optimizer, 'transport')
+  shifts = []
+  for _, layer in _centered_paths(model):
+    old = layer.mean[...]
     layer.transport(mean_decay)
+    shifts.append(functools.partial(
+        core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
+        mask=getattr(layer.layer, 'mask', None),
+        mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
+  _opt_state.transport_state(optimizer.opt_state,
+                             _layer_moves(model, optimizer, shifts),
+                             what='optimizer.opt_state')
+
+
+def eval_model(model: nnx.Module,
+               optimizer: Optional[nnx.Optimizer] = None) -> nnx.Module:
+  """A copy of ``model`` to evaluate: in eval mode, at the evaluation point.
+
+  Schedule-free optimizers train at one point and evaluate at another,
+  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
+  with ``optimizer`` holding a ``schedule_free`` state, the copy has those
+  parameters, with the model's centering means (both ``y`` and ``z`` were
+  transported, so ``x`` is too). Otherwise it has the model's own. Either
+  way the copy is in ``eval()`` mode (running averages, no dropout, no mean
+  recording) and the model itself is left as it is. For a model with
+  BatchNorm, whose running averages were gathered at ``y``, recalibrate the
+  copy at ``x``: ``recalibrate_batch_stats(eval_model(model, optimizer),
+  batches)``.
+
+  Args:
+    model: the trained model.
+    optimizer: its optimizer (``nnx.Optimizer``), or None.
+
+  Returns:
+    A new module sharing no variable with ``model``.
+
+  Raises:
+    ValueError: an optimizer state with more than one ``schedule_free``
+      state, or one that covers only part of the parameters.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = cbp.nnx.Optimizer(
+    ...     model, optax.contrib.schedule_free_sgd(0.1, b1=0.5))
+    >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+    >>> _ = step(model, optimizer, jnp.ones((4, 2)))
+    >>> evaluated = cbp.nnx.eval_model(model, optimizer)
+    >>> x = optax.contrib.schedule_free_eval_params(
+    ...     nnx.as_pure(optimizer.opt_state),
+    ...     nnx.as_pure(nnx.state(model, nnx.Param)))
+    >>> bool(jnp.array_equal(evaluated.kernel[...], x['kernel']))
+    True
+  """
+  if optimizer is None:
+    copy = nnx.clone(model)
+    copy.eval()
+    return copy
+  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+  params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
+                                        nnx.as_pure(params))
+  copy = nnx.merge(graphdef, params, nnx.as_pure(rest))
+  copy.eval()
+  return copy
+
+
+def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
+
+  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
+  parameter to AdamW unless told how to see a kernel as a matrix. This
+  derives that from each linear layer's own configuration, centered or not:
+  a dense kernel's contracted input axes are the reduction axes and its
+  feature axes the output axes (``nnx.LinearGeneral`` and attention
+  projections included); a convolution's window and input-channel axes are
+  the reduction axes (the reshape of a kernel ``(h, w, c_in, c_out)`` to
+  ``(h w c_in, c_out)``); the stack axes of a layer stack are batch axes
+  (each slice is its own matrix). Biases, norms, embeddings and other
+  parameters get None (AdamW).
+
+  Args:
+    model: the model (before or after :func:`center`).
+
+  Returns:
+    ``dims(params)``, a callable for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``, valid for the parameters
+    ``nnx.state(model, nnx.Param)`` (with variables or as arrays).
+
+  Examples:
+    >>> import optax
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)))
+    >>> _ = cbp.nnx.center(model)
+    >>> dims = cbp.nnx.muon_dimension_numbers(model)
+    >>> dims(nnx.state(model, nnx.Param))['layers'][0]['layer']['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
+    ...     wrt=nnx.Param)
+  """
+  table = {}
+  for path, module in nnx.iter_modules(model):
+    path = tuple(path)
+    if isinstance(module, Centered):
+      layer = module.layer
+      kernel = layer.kernel[...]
+      _, axes, _ = core.layer_axes(
+          module.spec, kernel, layer.bias[...], module.mean[...],
+          module.mean.get_metadata().get('stack_axes'))
+      table[_str_path(path + ('layer', 'kernel'))] = (
+          core.muon_dimension_numbers(module.spec, axes))
+    elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
+      spec = _plain_spec(module)
+      axes = core.locate_stack_axes(tuple(module.kernel.shape),
+                                    spec.kernel_shape)
+      if axes is not None:
+        table[_str_path(path + ('kernel',))] = core.muon_dimension_numbers(
+            spec, axes)
+  return _opt_state.dimension_numbers_fn(table)
+
+
+def _str_path(path: Sequence[Any]) -> tuple[str, ...]:
+  return tuple(str(p) for p in path)
+
+
+def _plain_spec(layer: nnx.Module) -> core.LayerSpec:
+  """A layer's spec without the checks centering needs (Muon needs none)."""
+  if isinstance(layer, nnx.Conv):
+    return core.conv_spec(layer.kernel_size, layer.in_features,
+                          layer.out_features, layer.feature_group_count)
+  if isinstance(layer, nnx.LinearGeneral):
+    return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
+  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
 
 
 CenterReport = core.CenterReport
@@ -806,7 +1036,9 @@ def train_step(
   *args)`` (the forward pass with centering, recording batch means), the
   backward pass, ``optimizer.update`` with whatever optax transform the
   ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
-  "Adam + Center"), then :func:`transport`; all in one compiled program with
+  "Adam + Center", ``optax.contrib.schedule_free_adamw``, Muon, ...), then
+  :func:`transport` of the model and of the optimizer state's copies of the
+  parameters (schedule-free's ``z``, ...); all in one compiled program with
   the model and optimizer buffers donated. Calling ``step`` inside your own
   ``@nnx.jit`` train step works too (the tutorials' pattern: metrics, EMA
   or logging beside it): it is then traced into your program, with the same
@@ -842,7 +1074,10 @@ def train_step(
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
       model whose centered layers are in evaluation mode (at the call).
     TypeError: ``step(optimizer, model, ...)``, or a second argument that is
-      not an ``nnx.Optimizer`` (at the call).
+      not an ``nnx.Optimizer`` (at the call); an optimizer state the
+      transport cannot classify
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
+      before tracing).
 
   Examples:
     Full CBP on a centered two-layer model:
@@ -905,8 +1140,7 @@ def train_step(
     def apply_step(model, optimizer, nodes, grads, changed):
       nnx.update((model, nodes), changed)
       optimizer.update(model, grads)
-      for layer in centered_layers(model):
-        layer.transport(mean_decay)
+      transport(model, mean_decay, optimizer=optimizer)
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
@@ -933,8 +1167,13 @@ def train_step(
           f'optimizer first, got {len(args)} argument(s).')
     model, optimizer, *args = args
     _check_step_arguments(model, optimizer)
+    _CLASSIFIED.check(
+        optimizer, (id(model), id(optimizer.tx)),
+        lambda: _check_optimizer_state(model, optimizer, 'train_step'))
     nodes = _graph_nodes(args)
     graphdef, state = nnx.split((model, optimizer, nodes))
+    if donate:
+      state = _step.unaliased(state)
     try:
       new_state, out = jitted(graphdef, state, _slots(args, nodes))
     except (TypeError, ValueError) as error:

@@ -1,0 +1,474 @@
+"""Which parts of an optimizer state are parameters, for the bias transport.
+
+The transport (eq. 10) moves every centered bias by ``W (mu_new - mu_old)``
+so that the function is unchanged. An optimizer whose state holds a copy of
+the parameters (schedule-free's ``z``, SAM's cache, the initial point of DoG,
+Prodigy, MADGRAD, Mechanic or COCOB) computes its model, or its next
+parameters, from that copy; moved with its own kernel, ``b_k += W_k
+(mu_new - mu_old)``, each copy keeps representing the same function, and by
+linearity so does any combination of copies (schedule-free's evaluation
+point ``x = (y - (1 - b1) z) / b1``). Gradient statistics (Adam's ``mu`` and
+``nu``, Muon's momentum, M1's energies, M3's moments) are not parameters and
+are never touched.
+
+This module classifies a state tree: a parameter-shaped subtree (one that
+holds an array of a centered bias's shape at that bias's path) is
+
+* moved, in a field registered as holding parameters
+  (:func:`register_parameter_state`, or optax's own, listed here);
+* left, in a field of a known state type (optax's audited states, cbp's,
+  and every type registered);
+* refused, anywhere else: in an unregistered state type, or directly in a
+  chain or wrapper, where nothing says whether it is a statistic or a copy.
+  A silent guess could change the function.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import flax
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+Path = tuple[Any, ...]
+
+# Registered by users: state type -> the fields that hold parameters.
+_PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
+# Grows with every registration, so that a cached classification is redone.
+_VERSION = 0
+
+# optax's state types holding a copy of the parameters, by qualified name:
+# matched with the module too, so a user's type of the same name is not.
+_OPTAX_PARAMETER_FIELDS = {
+    'ScheduleFreeState': ('z',),
+    'SAMState': ('cache',),
+    'DoGState': ('init_params',),
+    'DoWGState': ('init_params',),
+    'ScaleByDistanceOverGradientsState': ('init_params',),
+    'MadgradState': ('x0',),
+    'MechanicState': ('x0',),
+    'ProdigyState': ('params0',),
+    'COCOBState': ('init_particles',),
+    'LookaheadParams': ('fast', 'slow'),
+}
+
+_OPTAX_REFUSED = {
+    'ScaleByLBFGSState': (
+        'it keeps the previous parameters and a memory of parameter '
+        'differences along an extra axis, which the transport does not move'
+    ),
+}
+
+# optax's state types audited to hold no copy of the parameters: gradient
+# statistics, counters, schedules, and wrappers of inner states.
+_OPTAX_STATISTICS = frozenset({
+    'AccumulateAvgUpdatesState', 'AddNoiseState', 'ApplyIfFiniteState',
+    'BacktrackingLinesearchInfo', 'ConditionallyMaskState',
+    'ConditionallyTransformState', 'DAdaptAdamWState',
+    'DifferentiallyPrivateAggregateState', 'EmaState', 'EmptyState',
+    'FactoredState', 'GaLoreState', 'HutchinsonState',
+    'InjectHyperparamsState', 'InjectStatefulHyperparamsState',
+    'LookaheadState', 'MaskedNode', 'MaskedState', 'MomoAdamState',
+    'MomoState', 'MonitorState', 'MultiStepsState', 'MuonState',
+    'PartitionState', 'PerElementMeanAndSumSqDiffGradsState',
+    'PerElementMeanAndVarianceEMAState', 'ReduceLROnPlateauState',
+    'ScaleByAdaDeltaState', 'ScaleByAdamState', 'ScaleByAdanState',
+    'ScaleByAdemamixState', 'ScaleByAmsgradState',
+    'ScaleByBacktrackingLinesearchState', 'ScaleByBeliefState',
+    'ScaleByLionState', 'ScaleByNovogradState',
+    'ScaleByOptimisticGradientState', 'ScaleByRStdDevState',
+    'ScaleByRStdDevWithCountState', 'ScaleByRmsState',
+    'ScaleByRmsWithCountState', 'ScaleByRpropState', 'ScaleByRssState',
+    'ScaleBySM3State', 'ScaleByScheduleState',
+    'ScaleBySimplifiedAdEMAMixState', 'ScaleByTrustRatioState',
+    'ScaleByZoomLinesearchState', 'SnapshotState', 'SophiaState',
+    'SplitRealAndImaginaryState', 'WrappedScheduleState', 'ZeroNansState',
+    'ZoomLinesearchInfo',
+})
+
+# Fields of optax's wrappers that hold the inner optimizer's state: what they
+# hold is classified by its own type, not as a statistic of the wrapper.
+_WRAPPER_FIELDS = frozenset({
+    'adv_state', 'base_optimizer_state', 'fast_state', 'hyperparams_states',
+    'inner_opt_state', 'inner_state', 'inner_states', 'measure_states',
+    'opt_state',
+})
+
+_CBP_STATISTICS = frozenset({'EqualizeState', 'PreconditionState'})
+
+_CONTAINERS = (dict, list, tuple, type(None))
+
+
+class UnclassifiedStateError(TypeError):
+  """An optimizer state the transport cannot tell statistic from parameters."""
+
+
+def register_parameter_state(state_type: type, *fields: str) -> None:
+  """Declares which fields of an optimizer state type hold parameters.
+
+  See :func:`cbp_optax.centering.register_parameter_state`.
+  """
+  if not isinstance(state_type, type):
+    raise TypeError('register_parameter_state: state_type must be a class '
+                    f'(the state type), got {state_type!r}.')
+  bad = [f for f in fields if not isinstance(f, str)]
+  if bad:
+    raise TypeError('register_parameter_state: fields are attribute names '
+                    f'(strings), got {bad[0]!r}.')
+  known = getattr(state_type, '_fields', None)
+  if known is not None:
+    missing = [f for f in fields if f not in known]
+    if missing:
+      raise ValueError(
+          f'register_parameter_state: {state_type.__qualname__} has no '
+          f'field {missing[0]!r} (its fields: {", ".join(known)}).')
+  global _VERSION
+  _PARAMETER_FIELDS[state_type] = tuple(fields)
+  _VERSION += 1
+
+
+class CheckCache:
+  """Which optimizers' states were classified already, and for what.
+
+  The fused steps classify the optimizer state before tracing, to raise
+  outside ``jit``; the transport classifies it again while tracing, so a
+  stale entry can only move an error into the trace, never skip one. Keyed
+  by the optimizer (weakly, where it can be: an NNX optimizer) or by its
+  ``id`` with the object kept (a Linen ``tx``, at most ``size`` of them).
+  """
+
+  def __init__(self, size: int = 16):
+    self._size = size
+    self._weak = weakref.WeakKeyDictionary()
+    self._strong: dict[int, tuple[Any, Any]] = {}
+
+  def _get(self, owner: Any) -> Any:
+    try:
+      return self._weak.get(owner)
+    except TypeError:
+      entry = self._strong.get(id(owner))
+      return entry[1] if entry is not None else None
+
+  def _put(self, owner: Any, signature: Any) -> None:
+    try:
+      self._weak[owner] = signature
+    except TypeError:
+      if len(self._strong) >= self._size:
+        self._strong.pop(next(iter(self._strong)))
+      self._strong[id(owner)] = (owner, signature)
+
+  def check(self, owner: Any, signature: Any,
+            classify: Callable[[], None]) -> None:
+    """Runs ``classify()`` unless it passed for ``owner`` and ``signature``."""
+    signature = (signature, _VERSION)
+    if self._get(owner) == signature:
+      return
+    classify()
+    self._put(owner, signature)
+
+
+def _is_optax(state_type: type) -> bool:
+  return state_type.__module__.split('.')[0] == 'optax'
+
+
+def _is_cbp(state_type: type) -> bool:
+  return (state_type.__module__.split('.')[0] == 'cbp_optax'
+          and state_type.__qualname__ in _CBP_STATISTICS)
+
+
+def parameter_fields(state_type: type) -> Optional[tuple[str, ...]]:
+  """The fields of ``state_type`` that hold parameters; None if unknown."""
+  if state_type in _PARAMETER_FIELDS:
+    return _PARAMETER_FIELDS[state_type]
+  name = state_type.__qualname__
+  if _is_optax(state_type):
+    if name in _OPTAX_PARAMETER_FIELDS:
+      return _OPTAX_PARAMETER_FIELDS[name]
+    if name in _OPTAX_STATISTICS:
+      return ()
+  if _is_cbp(state_type):
+    return ()
+  return None
+
+
+class LayerMove(NamedTuple):
+  """One centered layer, as the transport of a parameter copy sees it.
+
+  Attributes:
+    path: the layer's path in the parameter tree (keys, as in the tree).
+    kernel_key: the kernel's path under ``path``.
+    bias_key: the bias's path under ``path``.
+    bias_shape: the bias's shape (stack axes included).
+    kernel: the model's (updated) kernel, for copies of an optimizer that
+      does not train it (then the copy has no kernel, and the model's is its).
+    kernel_trained: whether the optimizer trains the kernel (so a copy
+      must hold its own).
+    shift: ``shift(kernel, bias) -> bias + kernel (mu_new - mu_old)``; None
+      to check only.
+  """
+
+  path: Path
+  kernel_key: Path
+  bias_key: Path
+  bias_shape: tuple[int, ...]
+  kernel: Any
+  kernel_trained: bool
+  shift: Optional[Callable[[Any, Any], Any]]
+
+
+def _label(path: Path) -> str:
+  return '/'.join(str(k) for k in path)
+
+
+def _lookup(tree: Any, path: Path) -> Any:
+  for key in path:
+    if isinstance(tree, nnx.Variable) or not hasattr(tree, 'keys'):
+      return None
+    try:
+      if key not in tree:
+        return None
+      tree = tree[key]
+    except TypeError:
+      return None
+  return tree
+
+
+def _value(leaf: Any) -> Any:
+  return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _is_array(leaf: Any) -> bool:
+  value = _value(leaf)
+  return hasattr(value, 'shape') and hasattr(value, 'dtype')
+
+
+def _holds_bias(tree: Any, move: LayerMove) -> bool:
+  leaf = _lookup(tree, move.path + move.bias_key)
+  return _is_array(leaf) and tuple(np.shape(_value(leaf))) == move.bias_shape
+
+
+def parameter_shaped(tree: Any, moves: Sequence[LayerMove]) -> bool:
+  """True when ``tree`` holds a centered bias's shape at its path."""
+  return hasattr(tree, 'keys') and any(_holds_bias(tree, m) for m in moves)
+
+
+def _replace(tree: Any, path: Path, value: Any) -> Any:
+  """``tree`` with ``value`` at ``path``: in place for an NNX Variable."""
+  leaf = _lookup(tree, path)
+  if isinstance(leaf, nnx.Variable):
+    leaf[...] = value
+    return tree
+  key = path[0]
+  child = value if len(path) == 1 else _replace(tree[key], path[1:], value)
+  if isinstance(tree, flax.core.FrozenDict):
+    return tree.copy({key: child})
+  new = dict(tree)
+  new[key] = child
+  return new if type(tree) is dict else type(tree)(new)
+
+
+def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str) -> Any:
+  """Moves every centered bias in one parameter copy by its own kernel.
+
+  Raises:
+    UnclassifiedStateError: a copy that holds a layer's bias without its
+      kernel (or its kernel without its bias), whose function no bias
+      move keeps.
+  """
+  if copy is None:
+    return copy
+  if not hasattr(copy, 'keys'):
+    raise UnclassifiedStateError(
+        f'transport: {where} is registered as holding parameters but holds '
+        f'a {type(copy).__name__}, not a tree like the parameters.')
+  for move in moves:
+    bias = _lookup(copy, move.path + move.bias_key)
+    kernel = _lookup(copy, move.path + move.kernel_key)
+    has_bias, has_kernel = _is_array(bias), _is_array(kernel)
+    if not has_bias and not has_kernel:
+      continue  # this copy does not hold the layer (a partition)
+    if has_bias and not has_kernel and not move.kernel_trained:
+      kernel = move.kernel  # not trained: the copy's kernel is the model's
+      has_kernel = True
+    if not (has_bias and has_kernel):
+      held, lacking = ('bias', 'kernel') if has_bias else ('kernel', 'bias')
+      raise UnclassifiedStateError(
+          f'transport: {where} holds the {held} of the centered layer '
+          f'{_label(move.path)!r} but not its {lacking} (a mask or partition '
+          'that splits one layer between optimizers): no bias move keeps the '
+          'function of such a copy. Give the kernel and the bias of a '
+          'centered layer the same optimizer.')
+    if move.shift is not None:
+      new = move.shift(_value(kernel), _value(bias))
+      copy = _replace(copy, move.path + move.bias_key, new)
+  return copy
+
+
+def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda x: x is not node)
+  return [(path[0], child) for path, child in pairs], treedef
+
+
+def _key_name(key: Any) -> Any:
+  for attr in ('name', 'key', 'idx'):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return key
+
+
+def _is_container(node: Any) -> bool:
+  return (type(node) in _CONTAINERS
+          or isinstance(node, (nnx.State, flax.core.FrozenDict))
+          or (isinstance(node, tuple) and not hasattr(node, '_fields')))
+
+
+def _stop(node: Any) -> bool:
+  if isinstance(node, nnx.Variable):
+    return True
+  _, treedef = jax.tree_util.tree_flatten(
+      node, is_leaf=lambda x: x is not node)
+  return jax.tree_util.treedef_is_leaf(treedef) and node is not None
+
+
+def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
+  remedy = (
+      'Declare it: cbp_optax.centering.register_parameter_state(StateType, '
+      "'field', ...) names the fields that hold a copy (or an average) of "
+      'the parameters, which the transport then moves with their own '
+      'kernels; register_parameter_state(StateType) with no field declares '
+      'that the state holds gradient statistics only.'
+  )
+  if owner is None:
+    return (
+        f'transport: the optimizer state holds a tree shaped like the '
+        f'parameters at {label}, directly in a chain or wrapper rather than '
+        'in a state type, so it cannot be told apart from a copy of the '
+        'parameters (which the transport must move) or a gradient statistic '
+        '(which it must not). Return a NamedTuple state from your transform '
+        'and ' + remedy[0].lower() + remedy[1:])
+  state_type, field = owner
+  return (
+      f'transport: the optimizer state type '
+      f'{state_type.__module__}.{state_type.__qualname__} holds a tree '
+      f'shaped like the parameters in its field {field!r} (at {label}), and '
+      'the transport does not know whether it is a copy of the parameters '
+      '(to be moved with the biases, so that the function it represents is '
+      'unchanged) or a gradient statistic (to be left). ' + remedy)
+
+
+def transport_state(
+    state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state'
+) -> Any:
+  """``state`` with every parameter copy transported (see the module doc).
+
+  With ``LayerMove.shift`` None it only classifies, raising what the
+  transport would raise. NNX ``Variable`` leaves are written in place; other
+  trees are rebuilt.
+
+  Raises:
+    UnclassifiedStateError: a parameter-shaped tree that is neither in a
+      registered parameter field nor in a known state type, a refused
+      state type, or a copy that splits a layer.
+  """
+  if not moves:
+    return state
+
+  def walk(node, owner, label):
+    if _stop(node):
+      return node
+    if owner is not None and owner[2] and owner[1] in owner[2]:
+      # A field that holds parameters: the copy itself.
+      return transport_copy(node, moves, label)
+    if parameter_shaped(node, moves):
+      if owner is None or owner[2] is None:
+        raise UnclassifiedStateError(_unclassified(
+            owner and owner[:2], label))
+      return node  # a gradient statistic of a known type
+    children, treedef = _children(node)
+    if _is_container(node):
+      inner = [walk(child, owner, f'{label}[{_key_name(k)!r}]')
+               for k, child in children]
+      return jax.tree_util.tree_unflatten(treedef, inner)
+    state_type = type(node)
+    if _is_optax(state_type) and state_type.__qualname__ in _OPTAX_REFUSED:
+      raise UnclassifiedStateError(
+          f'transport: optax\'s {state_type.__qualname__} cannot be '
+          f'transported: {_OPTAX_REFUSED[state_type.__qualname__]}. Train a '
+          'centered model with another optimizer, or leave centering out.')
+    fields = parameter_fields(state_type)
+    inner = []
+    for key, child in children:
+      name = _key_name(key)
+      wrapper = (_is_optax(state_type) and fields is not None
+                 and name in _WRAPPER_FIELDS)
+      child_owner = None if wrapper else (state_type, name, fields)
+      inner.append(walk(child, child_owner,
+                        f'{label}.{name}' if isinstance(name, str)
+                        else f'{label}[{name!r}]'))
+    return jax.tree_util.tree_unflatten(treedef, inner)
+
+  return walk(state, None, what)
+
+
+def find_states(state: Any, state_type: type) -> list[Any]:
+  """Every node of type ``state_type`` in ``state`` (outermost first)."""
+  found = []
+
+  def visit(node):
+    if isinstance(node, state_type):
+      found.append(node)
+      return True
+    return isinstance(node, nnx.Variable)
+
+  jax.tree_util.tree_map(lambda x: x, state, is_leaf=visit)
+  return found
+
+
+def evaluation_params(state: Any, params: Any) -> Any:
+  """The parameters to evaluate: schedule-free's ``x`` if ``state`` has one.
+
+  ``state`` and ``params`` as arrays (NNX: ``nnx.as_pure``).
+
+  Raises:
+    ValueError: more than one schedule-free state, or one whose ``z`` is
+      not shaped like ``params`` (a schedule-free over part of them).
+  """
+  found = find_states(state, optax.contrib.ScheduleFreeState)
+  if not found:
+    return params
+  if len(found) > 1:
+    raise ValueError(
+        f'eval: the optimizer state holds {len(found)} schedule_free states; '
+        'which one gives the evaluation parameters is ambiguous.')
+  (free,) = found
+  if jax.tree.structure(free.z) != jax.tree.structure(params):
+    raise ValueError(
+        'eval: the schedule_free state covers only part of the parameters '
+        '(its z is shaped unlike them); compute the evaluation parameters '
+        'of that part with optax.contrib.schedule_free_eval_params.')
+  return optax.contrib.schedule_free_eval_params(free, params)
+
+
+def dimension_numbers_fn(table: dict[tuple[str, ...], Any]) -> Callable[[Any], Any]:
+  """``dims(params)``: ``table[path]`` at each leaf's path, else None.
+
+  For ``optax.contrib.muon``'s ``muon_weight_dimension_numbers``; paths are
+  key names as strings, NNX ``Variable`` leaves count as leaves.
+  """
+  def name(key):
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+
+  def dims(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: table.get(tuple(name(k) for k in path)), params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  return dims
