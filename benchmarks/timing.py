@@ -50,21 +50,12 @@ def interleaved(steps: Mapping[str, Callable[[], None]],
   after the others' memory traffic) or last. The garbage collector is
   paused while timing: a collection landing inside one step would be noise.
   """
-  names = list(steps)
-  times: dict[str, list[float]] = {name: [] for name in names}
-  was_enabled = gc.isenabled()
-  gc.disable()
-  try:
-    for r in range(rounds):
-      shift = r % len(names)
-      for name in names[shift:] + names[:shift]:
-        start = time.perf_counter()
-        steps[name]()
-        times[name].append(time.perf_counter() - start)
-  finally:
-    if was_enabled:
-      gc.enable()
-  return times
+  return windowed(steps, {name: _no_sync for name in steps},
+                  {name: 1 for name in steps}, rounds)
+
+
+def _no_sync() -> None:
+  """Each step of :func:`interleaved` blocks on its own result."""
 
 
 def pairwise_ratios(times: Mapping[str, Sequence[float]],
