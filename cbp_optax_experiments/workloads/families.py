@@ -327,17 +327,23 @@ def _tabular(name: str, n_val: int):
   return x[n_val:], y[n_val:], x[:n_val], y[:n_val], found.source
 
 
+def _tabular_task(name: str, n_val: int, width: int, depth: int,
+                  classes: int, batch: int, centered: bool) -> tasks.Task:
+  """A ReLU MLP classifier on a bundled tabular data set, raw features."""
+  train_x, train_y, val_x, val_y, _ = _tabular(name, n_val)
+  model = training.MLP(hidden=(width,) * depth, classes=classes,
+                       centered=centered)
+  return _classifier(model, model.clone(centered=False) if centered else
+                     None, train_x, train_y, val_x, val_y, batch)
+
+
 def _breast_cancer(quick: bool) -> tasks.Workload:
   width, depth, batch = (16, 1, 32) if quick else (64, 2, 32)
   steps, every = (20, 10) if quick else (300, 15)
   n_val = 200
 
-  def build(centered):
-    train_x, train_y, val_x, val_y, _ = _tabular('breast_cancer', n_val)
-    model = training.MLP(hidden=(width,) * depth, classes=2,
-                         centered=centered)
-    return _classifier(model, model.clone(centered=False) if centered else
-                       None, train_x, train_y, val_x, val_y, batch)
+  build = functools.partial(_tabular_task, 'breast_cancer', n_val, width,
+                            depth, 2, batch)
   return tasks.Workload(
       'breast-cancer-raw', f'ReLU MLP 30 -> {width} x {depth} -> 2 (He) on '
       'the breast-cancer data set with raw, unscaled features (scales 0.001 '
@@ -351,12 +357,8 @@ def _digits(quick: bool) -> tasks.Workload:
   steps, every = (20, 10) if quick else (300, 15)
   n_val = 597
 
-  def build(centered):
-    train_x, train_y, val_x, val_y, _ = _tabular('digits', n_val)
-    model = training.MLP(hidden=(width,) * depth, classes=10,
-                         centered=centered)
-    return _classifier(model, model.clone(centered=False) if centered else
-                       None, train_x, train_y, val_x, val_y, batch)
+  build = functools.partial(_tabular_task, 'digits', n_val, width, depth,
+                            10, batch)
   return tasks.Workload(
       'digits-raw', f'ReLU MLP 64 -> {width} x {depth} -> 10 (He) on the 8x8 '
       'digits data set with raw pixel counts (0-16, not rescaled), 1,200 '
