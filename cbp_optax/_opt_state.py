@@ -266,6 +266,14 @@ def _replace(tree: Any, path: Path, value: Any) -> Any:
   child = value if len(path) == 1 else _replace(tree[key], path[1:], value)
   if isinstance(tree, flax.core.FrozenDict):
     return tree.copy({key: child})
+  if isinstance(tree, nnx.State):
+    # A State wraps its nested dicts on access; storing the wrapper back
+    # would change the pytree structure that the optimizer's update expects.
+    raw = dict(tree.raw_mapping)
+    if isinstance(child, nnx.State) and not isinstance(raw[key], nnx.State):
+      child = child.raw_mapping
+    raw[key] = child
+    return type(tree)(raw, _copy=False)
   new = dict(tree)
   new[key] = child
   return new if type(tree) is dict else type(tree)(new)

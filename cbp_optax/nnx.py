@@ -418,15 +418,16 @@ def _centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]
 
 
 def _layer_moves(
-    model: nnx.Module, optimizer: nnx.Optimizer,
+    model: nnx.Module, wrt: Any,
     shifts: Optional[Sequence[Any]] = None,
 ) -> list[_opt_state.LayerMove]:
-  """The centered layers as the optimizer state's copies see them."""
+  """The centered layers as the copies of an optimizer of ``wrt`` (the
+  filter it trains) see them."""
   layers = _centered_paths(model)
   if not layers:
     return []
   trained = {tuple(path) for path, _ in
-             nnx.to_flat_state(nnx.state(model, optimizer.wrt))}
+             nnx.to_flat_state(nnx.state(model, wrt))}
   shifts = shifts if shifts is not None else [None] * len(layers)
   moves = []
   for (path, layer), shift in zip(layers, shifts):
@@ -446,7 +447,7 @@ def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
     raise TypeError(
         f'{where}: optimizer must be an nnx.Optimizer (or '
         f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
-  moves = _layer_moves(model, optimizer)
+  moves = _layer_moves(model, optimizer.wrt)
   _opt_state.transport_state(optimizer.opt_state, moves,
                              what='optimizer.opt_state')
 
@@ -457,8 +458,9 @@ _CLASSIFIED = _opt_state.CheckCache()
 
 def transport(
     model: nnx.Module, mean_decay: Any = 0.99, *,
-    optimizer: Optional[nnx.Optimizer] = None, decay: Any = None,
-) -> None:
+    optimizer: Optional[nnx.Optimizer] = None, opt_state: Any = None,
+    decay: Any = None,
+) -> Any:
   """Mean refresh and bias transport for every centered layer, in place.
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
@@ -478,12 +480,23 @@ def transport(
   know is refused with a :class:`cbp_optax.centering.UnclassifiedStateError`.
   Without ``optimizer`` only the model moves.
 
+  In the functional style (``nnx.split`` the model, ``tx.update`` on its
+  ``nnx.Param`` state) pass that optax state as ``opt_state`` instead: its
+  copies move the same way and the new state is returned. It must have been
+  initialized on the whole ``nnx.Param`` state of ``model`` (a copy holding
+  a centered bias without its kernel is refused).
+
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
     optimizer: the ``nnx.Optimizer`` training ``model``; its state's
       parameter copies are moved in place.
+    opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
+      (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
     decay: deprecated name of ``mean_decay``.
+
+  Returns:
+    The transported ``opt_state`` when one is given; otherwise None.
 
   Raises:
     cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
@@ -512,11 +525,20 @@ def transport(
     eq. (10) and Algorithm 1, steps 10-11.
   """
   mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
-  if optimizer is None:
+  if optimizer is not None and opt_state is not None:
+    raise ValueError('transport: pass optimizer (an nnx.Optimizer) or '
+                     'opt_state (a functional optax state), not both.')
+  if optimizer is None and opt_state is None:
     for layer in centered_layers(model):
       layer.transport(mean_decay)
-    return
-  _check_optimizer_state(model, optimizer, 'transport')
+    return None
+  if optimizer is not None:
+    _check_optimizer_state(model, optimizer, 'transport')
+    trained = optimizer.wrt
+  else:
+    trained = nnx.Param
+    _opt_state.transport_state(opt_state, _layer_moves(model, trained),
+                               what='opt_state')
   shifts = []
   for _, layer in _centered_paths(model):
     old = layer.mean[...]
@@ -525,9 +547,12 @@ def transport(
         core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
         mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
-  _opt_state.transport_state(optimizer.opt_state,
-                             _layer_moves(model, optimizer, shifts),
-                             what='optimizer.opt_state')
+  moves = _layer_moves(model, trained, shifts)
+  if optimizer is not None:
+    _opt_state.transport_state(optimizer.opt_state, moves,
+                               what='optimizer.opt_state')
+    return None
+  return _opt_state.transport_state(opt_state, moves, what='opt_state')
 
 
 def eval_model(model: nnx.Module,

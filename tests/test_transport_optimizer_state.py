@@ -272,6 +272,95 @@ def test_nnx_transport_keeps_schedule_free_eval_point():
                         evaluated) > 1e-3
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _functional_transport(graphdef, params, rest, opt_state, mean_decay):
+  model = nnx.merge(graphdef, params, rest)
+  opt_state = cbp.nnx.transport(model, mean_decay, opt_state=opt_state)
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  return nnx.as_pure(params), nnx.as_pure(rest), opt_state
+
+
+def test_nnx_functional_transport_moves_the_optax_state_copies():
+  # The functional style: nnx.split, an optax state on the pure Param state.
+  with jax.enable_x64(True):
+    model = NnxNet(nnx.Rngs(0))
+    cbp.nnx.center(model)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    tx = every_covered()
+    opt_state = tx.init(params)
+    nnx.update(model, perturbed(nnx.state(model, nnx.Param), 1))
+    nnx_record(model, inputs(X_SHAPE, 1, 1.0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest, opt_state = _functional_transport(
+        graphdef, nnx.as_pure(params), nnx.as_pure(rest), opt_state, 0.5)
+    model = nnx.merge(graphdef, params, rest)
+    x = inputs(X_SHAPE, 3)
+    copies = copies_of(opt_state)
+    before = {k: nnx_function(model, c, x) for k, c in copies.items()}
+    state_before = jax.tree.map(np.asarray, opt_state)
+    nnx_record(model, inputs(X_SHAPE, 4, 6.0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest, opt_state = _functional_transport(
+        graphdef, nnx.as_pure(params), nnx.as_pure(rest), opt_state, 0.0)
+    model = nnx.merge(graphdef, params, rest)
+    after = copies_of(opt_state)
+    assert after.keys() == before.keys() and len(after) == 13
+    for key, copy in after.items():
+      change = max_relative(nnx_function(model, copy, x), before[key])
+      assert change <= F64_TOLERANCE, (key, change)
+      assert max_relative(nnx_function(model, copies[key], x),
+                          before[key]) > 1e-3, key
+    assert_only_copy_biases_moved(state_before, opt_state, COPY_FIELDS)
+
+
+class _DenseNormDense(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(3, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+    self.dense2 = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.norm(self.dense1(x)))
+
+
+def test_nnx_functional_transport_keeps_the_state_structure():
+  # An uncentered sibling (the BatchNorm) is a nested State in the optax
+  # state; rebuilding its parent must not change the pytree structure, or
+  # the optimizer's next update fails on a structure mismatch.
+  model = _DenseNormDense(nnx.Rngs(0))
+  cbp.nnx.center(model)
+  tx = optax.contrib.schedule_free_adamw(0.1)
+  opt_state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
+  nnx_record(model, inputs((5, 3), 1, 1.0, dtype=jnp.float32))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params, rest, moved = _functional_transport(
+      graphdef, nnx.as_pure(params), nnx.as_pure(rest), opt_state, 0.0)
+  chex.assert_trees_all_equal_structs(moved, opt_state)
+  updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), moved, params)
+  chex.assert_trees_all_equal_structs(updates, params)
+
+
+def test_nnx_transport_takes_optimizer_or_opt_state_not_both():
+  model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, optax.sgd(0.1))
+  with pytest.raises(ValueError, match='not both'):
+    cbp.nnx.transport(model, optimizer=optimizer,
+                      opt_state=optimizer.opt_state)
+
+
+def test_nnx_functional_transport_refuses_an_unclassified_state():
+  model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  cbp.nnx.center(model)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  bias_before = np.asarray(model.layers[0].layer.bias[...])
+  with pytest.raises(cbp.centering.UnclassifiedStateError):
+    cbp.nnx.transport(model, 0.0, opt_state=UnregisteredEmaState(params))
+  # Refused before anything moved.
+  np.testing.assert_array_equal(model.layers[0].layer.bias[...], bias_before)
+
+
 def test_nnx_copy_of_an_untrained_kernel_moves_by_the_models_kernel():
   # Training the biases only: the copies hold biases, the kernel is the
   # model's own.

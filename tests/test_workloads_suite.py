@@ -492,8 +492,11 @@ def test_every_workload_builds_offline_in_quick(offline, name):
     chex.assert_trees_all_equal_shapes_and_dtypes(grads_shape[0], params)
     metric = jax.eval_shape(task.evaluate, params, state)
     assert metric.shape == ()
-    if centered:
-      jax.eval_shape(task.transport, params, state)
+    if centered:  # with a state that holds a parameter copy (z)
+      tx = optax.contrib.schedule_free_adamw(1e-3)
+      opt_state = jax.eval_shape(tx.init, params)
+      moved = jax.eval_shape(task.transport, params, state, opt_state)
+      chex.assert_trees_all_equal_structs(moved[2], opt_state)
   if name == 'resnet8':  # fell back to the bundled subset, no DataError
     assert 'bundled' in definitions._resnet_data(True).description  # pylint: disable=protected-access
 

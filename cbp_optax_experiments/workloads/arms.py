@@ -206,10 +206,9 @@ def _peer_arms() -> list[Arm]:
 
 
 def _centered(arm: Arm) -> Arm:
-  # The transport moves the bias with the mean; it does not yet move
-  # schedule-free's z (the other copy of the weights that its averaging
-  # keeps), so schedule_free_adamw_centered transports only the iterate:
-  # see docs/reproduction/workloads.md.
+  # The task's transport moves the optimizer state's copies of the weights
+  # too (schedule-free's z), so no transport changes the function at any of
+  # them, the evaluation point included.
   return dataclasses.replace(
       arm, name=f'{arm.name}_centered', centered=True,
       description=f'{arm.description}, on the centered model (M2)')

@@ -83,7 +83,7 @@ def make_step(task: definitions.Task, centered: bool,
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if centered:
-      params, state = task.transport(params, state)
+      params, state, opt_state = task.transport(params, state, opt_state)
     return (params, state, opt_state), loss
   return step
 

@@ -43,9 +43,11 @@ class Task(NamedTuple):
       variables (centering means, batch statistics), possibly empty.
     loss: ``loss(params, state, batch_key, dropout_key) -> (loss, state)``,
       the training-mode minibatch loss and the updated state.
-    transport: ``transport(params, state) -> (params, state)``: M2's mean
-      refresh and bias transport (Algorithm 1, steps 10-11) of a centered
-      model; never called for a plain one.
+    transport: ``transport(params, state, opt_state) -> (params, state,
+      opt_state)``: M2's mean refresh and bias transport (Algorithm 1, steps
+      10-11) of a centered model, moving the optimizer state's copies of the
+      parameters (schedule-free's ``z``) with the biases; never called for a
+      plain one.
     evaluate: ``evaluate(params, state) -> metric`` in evaluation mode.
     batch: ``batch(batch_key)``: the minibatch a step with that key sees.
     stacked: ``stacked=`` argument for ``cbp.cbp`` (layer-stacked leaves), or
@@ -54,7 +56,7 @@ class Task(NamedTuple):
   """
   init: Callable[[jax.Array], tuple[Any, Any]]
   loss: Callable[..., tuple[jax.Array, Any]]
-  transport: Callable[[Any, Any], tuple[Any, Any]]
+  transport: Callable[[Any, Any, Any], tuple[Any, Any, Any]]
   evaluate: Callable[[Any, Any], jax.Array]
   batch: Callable[[jax.Array], Any]
   stacked: Any = None
@@ -214,10 +216,10 @@ def linen_model_task(
     value = loss_of(forward, batch(batch_key))
     return value, {**state, **updated}
 
-  def transport(params, state):
-    params, centering = cbp.linen.transport(params, state['centering'],
-                                            training.RHO)
-    return params, {**state, 'centering': centering}
+  def transport(params, state, opt_state):
+    params, centering, opt_state = cbp.linen.transport(
+        params, state['centering'], training.RHO, opt_state=opt_state)
+    return params, {**state, 'centering': centering}, opt_state
 
   def evaluate(params, state):
     return metric_of(lambda x: model.apply({'params': params, **state}, x,
@@ -293,10 +295,10 @@ def nnx_task(make_model: Callable[[nnx.Rngs], nnx.Module], centered: bool,
     value = loss_fn(model, batch(batch_key), nnx.Rngs(dropout=dropout_key))
     return value, split(model)[1]
 
-  def transport(params, rest):
+  def transport(params, rest, opt_state):
     model = nnx.merge(graphdef, params, rest)
-    cbp.nnx.transport(model, training.RHO)
-    return split(model)
+    opt_state = cbp.nnx.transport(model, training.RHO, opt_state=opt_state)
+    return *split(model), opt_state
 
   def evaluate(params, rest):
     model = nnx.merge(graphdef, params, rest)
