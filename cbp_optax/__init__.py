@@ -18,20 +18,20 @@ from cbp_optax import diagnostics
 from cbp_optax import linen
 from cbp_optax import nnx
 from cbp_optax import sharding
-from cbp_optax.alias import cbp
-from cbp_optax.alias import cbp_robust
-from cbp_optax.alias import cbp_transformer
+from cbp_optax._alias import cbp
+from cbp_optax._alias import cbp_robust
+from cbp_optax._alias import cbp_transformer
 from cbp_optax.blocks import block_names
 from cbp_optax.blocks import kernel_blocks
 from cbp_optax.blocks import layer_blocks
 from cbp_optax.blocks import leaf_blocks
 from cbp_optax.blocks import no_blocks
-from cbp_optax.equalize import BlockStats
-from cbp_optax.equalize import equalize
-from cbp_optax.equalize import equalize_stats
-from cbp_optax.equalize import EqualizeState
-from cbp_optax.precondition import precondition
-from cbp_optax.precondition import PreconditionState
+from cbp_optax._equalize import BlockStats
+from cbp_optax._equalize import equalize
+from cbp_optax._equalize import equalize_stats
+from cbp_optax._equalize import EqualizeState
+from cbp_optax._precondition import precondition
+from cbp_optax._precondition import PreconditionState
 
 __version__ = '0.1.0'
 

@@ -37,7 +37,7 @@ from cbp_optax.blocks import block_layout
 from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
 from cbp_optax.blocks import StackedFn
-from cbp_optax.equalize import stats_dtype_for
+from cbp_optax._equalize import stats_dtype_for
 
 LossFn = Callable[[Any], chex.Numeric]
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 import cbp_optax as cbp
 from cbp_optax import checkpoint
+from cbp_optax_experiments import configurations
 
 SCRIPT = pathlib.Path(__file__).with_name('resume_script.py')
 
@@ -104,7 +105,7 @@ def test_nnx_state_roundtrip(tmp_path):
 
 
 @pytest.mark.parametrize('make_tx', [
-    lambda lr: cbp.cbp(lr, **cbp.alias.TRANSFORMER_COMBINATION),
+    lambda lr: cbp.cbp(lr, **configurations.TRANSFORMER_COMBINATION),
     lambda lr: cbp.cbp(lr, block_fn=cbp.no_blocks)])
 def test_state_with_no_m1_blocks_roundtrips(tmp_path, make_tx):
   # M1 with no blocks keeps a zero-size energy vector, which orbax refuses to

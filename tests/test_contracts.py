@@ -38,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 from optax._src import test_utils
 
 import cbp_optax as cbp
-from cbp_optax.equalize import find_equalize_state
+from cbp_optax._equalize import find_equalize_state
+from cbp_optax_experiments import configurations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -224,10 +225,22 @@ def test_public_factory_signature_is_explicit(factory):
     factory(dampnig=1e-3)
 
 
-def test_cbp_transformer_is_an_alias_of_cbp_robust():
-  assert cbp.cbp_transformer is cbp.cbp_robust
+def test_cbp_transformer_warns_and_is_cbp_robust():
+  params = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+  grads = {'w': jnp.full((2, 3), 0.5), 'b': jnp.arange(3.0)}
+  with pytest.warns(DeprecationWarning, match='cbp_robust'):
+    old = cbp.cbp_transformer(1e-2, update_clip=2.0)
+  new = cbp.cbp_robust(1e-2, update_clip=2.0)
+  state_old, state_new = old.init(params), new.init(params)
+  for _ in range(3):
+    up_old, state_old = old.update(grads, state_old, params)
+    up_new, state_new = new.update(grads, state_new, params)
+    chex.assert_trees_all_equal(up_old, up_new)
+  # inject_hyperparams reads cbp_robust's signature through the name.
+  assert (inspect.signature(cbp.cbp_transformer).parameters
+          == inspect.signature(cbp.cbp_robust).parameters)
   # The configuration it replaced stays spelled out for the ablation study.
-  assert set(cbp.alias.TRANSFORMER_COMBINATION) < set(
+  assert set(configurations.TRANSFORMER_COMBINATION) < set(
       inspect.signature(cbp.cbp).parameters)
 
 

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import cbp_optax as cbp
+from cbp_optax_experiments import configurations
 from tests import numpy_reference as ref
 from tests.test_reference import CLIP
 from tests.test_reference import LR
@@ -191,5 +192,5 @@ def test_transformer_combination_matches_numpy_reference():
   reference = ref.CBPReference(SHAPES, lr=LR, damping=1e-8, equalize=False,
                                relative_damping=0.03)
   worst, _, _ = run_both(
-      lambda: cbp.cbp(LR, **cbp.alias.TRANSFORMER_COMBINATION), reference)
+      lambda: cbp.cbp(LR, **configurations.TRANSFORMER_COMBINATION), reference)
   assert worst <= 1e-10, worst

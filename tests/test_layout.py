@@ -56,6 +56,51 @@ def test_no_core_file_names_the_experiments():
         assert name.partition('.')[0] not in EXTRA, (path, name)
 
 
+def test_no_module_name_collides_with_a_public_name():
+  # optax's house style: private implementation modules, public names
+  # re-exported, so `import cbp_optax.equalize` never shadows the function.
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import cbp_optax  # pylint: disable=g-import-not-at-top
+  modules = {path.stem for path in CORE.glob('*.py')}
+  modules |= {path.parent.name for path in CORE.glob('*/__init__.py')}
+  for name in cbp_optax.__all__:
+    obj = getattr(cbp_optax, name)
+    if callable(obj) and not isinstance(obj, type(cbp_optax)):
+      assert name not in modules, name
+      assert importlib.util.find_spec(f'cbp_optax.{name}') is None, name
+
+
+def _imports_within(package: pathlib.Path) -> dict[str, set[str]]:
+  prefix = f'cbp_optax.{package.name}.'
+  graph = {}
+  for path in sorted(package.glob('_*.py')):
+    if path.name == '__init__.py':
+      continue
+    tree = ast.parse(path.read_text())
+    graph[path.stem] = {node.module[len(prefix):]
+                        for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.module
+                        and node.module.startswith(prefix)}
+  return graph
+
+
+def test_the_framework_packages_mirror_each_other_file_for_file():
+  nnx, linen = _imports_within(CORE / 'nnx'), _imports_within(CORE / 'linen')
+  assert set(nnx) == set(linen) == {
+      '_wrapper', '_center', '_transport', '_train_step', '_recalibrate'}
+  for graph in (nnx, linen):
+    assert not graph['_wrapper'], graph  # the wrapper needs nothing else
+    # Imports flow one way: no module reaches itself through others.
+    for start in graph:
+      seen, todo = set(), list(graph[start])
+      while todo:
+        name = todo.pop()
+        assert name != start, (start, graph)
+        if name not in seen:
+          seen.add(name)
+          todo.extend(graph[name])
+
+
 def test_the_experiments_ship_as_their_own_package_with_the_data():
   experiments = ROOT / 'cbp_optax_experiments'
   for path in ('__init__.py', 'cli.py', 'datasets.py',

@@ -21,7 +21,7 @@ except "former cbp_transformer, not centered", the optimizer side alone):
 * + kernel blocks: ``block_fn=cbp.kernel_blocks`` (M1 on matrices only).
 * + M1 off: ``block_fn=cbp.no_blocks`` (S_t = I).
 * former cbp_transformer: the combination (small damping, relative damping,
-  zero-moment identity, M1 off; ``cbp.alias.TRANSFORMER_COMBINATION``), what
+  zero-moment identity, M1 off; ``configurations.TRANSFORMER_COMBINATION``), what
   ``cbp.cbp_transformer`` was until it became an alias of ``cbp_robust``.
 * former cbp_transformer, not centered: the combination on the plain model
   (the optimizer side alone).
@@ -48,6 +48,7 @@ import tqdm
 from flax import nnx
 
 import cbp_optax as cbp
+from cbp_optax_experiments import configurations
 from cbp_optax_experiments.reproduce import head_to_head
 from cbp_optax_experiments.reproduce import mnist
 from cbp_optax_experiments.reproduce import plotting
@@ -96,9 +97,9 @@ CANDIDATES = (
     _cbp('+ kernel blocks', block_fn=cbp.kernel_blocks),
     _cbp('+ M1 off', block_fn=cbp.no_blocks),
     _cbp('former cbp_transformer', grid=(3e-3, 1e-2, 3e-2),
-         **cbp.alias.TRANSFORMER_COMBINATION),
+         **configurations.TRANSFORMER_COMBINATION),
     _cbp('former cbp_transformer, not centered', centered=False,
-         grid=(3e-3, 1e-2, 3e-2), **cbp.alias.TRANSFORMER_COMBINATION),
+         grid=(3e-3, 1e-2, 3e-2), **configurations.TRANSFORMER_COMBINATION),
     _cbp('cbp_robust', robust_alias=True, grid=(3e-3, 1e-2, 3e-2)),
 )
 
@@ -354,7 +355,7 @@ def paper_arms() -> list[training.Method]:
       training.Method('+ zero-moment identity', variant(
           zero_moment_identity=True), centered=True),
       training.Method('former cbp_transformer', variant(
-          **cbp.alias.TRANSFORMER_COMBINATION), centered=True),
+          **configurations.TRANSFORMER_COMBINATION), centered=True),
   ]
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import optax
 
 import cbp_optax as cbp
+from cbp_optax_experiments import configurations
 from cbp_optax_experiments.reproduce import transformer
 
 # The protocol's settings below were set a priori with the suite (commit
@@ -176,7 +177,7 @@ def _cbp(lr, ctx):
 
 def _former_cbp_transformer(lr, ctx):
   """What ``cbp.cbp_transformer`` was before it became ``cbp_robust``."""
-  return cbp.cbp(ctx.schedule(lr), **cbp.alias.TRANSFORMER_COMBINATION,
+  return cbp.cbp(ctx.schedule(lr), **configurations.TRANSFORMER_COMBINATION,
                  weight_decay=WEIGHT_DECAY, mask=decay_mask,
                  stacked=ctx.stacked)
 

@@ -9,16 +9,17 @@ References:
 # No `from __future__ import annotations`: optax's contract tests read
 # `learning_rate`'s annotation (optax.ScalarOrSchedule) with inspect.
 
+import functools
 from typing import Any, Callable, Optional, Union
+import warnings
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from cbp_optax import _checks
-from cbp_optax import blocks as blocks_lib
-from cbp_optax import equalize as equalize_lib
-from cbp_optax import precondition as precondition_lib
+from cbp_optax import _equalize as equalize_lib
+from cbp_optax import _precondition as precondition_lib
 
 
 def _narrow_in_float32(
@@ -29,7 +30,7 @@ def _narrow_in_float32(
   The update comes back in each gradient's dtype (optax's dtype contract, so
   ``lax.cond``, ``apply_if_finite`` and ``MultiSteps`` work), cast only after
   the learning rate, where it is small; a value still beyond float16's range
-  saturates (:func:`cbp_optax.precondition.saturating_cast`). Trees without
+  saturates (``saturating_cast`` in ``_precondition``). Trees without
   float16 leaves go through ``inner`` untouched: the same computation, bit
   for bit, as the bare chain. The state is ``inner``'s.
   """
@@ -291,17 +292,6 @@ def cbp(
   return _narrow_in_float32(optax.chain(*transforms))
 
 
-# What cbp_transformer was until it became an alias of cbp_robust: cbp with
-# these arguments changed. The transformer ablation (docs) measures each entry
-# alone and together; cbp_robust beat the combination there.
-TRANSFORMER_COMBINATION = dict(
-    damping=1e-8,
-    relative_damping=0.03,
-    zero_moment_identity=True,
-    block_fn=blocks_lib.no_blocks,
-)
-
-
 # Where each departure from Algorithm 1 was chosen (all on the workload
 # suite's dev split, none on its test split; the suite's split module keeps
 # the full record, with the runs and commits):
@@ -329,98 +319,34 @@ def cbp_robust(
     normalized_first_step: bool = True,
     update_clip: Optional[float] = 3.0,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""The recommended CBP configuration: :func:`cbp` with four departures.
+  r"""CBP made robust: :func:`cbp` with four departures from Algorithm 1.
 
-  Use this one to train a model; use :func:`cbp` (Algorithm 1 exactly) to
-  reproduce the paper. It is :func:`cbp` with the arguments below changed
-  from Algorithm 1's defaults; every one can be passed back (``cbp_robust(lr,
-  damping=1e-3, normalized_first_step=False, update_clip=None,
-  min_scale=0.1, max_scale=4.0)`` is Algorithm 1). The step is Adam-sized,
-  so start from a tuned AdamW learning rate (see the hyperparameter docs).
-  Center the model (M2) unless it has BatchNorm layers (below). Measured
-  under each study's own protocol: every rate diverged in 0 of the 30 cells
-  of the initialization-scale grid (Algorithm 1: 20, AdamW: 0; one cell,
-  depth 30 at :math:`\alpha = 1`, trains worse than AdamW, test AUC 0.84
-  against 0.98, one seed of three stalling); the spiral
-  (Table 6) in 191 +- 34 iterations to the threshold (Algorithm 1
-  203 +- 24, Adam 323 +- 55, 10 seeds) and MNIST (Table 10) in 91 +- 5
-  (Adam 97 +- 7), both at AdamW's selected rate; the depth-40 ReLU network
-  with :math:`1/d_{in}` initialization at 0.68 test accuracy (Adam 0.63,
-  Algorithm 1 at chance); first of eight optimizers on the seven-workload
-  suite (docs: "Workloads: is CBP worth it for my model?").
-  ``cbp_optax.cbp_transformer`` is an alias of this function: it was a
-  transformer-specific configuration (``cbp(lr, damping=1e-8,
-  relative_damping=0.03, zero_moment_identity=True,
-  block_fn=cbp_optax.no_blocks)``), and on the transformer ablation this one
-  ended lower (3.335 against 3.355 bits per byte, paired p = 0.04 over 3
-  seeds; AdamW 3.355). Each departure, against Lemma 1 (the bounded,
-  positive-definite operator) and the one-step lag that Theorem 3 needs:
+  Use :func:`cbp` (Algorithm 1 exactly) to reproduce the paper. This is
+  :func:`cbp` with the arguments below changed from Algorithm 1's defaults;
+  each can be passed back (``cbp_robust(lr, damping=1e-3,
+  normalized_first_step=False, update_clip=None, min_scale=0.1,
+  max_scale=4.0)`` is Algorithm 1). The step is Adam-sized, so start from a
+  tuned AdamW learning rate.
 
-  * ``damping=1e-8``: the damping :math:`\zeta` of eq. (11) is Adam's
-    :math:`\epsilon` instead of :math:`10^{-3}`. With Algorithm 1's
-    :math:`\zeta`, every coordinate with :math:`\sqrt{\hat v} \ll \zeta`
-    takes an SGD-like step :math:`\eta \hat m / \zeta`: the bottom layers of
-    a deep ReLU network with a :math:`1/d_{in}` initialization (Algorithm 1
-    stays at chance there), 72% of a transformer's coordinates. Lemma 1
-    holds with :math:`1/(G + \zeta) \le P_t \le 1/\zeta`; the upper bound
-    is loose at :math:`\zeta = 10^{-8}`, and what bounds the step is
-    ``update_clip`` below. The lag is kept. ``relative_damping`` (a damping
-    :math:`\zeta + \delta r_{t-1}` that follows each tensor's scale) stays
-    available and off: with :math:`\delta = 0.03`, this configuration was
-    slower on five of the suite's seven workloads (the depth-40 MLP: 362
-    against 188 AdamW steps to the target) and reached 0.56 instead of
-    0.68 on the depth-40 study.
+  * ``damping=1e-8``: eq. (11)'s :math:`\zeta` is Adam's :math:`\epsilon`,
+    not :math:`10^{-3}` (which makes every coordinate with
+    :math:`\sqrt{\hat v} \ll \zeta` take an SGD-sized step). The lag is kept.
   * ``normalized_first_step=True``: where the stored second moment is zero
     (every coordinate at step 1), :math:`P` uses the current
     :math:`\tilde g_t^2` instead of :math:`P_1 = I`, so step 1 moves each
-    coordinate by about :math:`\eta`, as Adam's does. Algorithm 1's step 1
-    is :math:`-\eta g_1`, whose size is the raw gradient's: it grows like
-    :math:`(\alpha/\sqrt 2)^{depth}` with the initialization scale
-    :math:`\alpha` and diverged at every rate in 20 of the 30 cells of the
-    initialization-scale study. :math:`\tilde g_t^2 \in [0, G^2]`, so Lemma
-    1's bounds are unchanged; the lag is given up at that one step of each
-    coordinate (one term of Theorem 3's telescoped sum, bounded by
-    :math:`\eta` per coordinate in size).
+    coordinate by about :math:`\eta`, as Adam's does.
   * ``update_clip=3.0``: each coordinate of :math:`P_t \hat m_t` is clipped
-    to :math:`[-3, 3]`, so no coordinate moves by more than :math:`3 \eta`
-    in a step: about the largest step Adam takes, on a coordinate whose
-    gradient jumps from zero (:math:`(1 - \beta_1)/\sqrt{1 - \beta_2}
-    \approx 3.16`). The lagged :math:`\hat v_{t-1}` does not contain the
-    current gradient, so where gradients grow (the first steps, when
-    :math:`\hat v` averages a few squares; the bottom layers of a deep
-    network waking up) the lagged direction has no such bound. Measured:
-    with the two departures above and a relative damping
-    (:math:`\delta = 0.03`) but no clip, a depth-30 network at
-    :math:`\alpha = 1` diverged at two of three rates and the depth-40
-    :math:`1/d_{in}` network stayed at chance; with the clip neither
-    happens. The clipped direction is :math:`P'_t \hat m_t` with
-    :math:`P'_t = \min(P_t, 3/|\hat m_t|)`: Lemma 1's upper bound holds,
-    the lower becomes :math:`\min(1/(G + \zeta), 3/G)`, and
-    the lag is given up exactly on the coordinates and steps where the
-    clip binds.
-  * ``min_scale=1.0, max_scale=1.0``: M1's scales are clipped to
-    :math:`[1, 1]`, i.e. :math:`S_t = I` (Lemma 1 with
-    :math:`s_{\min} = s_{\max} = 1`); the block energies are still kept, so
-    :func:`cbp_optax.equalize_stats` reports them (with
-    ``min_scale=1.0, max_scale=1.0``, the scales of ones this configuration
-    applies). Once the damping no
-    longer dominates, M3 divides each coordinate by its own second moment
-    and a block's scale cancels in :math:`P_t S_t \hat m_t` up to its lag
-    (on the transformer the remainder cost 0.020 bits per byte). Pass
-    ``min_scale=0.1, max_scale=4.0`` to keep M1.
+    to :math:`[-3, 3]` (about Adam's largest step), since the lagged
+    :math:`\hat v_{t-1}` does not bound a gradient that grows.
+  * ``min_scale=max_scale=1.0``: M1's scales are one (:math:`S_t = I`); the
+    block energies are still kept for :func:`cbp_optax.equalize_stats`.
 
-  M2 (centering) is part of the model, as for :func:`cbp`: call
-  ``cbp_optax.nnx.center(model)`` (or wrap the layers with
-  ``cbp_optax.nnx.Centered`` / ``cbp_optax.linen.Centered``), except in a
-  model with BatchNorm layers evaluated with their running averages: leave
-  that one plain, or recalibrate its statistics
-  (``cbp_optax.nnx.recalibrate_batch_stats``) before evaluating. BatchNorm
-  already removes the mean that M2 removes (the paper's §7 reads M2 as the
-  mean-removal half of normalization), and on the Flax NNX MNIST tutorial's
-  CNN, centering the Linear layer after the last BatchNorm cost 3.6 points of
-  running-average accuracy (AdamW, 3 seeds; 0.7 plain) that recalibration
-  gave back. Plain, this configuration reaches the tutorial's target as
-  AdamW does (docs: "Using CBP on your model").
+  Lemma 1's bounds hold with each (the clip changes the lower one to
+  :math:`\min(1/(G + \zeta), 3/G)`); the lag is given up only at a
+  coordinate's first step and where the clip binds. Each was chosen on the
+  workload suite's dev split; the measurements behind them, and when to
+  center a model with BatchNorm, are in the docs page "Why cbp_robust
+  departs from Algorithm 1" (docs/cbp-robust.md).
 
   Args:
     learning_rate: :math:`\eta`, a float or an optax schedule; AdamW's
@@ -504,7 +430,29 @@ def cbp_robust(
   )
 
 
-# An alias: cbp_transformer was a transformer-specific configuration
-# (TRANSFORMER_COMBINATION); cbp_robust ties or beats it on the transformer
-# ablation and the workload suite, so one configuration serves both.
-cbp_transformer = cbp_robust
+@functools.wraps(cbp_robust, assigned=('__module__', '__annotations__'))
+def cbp_transformer(*args, **kwargs) -> optax.GradientTransformation:
+  """Deprecated: :func:`cbp_robust` under its former name.
+
+  ``cbp_transformer`` was a transformer-specific configuration of
+  :func:`cbp` (damping 1e-8, relative damping 0.03, the zero-moment
+  identity, M1 off); it then became an alias of :func:`cbp_robust`, which
+  changed every one of those settings under the same name. It takes
+  :func:`cbp_robust`'s arguments and returns the same transformation, with
+  a ``DeprecationWarning``; it will be removed in 1.0.
+
+  Examples:
+    >>> import warnings
+    >>> import cbp_optax
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   tx = cbp_optax.cbp_transformer(1e-3)
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+  """
+  warnings.warn(
+      'cbp_optax.cbp_transformer is deprecated and will be removed in 1.0: '
+      'it is cbp_optax.cbp_robust under its former name (same arguments, '
+      'same transformation), not the transformer configuration it once '
+      'named. Call cbp_optax.cbp_robust.', DeprecationWarning, stacklevel=2)
+  return cbp_robust(*args, **kwargs)

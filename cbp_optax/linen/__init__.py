@@ -1,0 +1,61 @@
+"""Conditioned Backpropagation for Flax Linen: centered layers and the fused step.
+
+* :func:`center` turns an unmodified Linen module into one whose ``init``
+  creates the ``'centering'`` collection and whose ``apply`` centers every
+  supported linear layer, ``z = W (a - mu) + b~`` (eq. 8), attention
+  projections and ``nn.scan``/``nn.vmap`` layer stacks included.
+* :class:`Centered` wraps one layer, for models written with it.
+* :func:`transport` is the pure mean refresh and bias transport
+  (Algorithm 1, steps 10-11; eq. 10).
+* :class:`TrainState` and :func:`train_step` give one jit-compiled iteration.
+* :func:`stacked_blocks` tells M1 which parameters are layer stacks.
+
+Example::
+
+  model = cbp_optax.linen.center(MyModel())     # source unchanged
+  variables = model.init(key, x)                # params + 'centering'
+  state = cbp_optax.linen.TrainState.create(
+      apply_fn=model.apply, params=variables['params'],
+      centering=variables['centering'], tx=cbp_optax.cbp(1e-3))
+  step = cbp_optax.linen.train_step(loss_fn)    # loss_fn(apply, *batch)
+  state, out = step(state, images, labels)
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.2, eqs. (8)-(10), and Algorithm 1.
+"""
+
+# The implementation lives in one private module per job, mirrored by
+# cbp_optax.nnx: _wrapper (the centered layer), _center, _transport,
+# _train_step (the fused step) and _recalibrate (BatchNorm statistics).
+
+from cbp_optax._step import StepOutput
+from cbp_optax.linen._wrapper import Centered
+from cbp_optax.linen._wrapper import CenteringMean
+from cbp_optax.linen._wrapper import COLLECTION
+from cbp_optax.linen._center import center
+from cbp_optax.linen._center import CenteredModel
+from cbp_optax.linen._center import stacked_blocks
+from cbp_optax.linen._transport import eval_params
+from cbp_optax.linen._transport import muon_dimension_numbers
+from cbp_optax.linen._transport import transport
+from cbp_optax.linen._train_step import train_step
+from cbp_optax.linen._train_step import TrainState
+from cbp_optax.linen._recalibrate import recalibrate_batch_stats
+
+__all__ = [
+    'COLLECTION',
+    'Centered',
+    'CenteredModel',
+    'CenteringMean',
+    'StepOutput',
+    'TrainState',
+    'center',
+    'eval_params',
+    'muon_dimension_numbers',
+    'recalibrate_batch_stats',
+    'stacked_blocks',
+    'train_step',
+    'transport',
+]

@@ -1,0 +1,219 @@
+"""The fused Linen step: forward with centering, backward, update, mean
+refresh and transport as one compiled iteration (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from cbp_optax import _checks
+from cbp_optax import _step
+from cbp_optax._step import StepOutput
+
+from cbp_optax.linen._transport import _CLASSIFIED
+from cbp_optax.linen._transport import check_opt_state
+from cbp_optax.linen._transport import transport
+from cbp_optax.linen._wrapper import COLLECTION
+
+
+class TrainState(train_state.TrainState):
+  """``flax.training.train_state.TrainState`` with the model's other state.
+
+  Create it with ``TrainState.create(apply_fn=..., params=...,
+  centering=variables['centering'], model_state={'batch_stats': ...},
+  tx=...)``; ``centering`` may be empty for an uncentered model.
+  ``model_state`` holds every other variable collection the model reads and
+  updates in training (BatchNorm's ``batch_stats``, ...). ``step`` counts
+  the updates applied and ``skipped_steps`` the batches :func:`train_step`
+  skipped as non-finite.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Dense(1))
+    >>> variables = model.init(jax.random.key(0), jnp.ones((4, 2)))
+    >>> state = cbp.linen.TrainState.create(
+    ...     apply_fn=model.apply, params=variables['params'],
+    ...     centering=variables['centering'], tx=cbp.cbp(1e-3))
+    >>> int(state.step), int(state.skipped_steps), state.model_state
+    (0, 0, {})
+  """
+
+  centering: Any = flax.struct.field(default_factory=dict)
+  model_state: Any = flax.struct.field(default_factory=dict)
+  skipped_steps: jax.Array = flax.struct.field(
+      default_factory=lambda: jnp.zeros((), jnp.int32)
+  )
+
+
+def _like(container: Any, tree: Any) -> Any:
+  # Keep the container type (dict or FrozenDict) so the skip can select.
+  if isinstance(container, flax.core.FrozenDict):
+    return flax.core.freeze(tree)
+  return flax.core.unfreeze(tree)
+
+
+def train_step(
+    loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
+    donate: bool = True, decay: Any = None,
+) -> Callable[..., tuple[TrainState, StepOutput]]:
+  """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
+
+  The returned ``step(state, *batch)`` runs the forward pass with centering
+  (recording batch means), the backward pass, ``state.tx`` (``cbp.cbp`` for
+  full CBP, any optax transform otherwise, e.g. ``optax.adam`` for "Adam +
+  Center"), the parameter update and :func:`transport` (of the parameters
+  and of the optimizer state's copies of them), in one ``jax.jit``
+  with the state donated. A non-finite loss, gradient or recorded statistic
+  skips the step: the returned state equals the input state (parameters,
+  optimizer state, centering, model state, step) but for ``skipped_steps``,
+  which grows by one, and ``StepOutput.skipped`` is True. Called directly on
+  CPU, the step compiles with XLA's
+  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized
+  copies). Called inside your own ``jax.jit`` it is traced into your
+  program, with the same numbers, bit for bit.
+
+  Args:
+    loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
+      aux)``. ``apply(*args, **kwargs)`` runs ``state.apply_fn`` on the
+      current parameters, centering and model state, with those collections
+      mutable; pass training flags and ``rngs={'dropout': key}`` through it.
+      Call it once per step.
+    mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
+    donate: donate the input state's buffers to the step.
+    decay: deprecated name of ``mean_decay``.
+
+  Returns:
+    ``step(state, *batch) -> (state, StepOutput)``.
+
+  Raises:
+    ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction).
+    TypeError: a first argument that is not a :class:`TrainState` (at the
+      call); an optimizer state the transport cannot classify
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
+      before tracing).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return nn.Dense(1)(nn.relu(nn.Dense(4)(x)))
+    >>> model = cbp.linen.center(MLP())
+    >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> state = cbp.linen.TrainState.create(
+    ...     apply_fn=model.apply, params=variables['params'],
+    ...     centering=variables['centering'], tx=cbp.cbp(1e-3))
+    >>> def loss_fn(apply, x, y):
+    ...   return jnp.mean((apply(x) - y) ** 2)
+    >>> step = cbp.linen.train_step(loss_fn, mean_decay=0.99)
+    >>> state, out = step(state, x, y)
+    >>> out.loss.shape, bool(out.skipped), int(state.step)
+    ((), False, 1)
+    >>> state.centering['Dense_1']['mean'].value  # 0.99 * 0 + 0.01 * mean(x)
+    Array([0.01, 0.01, 0.01], dtype=float32)
+    >>> state, out = step(state, x, jnp.full((8, 1), jnp.nan))
+    >>> bool(out.skipped), int(state.step), int(state.skipped_steps)
+    (True, 1, 1)
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Algorithm 1.
+  """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_function('loss_fn', loss_fn)
+  _checks.check_bool('donate', donate)
+
+  def step(state: TrainState, *batch):
+    def loss_of(params):
+      mutated = []
+
+      def apply(*args, **kwargs):
+        if mutated:
+          raise ValueError(
+              'train_step: loss_fn called apply twice; the recorded means and '
+              'batch statistics of one step must come from one forward pass. '
+              'Concatenate the inputs into one call.'
+          )
+        variables = {'params': params, COLLECTION: state.centering,
+                     **state.model_state}
+        mutable = [COLLECTION, *state.model_state]
+        out, changed = state.apply_fn(variables, *args, mutable=mutable,
+                                      **kwargs)
+        if changed.get(COLLECTION) and not state.centering:
+          raise ValueError(
+              'train_step: the model creates a centering collection but the '
+              'TrainState has none: pass centering=variables["centering"] '
+              'to TrainState.create.'
+          )
+        extra = set(changed) - set(mutable)
+        if extra:
+          raise ValueError(
+              f'train_step: the model created collections {sorted(extra)} '
+              'that the TrainState lacks: pass them in model_state.'
+          )
+        mutated.append(changed)
+        return out
+
+      loss, aux = _step.split_loss(loss_fn(apply, *batch))
+      _step.check_scalar_loss(loss)
+      changed = mutated[0] if mutated else {}
+      centering = _like(state.centering,
+                        changed.get(COLLECTION, state.centering))
+      model_state = _like(state.model_state, {
+          k: changed.get(k, v) for k, v in state.model_state.items()})
+      return loss, (aux, (centering, model_state))
+
+    def apply_step(state, grads, changed):
+      centering, model_state = changed
+      updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      if centering:
+        params, centering, opt_state = transport(
+            params, centering, mean_decay, opt_state=opt_state)
+      return state.replace(step=state.step + 1, params=params,
+                           opt_state=opt_state, centering=centering,
+                           model_state=model_state)
+
+    def skip_step(state, grads, changed):
+      del grads, changed
+      return state.replace(skipped_steps=state.skipped_steps + 1)
+
+    return _step.conditioned_update(
+        loss_of, state.params, apply_step, skip_step, _step.select, state)
+
+  jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
+
+  def train(*args):
+    if not args or not isinstance(args[0], TrainState):
+      got = f'a {type(args[0]).__name__}' if args else 'no argument'
+      raise TypeError(
+          'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
+          f'first, got {got}: build it with '
+          'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
+          'centering=..., tx=...).'
+      )
+    state = args[0]
+    if state.centering:
+      # Classified once per tx (again while tracing, for any other state).
+      _CLASSIFIED.check(
+          state.tx, id(state.apply_fn),
+          lambda: check_opt_state(state.params, state.centering,
+                                  state.opt_state))
+    if donate:
+      args = (_step.unaliased(state),) + args[1:]
+    return jitted(*args)
+
+  train.lower = jitted.lower
+  return train

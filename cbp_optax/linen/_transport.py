@@ -1,0 +1,317 @@
+"""M2's mean refresh and bias transport for Linen variables (Algorithm 1,
+steps 10-11; eq. 10), with the optimizer state's parameter copies, and the
+helpers that read centered parameters (``eval_params``,
+``muon_dimension_numbers``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from cbp_optax import _opt_state
+from cbp_optax import _step
+from cbp_optax import blocks
+from cbp_optax import centering as core
+
+from cbp_optax.linen._wrapper import CenteringMean
+from cbp_optax.linen._wrapper import _CONV
+from cbp_optax.linen._wrapper import _COUNT
+from cbp_optax.linen._wrapper import _DENSE
+from cbp_optax.linen._wrapper import _MASK
+from cbp_optax.linen._wrapper import _MEAN
+from cbp_optax.linen._wrapper import _RECORDED
+from cbp_optax.linen._wrapper import _RESIDUAL
+from cbp_optax.linen._wrapper import _entry_at
+from cbp_optax.linen._wrapper import _is_entry
+
+
+def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mapping[str, Any]]:
+  if 'kernel' in layer_params:
+    return None, layer_params
+  for name in (_DENSE, _CONV):
+    if name in layer_params:
+      return name, layer_params[name]
+  raise ValueError(
+      'transport: a centering entry has no matching layer parameters '
+      f'(expected kernel and bias, or a {_DENSE!r} or {_CONV!r} subtree, found '
+      f'{sorted(layer_params)}); pass the params and centering collections '
+      'of the same model.'
+  )
+
+
+def _transport_layer(layer_params, entry, mean_decay, path, moves):
+  box = entry[_MEAN]
+  if not isinstance(box, CenteringMean):
+    raise ValueError(
+        'transport: the centering mean is not a CenteringMean box (a '
+        'collection from an older version, or unboxed with nn.meta.unbox): '
+        'initialize the model again.'
+    )
+  name, inner = _layer_params(layer_params)
+  mask, residual = entry.get(_MASK), entry.get(_RESIDUAL)
+  moved = core.transport(
+      box.spec, inner['kernel'], inner['bias'], box.value, entry[_RECORDED],
+      mean_decay, mask=mask, mean_stack_axes=box.stack_axes,
+      residual=residual)
+  bias, mean = moved[0], moved[1]
+  layer_path = path if name is None else path + (name,)
+  moves.append(_opt_state.LayerMove(
+      path=layer_path, kernel_key=('kernel',), bias_key=('bias',),
+      bias_shape=tuple(jnp.shape(inner['bias'])), kernel=inner['kernel'],
+      kernel_trained=True,
+      shift=functools.partial(
+          core.shift_bias, box.spec, mean=box.value, new_mean=mean,
+          mask=mask, mean_stack_axes=box.stack_axes)))
+  inner = dict(inner, bias=bias)
+  new_params = inner if name is None else dict(layer_params, **{name: inner})
+  new_entry = _restart_recording(
+      dict(entry, **{_MEAN: box.replace_boxed(mean)}))
+  if residual is not None:
+    new_entry[_RESIDUAL] = moved[2]
+  return new_params, new_entry
+
+
+def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
+  """A centering entry whose next training call records a fresh mean.
+
+  The transport calls it once it has used the recorded mean, so that every
+  step records the calls of its own forward pass only.
+  """
+  if _COUNT not in entry:
+    return dict(entry)
+  return dict(entry, **{_COUNT: jnp.zeros_like(entry[_COUNT])})
+
+
+def _transport_tree(params, centering, mean_decay, path=(), moves=None):
+  if _is_entry(centering):
+    return _transport_layer(params, centering, mean_decay, path, moves)
+  new_params, new_centering = dict(params), dict(centering)
+  for key, sub in centering.items():
+    if key not in params:
+      raise ValueError(
+          f'transport: centering has a subtree {key!r} that params lacks; '
+          'pass the params and centering collections of the same model.'
+      )
+    new_params[key], new_centering[key] = _transport_tree(
+        params[key], sub, mean_decay, path + (key,), moves)
+  return new_params, new_centering
+
+
+def _freeze_like(like: Any, tree: Any) -> Any:
+  if isinstance(like, flax.core.FrozenDict):
+    return flax.core.freeze(tree)
+  return tree
+
+
+def _lookahead(params: Any) -> bool:
+  return isinstance(params, optax.LookaheadParams)
+
+
+def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
+  """The centered layers, for classifying an optimizer state (no transport)."""
+  if _lookahead(params):
+    params = params.fast
+  moves = []
+  boxes = flax.core.unfreeze(centering)
+
+  def visit(params, entries, path):
+    if _is_entry(entries):
+      name, inner = _layer_params(params)
+      moves.append(_opt_state.LayerMove(
+          path=path if name is None else path + (name,),
+          kernel_key=('kernel',), bias_key=('bias',),
+          bias_shape=tuple(jnp.shape(inner['bias'])), kernel=inner['kernel'],
+          kernel_trained=True, shift=None))
+      return
+    for key, sub in entries.items():
+      if key in params:
+        visit(params[key], sub, path + (key,))
+
+  visit(flax.core.unfreeze(params), boxes, ())
+  return moves
+
+
+# The optimizers (tx) whose states the fused step classified.
+_CLASSIFIED = _opt_state.CheckCache()
+
+
+def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
+  """Refuses, before any tracing, an optimizer state the transport cannot
+  classify (see :func:`transport`)."""
+  _opt_state.transport_state(opt_state, _moves(params, centering),
+                             what='opt_state')
+
+
+def transport(
+    params: Any, centering: Any, mean_decay: Any = 0.99, *,
+    opt_state: Any = None, decay: Any = None,
+) -> tuple[Any, ...]:
+  """Mean refresh and bias transport for every centered layer (pure).
+
+  ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
+  ``b~ += W (mu_new - mu_old)`` with the weights in ``params`` (pass the
+  *updated* parameters; Algorithm 1, steps 10-11, eq. 10). Layer stacks are
+  transported slice by slice. The model's output is unchanged for every
+  input.
+
+  Pass the ``opt_state`` whenever it may hold copies of the parameters
+  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
+  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state declared with
+  :func:`cbp_optax.centering.register_parameter_state`): each copy's biases
+  move by its own kernel, so every function the optimizer holds is
+  unchanged too, and the new state is returned third. Gradient statistics
+  are left as they are; a parameter-shaped tree in a state type the
+  transport does not know raises
+  :class:`cbp_optax.centering.UnclassifiedStateError`. ``params`` may also
+  be ``optax.LookaheadParams``: the fast and the slow parameters both move,
+  each by its own kernel.
+
+  Args:
+    params: the ``'params'`` collection (or ``optax.LookaheadParams`` of
+      two).
+    centering: the ``'centering'`` collection (with recorded batch means).
+    mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    opt_state: the optimizer's state, to move its parameter copies too.
+    decay: deprecated name of ``mean_decay``.
+
+  Returns:
+    ``(params, centering)`` with transported biases and refreshed means, in
+    the containers they came in (dict or FrozenDict);
+    ``(params, centering, opt_state)`` when ``opt_state`` is given.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Dense(1))
+    >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> y, changed = model.apply(variables, x, mutable=['centering'])
+    >>> params, centering = cbp.linen.transport(
+    ...     variables['params'], changed['centering'], mean_decay=0.5)
+    >>> centering['mean'].value
+    Array([1. , 1.5], dtype=float32)
+    >>> y_new = model.apply({'params': params, 'centering': centering}, x)
+    >>> bool(jnp.allclose(y_new, y, atol=1e-6))
+    True
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    eq. (10) and Algorithm 1, steps 10-11.
+  """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
+  if opt_state is not None:
+    check_opt_state(params, centering, opt_state)
+  lookahead = _lookahead(params)
+  fast = params.fast if lookahead else params
+  moves = []
+  new_params, new_centering = _transport_tree(
+      flax.core.unfreeze(fast), flax.core.unfreeze(centering), mean_decay,
+      (), moves)
+  new_params = _freeze_like(fast, new_params)
+  new_centering = _freeze_like(centering, new_centering)
+  if lookahead:
+    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow')
+    new_params = params._replace(fast=new_params, slow=slow)
+  if opt_state is None:
+    return new_params, new_centering
+  return new_params, new_centering, _opt_state.transport_state(
+      opt_state, moves, what='opt_state')
+
+
+def eval_params(params: Any, opt_state: Any = None) -> Any:
+  """The parameters to evaluate a (centered) model at.
+
+  Schedule-free optimizers train at one point and evaluate at another,
+  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
+  for an ``opt_state`` holding a ``schedule_free`` state (at any depth of a
+  chain or wrapper) this is ``x``, to be used with the model's
+  ``'centering'`` collection as it is: the transport moved ``y`` and ``z``
+  alike, so ``x`` is consistent with the means. ``optax.LookaheadParams``
+  give their slow parameters. Otherwise ``params`` themselves. For a model
+  with BatchNorm, recalibrate its statistics at these parameters
+  (:func:`recalibrate_batch_stats`) before evaluating.
+
+  Args:
+    params: the trained ``'params'`` (or ``optax.LookaheadParams``).
+    opt_state: the optimizer state, or None.
+
+  Returns:
+    A parameter tree like ``params`` (the slow one for lookahead).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import cbp_optax as cbp
+    >>> params = {'w': jnp.ones(2)}
+    >>> opt_state = optax.contrib.schedule_free_sgd(0.1).init(params)
+    >>> cbp.linen.eval_params(params, opt_state)['w']
+    Array([1., 1.], dtype=float32)
+  """
+  if _lookahead(params):
+    return params.slow
+  if opt_state is None:
+    return params
+  return _opt_state.evaluation_params(opt_state, params)
+
+
+def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
+
+  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
+  parameter to AdamW unless told how to see a kernel as a matrix. For every
+  centered layer this is derived from its recorded configuration: a dense
+  kernel's contracted input axes are the reduction axes and its feature
+  axes the output axes (``nn.DenseGeneral`` and attention projections
+  included); a convolution's window and input-channel axes are the
+  reduction axes (``(h, w, c_in, c_out)`` seen as ``(h w c_in, c_out)``);
+  the stack axes of ``nn.scan`` / ``nn.vmap`` stacks are batch axes. Any
+  other leaf named ``kernel`` with two or more axes is seen as a matrix over
+  its last axis; biases, norms and embeddings get None (AdamW).
+
+  Args:
+    params: the ``'params'`` collection.
+    centering: the ``'centering'`` collection (empty for a plain model).
+
+  Returns:
+    ``dims(params)``, for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Conv(4, (3, 3)))
+    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 5, 5, 3)))
+    >>> dims = cbp.linen.muon_dimension_numbers(
+    ...     variables['params'], variables['centering'])
+    >>> dims(variables['params'])['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+  """
+  table = {}
+
+  def plain(path, leaf):
+    if str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2:
+      names = tuple(str(blocks.key_name(k)) for k in path)
+      table[names] = optax.contrib.MuonDimensionNumbers(
+          reduction_axis=tuple(range(jnp.ndim(leaf) - 1)),
+          output_axis=(jnp.ndim(leaf) - 1,))
+
+  jax.tree_util.tree_map_with_path(plain, flax.core.unfreeze(params))
+  unfrozen = flax.core.unfreeze(params)
+  for move in _moves(params, centering):
+    layer = unfrozen
+    for key in move.path:
+      layer = layer[key]
+    box = _entry_at(centering, move.path)[_MEAN]
+    _, axes, _ = core.layer_axes(box.spec, layer['kernel'], layer['bias'],
+                                 box.value, box.stack_axes)
+    names = tuple(str(k) for k in move.path) + ('kernel',)
+    table[names] = core.muon_dimension_numbers(box.spec, axes)
+  return _opt_state.dimension_numbers_fn(table)

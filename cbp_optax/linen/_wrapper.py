@@ -1,0 +1,276 @@
+"""Linen centering wrapper: the ``Centered`` layer and its ``'centering'``
+entries, ``z = W (a - mu) + b~`` (eq. 8).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Union
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import meta
+
+from cbp_optax import centering as core
+
+
+
+COLLECTION = 'centering'
+
+
+_MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
+
+
+# How many input positions 'batch_mean' averages since the last transport.
+_COUNT = 'batch_count'
+
+
+# A 16-bit bias's float32 transport residual (core.needs_bias_residual).
+_RESIDUAL = 'bias_residual'
+
+
+# Inside the Centered wrapper the layer's parameters live under these names.
+_DENSE, _CONV = 'dense', 'conv'
+
+
+class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
+  """``mu`` in the ``'centering'`` collection, with what the transport needs.
+
+  A Flax metadata box (like ``nn.Partitioned``): ``nn.scan`` and ``nn.vmap``
+  call :meth:`add_axis` when they stack it, so ``stack_axes`` always says
+  where the layer-stack axes are, and ``spec`` (static) describes one layer.
+  ``.value`` is the array; ``nn.meta.unbox`` unboxes a whole collection.
+  """
+
+  value: Any
+  spec: core.LayerSpec = flax.struct.field(pytree_node=False)
+  stack_axes: tuple[int, ...] = flax.struct.field(pytree_node=False,
+                                                  default=())
+
+  def unbox(self) -> Any:
+    return self.value
+
+  def replace_boxed(self, val: Any) -> 'CenteringMean':
+    return self.replace(value=val)
+
+  def add_axis(self, index: int, params: dict[Any, Any]) -> 'CenteringMean':
+    moved = tuple(a + 1 if a >= index else a for a in self.stack_axes)
+    return self.replace(stack_axes=tuple(sorted(moved + (index,))))
+
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> 'CenteringMean':
+    return self.replace(stack_axes=tuple(
+        a - 1 if a > index else a for a in self.stack_axes if a != index))
+
+
+_SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv)
+
+
+def check_layer(layer: Any) -> None:
+  """Refuses, at construction, a layer that cannot be centered exactly."""
+  if type(layer) not in _SUPPORTED:
+    raise core.unsupported_layer_error(type(layer), _SUPPORTED)
+  core.check_centerable(
+      type(layer),
+      use_bias=layer.use_bias,
+      input_dilation=getattr(layer, 'input_dilation', None),
+      batch_axes=getattr(layer, 'batch_dims', None),
+  )
+
+
+def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
+  return (features,) if isinstance(features, int) else tuple(features)
+
+
+def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
+  """The :class:`~cbp_optax.centering.LayerSpec` of a layer on ``inputs``."""
+  check_layer(layer)
+  if isinstance(layer, nn.Conv):
+    kernel_size = _features(layer.kernel_size)
+    return core.conv_spec(kernel_size, inputs.shape[-1], layer.features,
+                          layer.feature_group_count)
+  axis = -1 if isinstance(layer, nn.Dense) else layer.axis
+  axes = core.normalize_axes(axis, inputs.ndim)
+  return core.dense_spec(axis, tuple(inputs.shape[a] for a in axes),
+                         _features(layer.features))
+
+
+def _no_collection_message(host: nn.Module) -> str:
+  path = '/'.join(host.scope.path) or core.MODEL_PATH
+  return (
+      f'cbp_optax.linen: the centered layer {path!r} finds no {COLLECTION!r} '
+      'collection. Inside nn.scan or nn.vmap (or another lifted transform), '
+      f'add {COLLECTION!r} to variable_axes with the same axis as '
+      "'params', e.g. nn.scan(Block, variable_axes={'params': 0, "
+      "'centering': 0}, split_rngs={'params': True}, length=n); at apply, "
+      "pass it with the parameters: apply({'params': params, 'centering': "
+      "centering}, x). A layer whose parameters the transform broadcasts "
+      '(a recurrent cell scanned over time) cannot be centered inside it: '
+      'leave it out with center(..., where=...), or unroll the loop (its '
+      'calls then share one mean).'
+  )
+
+
+def _centered_call(
+    host: nn.Module,
+    layer_fn: Callable[[jax.Array], jax.Array],
+    kernel_of: Callable[[], jax.Array],
+    spec: core.LayerSpec,
+    mask: Optional[jax.Array],
+    inputs: jax.Array,
+    *,
+    use_running_average: bool,
+    mean_dtype: Any,
+    axis_name: Any,
+    bias_dtype: Any = None,
+) -> jax.Array:
+  """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
+  try:
+    mean = host.variable(
+        COLLECTION, _MEAN,
+        lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+  except flax.errors.ScopeCollectionNotFound as error:
+    raise ValueError(_no_collection_message(host)) from error
+  recorded = host.variable(COLLECTION, _RECORDED, jnp.zeros, spec.mean_shape,
+                           mean_dtype)
+  # A collection made before the count existed has none: it then records
+  # the last call only, as it did.
+  count = None
+  if host.is_initializing() or host.has_variable(COLLECTION, _COUNT):
+    count = host.variable(COLLECTION, _COUNT, jnp.zeros,
+                          core.count_shape(spec.mean_shape),
+                          core.count_dtype(mean_dtype))
+  if mask is not None:
+    host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
+  # A collection made before the residual existed has none: its 16-bit
+  # bias then rounds at every transport, as it did.
+  if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
+      and (host.is_initializing()
+           or host.has_variable(COLLECTION, _RESIDUAL))):
+    host.variable(COLLECTION, _RESIDUAL, jnp.zeros, spec.bias_shape,
+                  jnp.float32)
+  if (
+      not use_running_average
+      and not host.is_initializing()
+      and host.is_mutable_collection(COLLECTION)
+  ):
+    if count is None:
+      recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
+    else:
+      recorded.value, count.value = core.record_mean(
+          inputs, spec, recorded.value, count.value, axis_name)
+
+  def kernel():
+    value = kernel_of()
+    return value if mask is None else value * mask
+
+  return core.centered_output(spec, layer_fn, inputs, kernel, mean.value)
+
+
+class Centered(nn.Module):
+  """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
+
+  Write it around a layer as you would call the layer::
+
+    x = Centered(nn.Dense(128))(x)
+
+  The wrapper re-homes the layer under itself (parameters at
+  ``<Centered>/dense`` or ``<Centered>/conv``), whether the layer was built in
+  the parent's ``@nn.compact`` method, in ``setup``, or unbound. To center a
+  model without editing it, use :func:`center` instead.
+
+  ``mu`` (``'centering'/'mean'``, a :class:`CenteringMean` box) starts at
+  zero, so the initial function is the layer's. With
+  ``use_running_average=False`` and the ``'centering'`` collection mutable,
+  the forward pass records the batch mean of its input
+  (``'centering'/'batch_mean'``) and never changes ``mu``; :func:`transport`
+  does, after the update. A layer called several times in one ``apply`` (an
+  unrolled recurrent cell) records the mean over all its calls, each
+  weighted by the positions it saw (``'centering'/'batch_count'``, which
+  the transport sets back to zero). A convolution is centered after its
+  padding and runs as the plain layer minus ``(sum over the window of W) .
+  mu``; a conv ``mask`` is kept in ``'centering'/'kernel_mask'`` for the
+  transport.
+
+  Attributes:
+    layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
+      ``nn.Conv`` (without input dilation) with a bias. Exact types only.
+    use_running_average: True for evaluation: use ``mu``, record nothing. May
+      also be passed to ``__call__``.
+    mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
+    axis_name: the mapped batch axis to average the recorded mean over inside
+      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return cbp.linen.Centered(nn.Dense(1))(x)
+    >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+    >>> variables = Net().init(jax.random.key(0), x)
+    >>> jax.tree.map(jnp.shape, variables['params'])
+    {'Centered_0': {'dense': {'bias': (1,), 'kernel': (2, 1)}}}
+    >>> variables['centering']['Centered_0']['mean'].value
+    Array([0., 0.], dtype=float32)
+    >>> y, changed = Net().apply(variables, x, mutable=['centering'])
+    >>> changed['centering']['Centered_0']['batch_mean']
+    Array([2., 3.], dtype=float32)
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware
+    Reparameterization of the Backward Pass with Convergence Guarantees,
+    §4.2, eqs. (8) and (9).
+  """
+
+  layer: nn.Module
+  use_running_average: Optional[bool] = None
+  mean_dtype: Optional[Any] = None
+  axis_name: Optional[Any] = None
+
+  def __post_init__(self):
+    check_layer(self.layer)
+    core.mean_dtype(self.mean_dtype, self.layer.param_dtype)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(
+      self,
+      inputs: jax.Array,
+      *args,
+      use_running_average: Optional[bool] = None,
+      **kwargs,
+  ) -> jax.Array:
+    if use_running_average is None:
+      use_running_average = bool(self.use_running_average)
+    layer = self.layer
+    name = _CONV if isinstance(layer, nn.Conv) else _DENSE
+    inner = layer.clone(parent=self, name=name)
+    return _centered_call(
+        self,
+        lambda x: inner(x, *args, **kwargs),
+        lambda: inner.variables['params']['kernel'],
+        layer_spec(layer, inputs),
+        getattr(layer, 'mask', None),
+        inputs,
+        use_running_average=use_running_average,
+        mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
+        axis_name=self.axis_name,
+        bias_dtype=layer.param_dtype,
+    )
+
+
+def _is_entry(tree: Any) -> bool:
+  return isinstance(tree, Mapping) and _MEAN in tree and _RECORDED in tree
+
+
+def _entry_at(centering: Any, layer_path: tuple[Any, ...]) -> Mapping[str, Any]:
+  """The centering entry of the layer whose parameters are at ``layer_path``."""
+  entry = flax.core.unfreeze(centering)
+  for key in layer_path:
+    if _is_entry(entry):
+      break  # the rest is the wrapper's inner name ('dense' or 'conv')
+    entry = entry[key]
+  return entry

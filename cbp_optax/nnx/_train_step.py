@@ -1,0 +1,317 @@
+"""The fused NNX step: forward with centering, backward, update, mean
+refresh and transport as one compiled iteration (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import graphlib
+
+from cbp_optax import _checks
+from cbp_optax import _step
+from cbp_optax import blocks
+from cbp_optax._step import StepOutput
+
+from cbp_optax.nnx._center import _path_str
+from cbp_optax.nnx._transport import _CLASSIFIED
+from cbp_optax.nnx._transport import _check_optimizer_state
+from cbp_optax.nnx._transport import transport
+from cbp_optax.nnx._wrapper import Centered
+
+
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
+
+  ``optimizer.skipped_steps`` (an ``nnx.OptState`` int32 scalar) grows by one
+  for every batch whose loss, gradients or recorded statistics were not
+  finite; ``optimizer.step`` counts only the updates applied. A plain
+  ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
+  On a centered model the optimizer state is classified at construction
+  (see :func:`transport`): one holding a parameter-shaped tree the
+  transport cannot tell copy from statistic is refused with a
+  :class:`cbp_optax.centering.UnclassifiedStateError` there, not at the
+  first step.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = cbp.nnx.Optimizer(model, cbp.cbp(1e-3))
+    >>> step = cbp.nnx.train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+    >>> x = jnp.ones((4, 2))
+    >>> out = step(model, optimizer, x, jnp.full((4, 1), jnp.nan))
+    >>> bool(out.skipped), int(optimizer.step[...]), int(optimizer.skipped_steps[...])
+    (True, 0, 1)
+    >>> out = step(model, optimizer, x, jnp.zeros((4, 1)))
+    >>> bool(out.skipped), int(optimizer.step[...]), int(optimizer.skipped_steps[...])
+    (False, 1, 1)
+  """
+
+  def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
+    super().__init__(model, tx, wrt=wrt)
+    self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
+    # A centered model's transport must know what the state holds: refuse
+    # an unclassifiable one now rather than at the first step.
+    _check_optimizer_state(model, self, 'Optimizer')
+
+  def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
+    """``nnx.Optimizer.update``; says so when ``center`` came after it."""
+    try:
+      return super().update(model, grads, **kwargs)
+    except (TypeError, ValueError) as error:
+      hint = blocks.centered_after_init(grads, nnx.state(self))
+      if hint:
+        raise ValueError(f'Optimizer.update: {hint}') from error
+      raise
+
+
+def _graph_nodes(tree: Any) -> list[Any]:
+  return [x for x in jax.tree.leaves(tree, is_leaf=graphlib.is_graph_node)
+          if graphlib.is_graph_node(x)]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where a graph-node argument sat in a step's ``args`` (static)."""
+
+  index: int
+
+
+def _slots(args: Any, nodes: list[Any]) -> Any:
+  index = {id(node): i for i, node in enumerate(nodes)}
+  return jax.tree.map(
+      lambda x: _Slot(index[id(x)]) if graphlib.is_graph_node(x) else x,
+      args, is_leaf=graphlib.is_graph_node)
+
+
+def _fill_slots(slotted: Any, nodes: Sequence[Any]) -> Any:
+  return jax.tree.map(
+      lambda x: nodes[x.index] if isinstance(x, _Slot) else x, slotted,
+      is_leaf=lambda x: isinstance(x, _Slot))
+
+
+def _check_step_arguments(model: Any, optimizer: Any) -> None:
+  if isinstance(model, nnx.Optimizer) and not isinstance(
+      optimizer, nnx.Optimizer):
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) got the optimizer first '
+        f'and a {type(optimizer).__name__} second: pass the model first, '
+        'then the optimizer.'
+    )
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) takes an nnx.Optimizer '
+        f'(or cbp_optax.nnx.Optimizer) second, got a '
+        f'{type(optimizer).__name__}.'
+    )
+
+
+def _check_training_mode(model: nnx.Module) -> None:
+  evaluating = [_path_str(p) for p, m in nnx.iter_modules(model)
+                if isinstance(m, Centered) and m.use_running_average]
+  if evaluating:
+    raise ValueError(
+        'train_step: the model is in evaluation mode (centered layers '
+        f'{evaluating[:3]} record no batch mean, so the transport would move '
+        'mu toward a stale one). Call model.train() before training.'
+    )
+
+
+def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
+  if 0 not in params:
+    raise ValueError(
+        'train_step: the model has no variable the optimizer trains (its '
+        f'wrt filter is {optimizer.wrt!r}); there are no gradients to take. '
+        'Give the model parameters (nnx.Param), or build the optimizer with '
+        'wrt= naming the variables to train.'
+    )
+
+
+def _select(ok: jax.Array, apply_step: Callable[..., None],
+            skip_step: Callable[..., None], *operands: Any) -> None:
+  """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a select.
+
+  Runs both in-place steps on the graph nodes among ``operands`` (from the
+  same starting state) and keeps, leaf by leaf, the state of the one ``ok``
+  chooses: :func:`cbp_optax._step.select` for graph nodes.
+  """
+  nodes = _graph_nodes(operands)
+  start = nnx.as_pure(nnx.state(nodes))
+  apply_step(*operands)
+  applied = nnx.as_pure(nnx.state(nodes))
+  nnx.update(nodes, start)
+  skip_step(*operands)
+  skipped = nnx.as_pure(nnx.state(nodes))
+  nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
+
+
+def train_step(
+    loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
+    donate: bool = True, decay: Any = None,
+) -> Callable[..., StepOutput]:
+  """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
+
+  The returned ``step(model, optimizer, *args)`` runs ``loss_fn(model,
+  *args)`` (the forward pass with centering, recording batch means), the
+  backward pass, ``optimizer.update`` with whatever optax transform the
+  ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
+  "Adam + Center", ``optax.contrib.schedule_free_adamw``, Muon, ...), then
+  :func:`transport` of the model and of the optimizer state's copies of the
+  parameters (schedule-free's ``z``, ...); all in one compiled program with
+  the model and optimizer buffers donated. Calling ``step`` inside your own
+  ``@nnx.jit`` train step works too (the tutorials' pattern: metrics, EMA
+  or logging beside it): it is then traced into your program, with the same
+  numbers, bit for bit; keep the ``donate_argnums`` you want on your own
+  jit.
+
+  ``args`` may hold anything a plain ``nnx.jit`` train step takes: arrays,
+  ``nnx.Rngs`` (dropout keys), other modules or graph nodes. Every state the
+  forward pass changes (BatchNorm statistics, RNG counts, the recorded
+  means, state in graph-node arguments) is updated exactly as a plain
+  ``nnx.jit`` step would. If the loss, any gradient or any recorded
+  statistic is not finite the step is skipped: parameters, optimizer state,
+  centering and batch statistics and RNG counts stay exactly as they were,
+  ``StepOutput.skipped`` is True, and a :class:`Optimizer` counts it in
+  ``skipped_steps``. With no centered layer it is an ordinary train step.
+  Called directly on CPU, the step compiles with XLA's
+  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized buffer
+  copies); ``step.lower(model, optimizer, *args)`` gives the lowered
+  program.
+
+  Args:
+    loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
+      aux)``; the model must be in training mode (``model.train()``).
+    mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
+    donate: donate the model and optimizer buffers to the step.
+    decay: deprecated name of ``mean_decay``.
+
+  Returns:
+    ``step(model, optimizer, *args) -> StepOutput``; the model, optimizer
+    and graph-node arguments are updated in place.
+
+  Raises:
+    ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
+      model whose centered layers are in evaluation mode (at the call).
+    TypeError: ``step(optimizer, model, ...)``, or a second argument that is
+      not an ``nnx.Optimizer`` (at the call); an optimizer state the
+      transport cannot classify
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
+      before tracing).
+
+  Examples:
+    Full CBP on a centered two-layer model:
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> _ = cbp.nnx.center(model)
+    >>> optimizer = cbp.nnx.Optimizer(model, cbp.cbp(1e-3))
+    >>> def loss_fn(model, x, y):
+    ...   return jnp.mean((model(x) - y) ** 2)
+    >>> step = cbp.nnx.train_step(loss_fn, mean_decay=0.99)
+    >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+    >>> out = step(model, optimizer, x, y)
+    >>> out.loss.shape, out.loss.dtype, bool(out.skipped)
+    ((), dtype('float32'), False)
+    >>> int(optimizer.step[...])
+    1
+    >>> print(model.layers[0].mean[...])  # 0.99 * 0 + 0.01 * mean(x)
+    [0.01 0.01 0.01]
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
+    Algorithm 1.
+  """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_function('loss_fn', loss_fn)
+  _checks.check_bool('donate', donate)
+
+  def step(model, optimizer, *args):
+    _check_training_mode(model)
+    nodes = _graph_nodes(args)
+    # Split the model with the graph-node arguments, so that references
+    # shared between them (an Rngs held by both) stay shared, but
+    # differentiate the model's own parameters only: their paths are those
+    # the optimizer was initialized with.
+    graphdef, params, rest = nnx.split((model, nodes), optimizer.wrt, ...)
+    _check_has_params(params, optimizer)
+    node_params = {k: v for k, v in params.items() if k != 0}
+    rest = nnx.as_pure(rest)
+
+    def loss_of(model_params):
+      # A pure function of the parameters, so it differentiates the same way
+      # in graph and tree mode. Merging builds fresh Variables at this trace
+      # level (from arrays for `rest`), which the forward pass may write
+      # statistics and RNG counts into.
+      inner_model, inner_nodes = nnx.merge(
+          graphdef, nnx.State({0: model_params, **node_params}), rest)
+      swap = dict(zip(map(id, nodes), inner_nodes))
+      inner_args = jax.tree.map(lambda x: swap.get(id(x), x), args,
+                                is_leaf=graphlib.is_graph_node)
+      loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
+      _step.check_scalar_loss(loss)
+      changed = nnx.state((inner_model, inner_nodes), nnx.Not(optimizer.wrt))
+      return loss, (aux, changed)
+
+    def apply_step(model, optimizer, nodes, grads, changed):
+      nnx.update((model, nodes), changed)
+      optimizer.update(model, grads)
+      transport(model, mean_decay, optimizer=optimizer)
+
+    def skip_step(model, optimizer, nodes, grads, changed):
+      del model, nodes, grads, changed
+      if isinstance(optimizer, Optimizer):
+        optimizer.skipped_steps[...] += 1
+
+    _, out = _step.conditioned_update(
+        loss_of, params[0], apply_step, skip_step, _select,
+        model, optimizer, nodes)
+    return out
+
+  def pure_step(graphdef, state, slotted_args):
+    model, optimizer, nodes = nnx.merge(graphdef, state)
+    out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
+    return nnx.state((model, optimizer, nodes)), out
+
+  jitted = _step.jit_step(pure_step, static_argnums=(0,),
+                          donate_argnums=(1,) if donate else ())
+
+  def train(*args):
+    if len(args) < 2:
+      raise TypeError(
+          'train_step: step(model, optimizer, *args) takes the model and the '
+          f'optimizer first, got {len(args)} argument(s).')
+    model, optimizer, *args = args
+    _check_step_arguments(model, optimizer)
+    _CLASSIFIED.check(
+        optimizer, (id(model), id(optimizer.tx)),
+        lambda: _check_optimizer_state(model, optimizer, 'train_step'))
+    nodes = _graph_nodes(args)
+    graphdef, state = nnx.split((model, optimizer, nodes))
+    if donate:
+      state = _step.unaliased(state)
+    try:
+      new_state, out = jitted(graphdef, state, _slots(args, nodes))
+    except (TypeError, ValueError) as error:
+      hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
+                                        nnx.state(optimizer))
+      if hint:
+        raise ValueError(f'train_step: {hint}') from error
+      raise
+    nnx.update((model, optimizer, nodes), new_state)
+    return out
+
+  # The same step under nnx.jit, for inspecting the program:
+  # step.lower(model, optimizer, *args).compile(options).
+  train.lower = nnx.jit(step, donate_argnums=(0, 1) if donate else ()).lower
+  return train

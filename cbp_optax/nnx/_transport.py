@@ -1,0 +1,270 @@
+"""M2's mean refresh and bias transport for NNX models (Algorithm 1, steps
+10-11; eq. 10), with the optimizer state's parameter copies, and the helpers
+that read a centered model (``eval_model``, ``muon_dimension_numbers``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+from flax import nnx
+
+from cbp_optax import _opt_state
+from cbp_optax import _step
+from cbp_optax import centering as core
+
+from cbp_optax.nnx._center import _centered_paths
+from cbp_optax.nnx._center import _plain_spec
+from cbp_optax.nnx._center import _str_path
+from cbp_optax.nnx._center import centered_layers
+from cbp_optax.nnx._wrapper import Centered
+from cbp_optax.nnx._wrapper import _SPEC_OF
+
+
+def _layer_moves(
+    model: nnx.Module, wrt: Any,
+    shifts: Optional[Sequence[Any]] = None,
+) -> list[_opt_state.LayerMove]:
+  """The centered layers as the copies of an optimizer of ``wrt`` (the
+  filter it trains) see them."""
+  layers = _centered_paths(model)
+  if not layers:
+    return []
+  trained = {tuple(path) for path, _ in
+             nnx.to_flat_state(nnx.state(model, wrt))}
+  shifts = shifts if shifts is not None else [None] * len(layers)
+  moves = []
+  for (path, layer), shift in zip(layers, shifts):
+    moves.append(_opt_state.LayerMove(
+        path=path, kernel_key=('layer', 'kernel'), bias_key=('layer', 'bias'),
+        bias_shape=tuple(layer.layer.bias.shape),
+        kernel=layer.layer.kernel[...],
+        kernel_trained=path + ('layer', 'kernel') in trained,
+        shift=shift))
+  return moves
+
+
+def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
+                           where: str) -> None:
+  """Classifies the optimizer's state before anything is traced."""
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+        f'{where}: optimizer must be an nnx.Optimizer (or '
+        f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
+  moves = _layer_moves(model, optimizer.wrt)
+  _opt_state.transport_state(optimizer.opt_state, moves,
+                             what='optimizer.opt_state')
+
+
+# The optimizers whose states the fused step classified (for which model).
+_CLASSIFIED = _opt_state.CheckCache()
+
+
+def transport(
+    model: nnx.Module, mean_decay: Any = 0.99, *,
+    optimizer: Optional[nnx.Optimizer] = None, opt_state: Any = None,
+    decay: Any = None,
+) -> Any:
+  """Mean refresh and bias transport for every centered layer, in place.
+
+  ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
+  ``b~ += W (mu_new - mu_old)`` with the current (updated) weights
+  (Algorithm 1, steps 10-11), so the model's output is unchanged. Layer
+  stacks are transported slice by slice. Call it after the optimizer update,
+  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does.
+
+  Pass the ``optimizer`` whenever its state holds copies of the parameters
+  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
+  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state of your own
+  declared with :func:`cbp_optax.centering.register_parameter_state`): each
+  copy's biases then move by its own kernel, so that every function the
+  optimizer holds (schedule-free's evaluation point included) is unchanged
+  too. Gradient statistics (moments, momenta, M1's energies) are left as
+  they are. A parameter-shaped tree in a state type the transport does not
+  know is refused with a :class:`cbp_optax.centering.UnclassifiedStateError`.
+  Without ``optimizer`` only the model moves.
+
+  In the functional style (``nnx.split`` the model, ``tx.update`` on its
+  ``nnx.Param`` state) pass that optax state as ``opt_state`` instead: its
+  copies move the same way and the new state is returned. It must have been
+  initialized on the whole ``nnx.Param`` state of ``model`` (a copy holding
+  a centered bias without its kernel is refused).
+
+  Args:
+    model: any NNX module; layers that are not :class:`Centered` are ignored.
+    mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
+    optimizer: the ``nnx.Optimizer`` training ``model``; its state's
+      parameter copies are moved in place.
+    opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
+      (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
+    decay: deprecated name of ``mean_decay``.
+
+  Returns:
+    The transported ``opt_state`` when one is given; otherwise None.
+
+  Raises:
+    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
+      optimizer's state holds a parameter-shaped tree that is neither a
+      registered copy nor a known statistic (before anything moves).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    >>> cbp.nnx.center(model).centered
+    ['layers/0', 'layers/2']
+    >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+    >>> before = model(x)  # training mode: records each layer's input mean
+    >>> cbp.nnx.transport(model, mean_decay=0.5)
+    >>> print(model.layers[0].mean[...])
+    [1. 1.5]
+    >>> bool(jnp.allclose(model(x), before, atol=1e-6))
+    True
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
+    eq. (10) and Algorithm 1, steps 10-11.
+  """
+  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
+  if optimizer is not None and opt_state is not None:
+    raise ValueError('transport: pass optimizer (an nnx.Optimizer) or '
+                     'opt_state (a functional optax state), not both.')
+  if optimizer is None and opt_state is None:
+    for layer in centered_layers(model):
+      layer.transport(mean_decay)
+    return None
+  if optimizer is not None:
+    _check_optimizer_state(model, optimizer, 'transport')
+    trained = optimizer.wrt
+  else:
+    trained = nnx.Param
+    _opt_state.transport_state(opt_state, _layer_moves(model, trained),
+                               what='opt_state')
+  shifts = []
+  for _, layer in _centered_paths(model):
+    old = layer.mean[...]
+    layer.transport(mean_decay)
+    shifts.append(functools.partial(
+        core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
+        mask=getattr(layer.layer, 'mask', None),
+        mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
+  moves = _layer_moves(model, trained, shifts)
+  if optimizer is not None:
+    _opt_state.transport_state(optimizer.opt_state, moves,
+                               what='optimizer.opt_state')
+    return None
+  return _opt_state.transport_state(opt_state, moves, what='opt_state')
+
+
+def eval_model(model: nnx.Module,
+               optimizer: Optional[nnx.Optimizer] = None) -> nnx.Module:
+  """A copy of ``model`` to evaluate: in eval mode, at the evaluation point.
+
+  Schedule-free optimizers train at one point and evaluate at another,
+  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
+  with ``optimizer`` holding a ``schedule_free`` state, the copy has those
+  parameters, with the model's centering means (both ``y`` and ``z`` were
+  transported, so ``x`` is too). Otherwise it has the model's own. Either
+  way the copy is in ``eval()`` mode (running averages, no dropout, no mean
+  recording) and the model itself is left as it is. For a model with
+  BatchNorm, whose running averages were gathered at ``y``, recalibrate the
+  copy at ``x``: ``recalibrate_batch_stats(eval_model(model, optimizer),
+  batches)``.
+
+  Args:
+    model: the trained model.
+    optimizer: its optimizer (``nnx.Optimizer``), or None.
+
+  Returns:
+    A new module sharing no variable with ``model``.
+
+  Raises:
+    ValueError: an optimizer state with more than one ``schedule_free``
+      state, or one that covers only part of the parameters.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = cbp.nnx.Optimizer(
+    ...     model, optax.contrib.schedule_free_sgd(0.1, b1=0.5))
+    >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+    >>> _ = step(model, optimizer, jnp.ones((4, 2)))
+    >>> evaluated = cbp.nnx.eval_model(model, optimizer)
+    >>> x = optax.contrib.schedule_free_eval_params(
+    ...     nnx.as_pure(optimizer.opt_state),
+    ...     nnx.as_pure(nnx.state(model, nnx.Param)))
+    >>> bool(jnp.array_equal(evaluated.kernel[...], x['kernel']))
+    True
+  """
+  if optimizer is None:
+    copy = nnx.clone(model)
+    copy.eval()
+    return copy
+  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+  params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
+                                        nnx.as_pure(params))
+  copy = nnx.merge(graphdef, params, nnx.as_pure(rest))
+  copy.eval()
+  return copy
+
+
+def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
+
+  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
+  parameter to AdamW unless told how to see a kernel as a matrix. This
+  derives that from each linear layer's own configuration, centered or not:
+  a dense kernel's contracted input axes are the reduction axes and its
+  feature axes the output axes (``nnx.LinearGeneral`` and attention
+  projections included); a convolution's window and input-channel axes are
+  the reduction axes (the reshape of a kernel ``(h, w, c_in, c_out)`` to
+  ``(h w c_in, c_out)``); the stack axes of a layer stack are batch axes
+  (each slice is its own matrix). Biases, norms, embeddings and other
+  parameters get None (AdamW).
+
+  Args:
+    model: the model (before or after :func:`center`).
+
+  Returns:
+    ``dims(params)``, a callable for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``, valid for the parameters
+    ``nnx.state(model, nnx.Param)`` (with variables or as arrays).
+
+  Examples:
+    >>> import optax
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> model = nnx.Sequential(nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)))
+    >>> _ = cbp.nnx.center(model)
+    >>> dims = cbp.nnx.muon_dimension_numbers(model)
+    >>> dims(nnx.state(model, nnx.Param))['layers'][0]['layer']['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
+    ...     wrt=nnx.Param)
+  """
+  table = {}
+  for path, module in nnx.iter_modules(model):
+    path = tuple(path)
+    if isinstance(module, Centered):
+      layer = module.layer
+      kernel = layer.kernel[...]
+      _, axes, _ = core.layer_axes(
+          module.spec, kernel, layer.bias[...], module.mean[...],
+          module.mean.get_metadata().get('stack_axes'))
+      table[_str_path(path + ('layer', 'kernel'))] = (
+          core.muon_dimension_numbers(module.spec, axes))
+    elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
+      spec = _plain_spec(module)
+      axes = core.locate_stack_axes(tuple(module.kernel.shape),
+                                    spec.kernel_shape)
+      if axes is not None:
+        table[_str_path(path + ('kernel',))] = core.muon_dimension_numbers(
+            spec, axes)
+  return _opt_state.dimension_numbers_fn(table)

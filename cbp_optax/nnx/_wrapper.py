@@ -1,0 +1,324 @@
+"""NNX centering wrapper: the ``Centered`` layer and its statistics variables.
+
+``Centered`` computes ``z = W (a - mu) + b~`` (eq. 8) for a wrapped
+``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Conv``, layer stacks included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cbp_optax import _checks
+from cbp_optax import centering as core
+
+
+
+class _StackTracked(nnx.BatchStat):
+  """A statistic that keeps ``stack_axes`` metadata through ``add_axis``.
+
+  NNX calls ``add_axis`` / ``remove_axis`` when a transform is given a
+  ``transform_metadata`` partition name; then the stack axes are known
+  exactly. Otherwise :func:`cbp_optax.centering.transport` finds them from
+  the shapes.
+  """
+
+  def add_axis(self, axis_index, axis_name):
+    axes = self.get_metadata().get('stack_axes') or ()
+    moved = tuple(a + 1 if a >= axis_index else a for a in axes)
+    self.set_metadata(stack_axes=tuple(sorted(moved + (axis_index,))))
+
+  def remove_axis(self, axis_index, axis_name):
+    axes = self.get_metadata().get('stack_axes') or ()
+    self.set_metadata(stack_axes=tuple(
+        a - 1 if a > axis_index else a for a in axes if a != axis_index))
+
+
+class CenteringMean(_StackTracked):
+  """The EMA ``mu`` a centered layer subtracts from its input (eq. 8)."""
+
+
+class RecordedMean(_StackTracked):
+  """The mean of the training inputs since the last :func:`transport`."""
+
+
+class RecordedCount(_StackTracked):
+  """How many input positions :class:`RecordedMean` averages (0: none yet).
+
+  ``mu``'s shape with every feature axis 1 (its stack axes kept), so that
+  the calls of one forward pass are weighted by the positions each saw.
+  """
+
+
+class TransportResidual(_StackTracked):
+  """What a 16-bit bias lacks of its exact transported value (float32).
+
+  See :func:`cbp_optax.centering.needs_bias_residual`: carried into the next
+  transport, so that the roundings of the bias do not add up.
+  """
+
+
+def _linear_spec(layer: nnx.Linear) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias)
+  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
+
+
+def _linear_general_spec(layer: nnx.LinearGeneral) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias,
+                        batch_axes=dict(layer.batch_axis))
+  return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
+
+
+def _conv_spec(layer: nnx.Conv) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias,
+                        input_dilation=layer.input_dilation)
+  return core.conv_spec(layer.kernel_size, layer.in_features,
+                        layer.out_features, layer.feature_group_count)
+
+
+# Exact types only: a subclass may override __call__ and change the maths.
+_SPEC_OF = {
+    nnx.Linear: _linear_spec,
+    nnx.LinearGeneral: _linear_general_spec,
+    nnx.Conv: _conv_spec,
+}
+
+
+def layer_spec(layer: nnx.Module) -> core.LayerSpec:
+  """The :class:`~cbp_optax.centering.LayerSpec` of a layer, or why not.
+
+  Raises:
+    TypeError: a type the core does not know exactly.
+    cbp_optax.centering.CannotCenterError: a known type configured so that
+      the transport could not be exact.
+  """
+  spec_of = _SPEC_OF.get(type(layer))
+  if spec_of is None:
+    raise core.unsupported_layer_error(type(layer), tuple(_SPEC_OF))
+  return spec_of(layer)
+
+
+def _stacked_shape(
+    layer: nnx.Module, spec: core.LayerSpec,
+    stack_axes: Optional[Sequence[int]] = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Shape and stack axes of ``mu`` for a layer that may already be stacked."""
+  kernel_shape = tuple(layer.kernel.shape)
+  placements = core.stack_axes_placements(kernel_shape, spec.kernel_shape)
+  if stack_axes is not None:
+    ndim = len(kernel_shape)
+    given = stack_axes
+    stack_axes = tuple(sorted(
+        a % ndim for a in given
+        if isinstance(a, int) and not isinstance(a, bool) and -ndim <= a < ndim))
+    if len(stack_axes) != len(tuple(given)) or stack_axes not in placements:
+      raise ValueError(
+          f'{type(layer).__name__}: stack_axes={given!r} does not fit: '
+          f'the kernel of shape {kernel_shape} is {spec.kernel_shape} with '
+          f'stack axes at {placements or "no placement"}.'
+      )
+    axes = stack_axes
+  elif not placements:
+    raise ValueError(
+        f'{type(layer).__name__}: kernel shape {kernel_shape} is not '
+        f'{spec.kernel_shape} with stack axes added.'
+    )
+  elif len(placements) > 1:
+    raise ValueError(
+        f'{type(layer).__name__}: the kernel of shape {kernel_shape} is '
+        f'{spec.kernel_shape} stacked along any of the axes {placements}; '
+        'the shapes cannot tell which (a stack as long as a feature size), '
+        'and a wrong guess would change the function at the first '
+        'transport. ' + core.AMBIGUOUS_STACK_REMEDY
+    )
+  else:
+    axes = placements[0]
+  shape = list(spec.mean_shape)
+  for axis in axes:
+    shape.insert(min(axis, len(shape)), kernel_shape[axis])
+  mean_axes = tuple(
+      min(a, len(spec.mean_shape) + i) for i, a in enumerate(axes))
+  return tuple(shape), mean_axes
+
+
+class Centered(nnx.Module):
+  """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
+
+  ``mu`` starts at zero, so a freshly wrapped layer computes exactly what the
+  layer did. The forward pass centers with the stored ``mu`` and, in training
+  mode, records the batch mean of its input (per input feature; per input
+  channel over batch and spatial positions for convolutions); it never changes
+  ``mu`` itself. :func:`transport` does, after the parameter update, together
+  with the bias shift that keeps the function unchanged. A layer called
+  several times before the transport (an unrolled recurrent cell, one layer
+  applied twice) records the mean over all those calls, each weighted by the
+  positions it saw (``batch_count`` counts them; the transport sets it back
+  to zero). ``model.eval()`` (or ``nnx.view(model,
+  use_running_average=True)``) stops the recording; ``model.train()``
+  resumes it; ``use_running_average`` may also be passed to the call. Other
+  keyword arguments (e.g. ``out_sharding``) go to the layer.
+
+  The layer may already be a stack (built under ``nnx.vmap``/``nnx.scan``):
+  ``mu`` then gets the same stack axes, and :func:`transport` moves every
+  slice's bias by its own kernel. Built inside ``nnx.vmap``, the wrapper is
+  stacked along with the layer.
+
+  A convolution is centered after its padding (``mu`` is subtracted at the
+  border too, which keeps the transport exact there). It runs as the plain
+  layer, on the raw input with its own padding, minus
+  ``(sum over the window of W) . mu`` (``centering.mean_correction``): the
+  same values and gradients (eq. 9), without a pass over the activation.
+
+  Args:
+    layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
+      ``nnx.Conv`` (without input dilation; any padding, stride, groups,
+      kernel dilation or mask), built with a bias. Exact types only.
+    use_running_average: True stops recording batch means (evaluation).
+    mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
+    axis_name: the mapped batch axis to average the recorded mean over inside
+      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``, where a
+      sharded batch's mean is already global).
+    stack_axes: for a layer stacked before wrapping, the axes of its kernel
+      that are stack axes (``(1,)`` for ``nnx.vmap(..., out_axes=1)``);
+      needed only where the shapes cannot tell (a stack as long as a feature
+      size), found from them otherwise.
+
+  Raises:
+    TypeError: for any other layer type, subclasses included.
+    cbp_optax.centering.CannotCenterError: (a ``ValueError``) for a layer
+      without bias, with input dilation or with kernel batch axes.
+
+  Examples:
+    The forward pass records the batch mean; :meth:`transport` moves ``mu``
+    to it (``mean_decay=0``) and the bias with it, so the output is the same:
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import cbp_optax as cbp
+    >>> layer = cbp.nnx.Centered(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> layer.mean.shape, layer.mean.dtype
+    ((2,), dtype('float32'))
+    >>> a = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+    >>> before = layer(a)
+    >>> print(layer.batch_mean[...], layer.mean[...])
+    [2. 3.] [0. 0.]
+    >>> layer.transport(mean_decay=0.0)
+    >>> print(layer.mean[...], bool(jnp.allclose(layer(a), before)))
+    [2. 3.] True
+
+  References:
+    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
+    of the Backward Pass with Convergence Guarantees,
+    §4.2, eqs. (8) and (9).
+  """
+
+  def __init__(
+      self,
+      layer: nnx.Module,
+      *,
+      use_running_average: bool = False,
+      mean_dtype: Optional[Any] = None,
+      axis_name: Optional[Any] = None,
+      stack_axes: Optional[Sequence[int]] = None,
+  ):
+    _checks.check_bool('use_running_average', use_running_average)
+    spec = layer_spec(layer)
+    shape, stack_axes = _stacked_shape(layer, spec, stack_axes)
+    dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
+    self.layer = layer
+    self.spec = spec
+    self.use_running_average = use_running_average
+    self.axis_name = axis_name
+    self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
+    self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
+                                   stack_axes=stack_axes)
+    self.batch_count = RecordedCount(
+        jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
+        stack_axes=stack_axes)
+    if core.needs_bias_residual(layer.bias.dtype):
+      self.bias_residual = TransportResidual(
+          jnp.zeros(layer.bias.shape, jnp.float32))
+
+  def set_view(self, use_running_average: Optional[bool] = None):
+    """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
+    if use_running_average is not None:
+      self.use_running_average = use_running_average
+
+  def __call__(self, inputs: jax.Array, *args,
+               use_running_average: Optional[bool] = None, **kwargs):
+    """``W (a - mu) + b~``; extra arguments go to the layer."""
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if not use_running_average:
+      self.batch_mean[...], self.batch_count[...] = core.record_mean(
+          inputs, self.spec, self.batch_mean[...], self.batch_count[...],
+          self.axis_name)
+    return core.centered_output(
+        self.spec,
+        lambda x: self.layer(x, *args, **kwargs),
+        inputs,
+        self._kernel,
+        self.mean[...],
+    )
+
+  def _kernel(self) -> jax.Array:
+    """The kernel the layer applies (a convolution's ``mask`` included)."""
+    kernel = self.layer.kernel[...]
+    mask = getattr(self.layer, 'mask', None)
+    return kernel if mask is None else kernel * mask
+
+  @property
+  def kernel(self) -> nnx.Param:
+    """The wrapped layer's kernel (shared: the centered layer's ``W``)."""
+    return self.layer.kernel
+
+  @property
+  def bias(self) -> jax.Array:
+    """The bias of the uncentered layer this one equals: ``b~ - W mu``.
+
+    For modules that read a layer's parameters instead of calling it (a
+    LoRA adapter computing ``x @ base.kernel + base.bias``): with these,
+    ``x @ kernel + bias`` is the centered layer's output, before and after
+    every transport. Read-only; the trained bias ``b~`` is
+    ``layer.bias``. (Such a module never calls the layer, so no batch mean
+    is recorded and ``mu`` stays where it is.)
+    """
+    correction = core.mean_correction(self.spec, self._kernel(),
+                                      self.mean[...])
+    bias = self.layer.bias[...]
+    return bias - correction.astype(bias.dtype)
+
+  def transport(self, mean_decay: Any = 0.99) -> None:
+    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10).
+
+    The layer's own bias only: an optimizer's copies of the parameters move
+    with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
+    """
+    residual = getattr(self, 'bias_residual', None)
+    moved = core.transport(
+        self.spec,
+        self.layer.kernel[...],
+        self.layer.bias[...],
+        self.mean[...],
+        self.batch_mean[...],
+        mean_decay,
+        mask=getattr(self.layer, 'mask', None),
+        mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
+        residual=None if residual is None else residual[...],
+    )
+    self.layer.bias[...] = moved[0]
+    self.mean[...] = moved[1]
+    if residual is not None:
+      residual[...] = moved[2]
+    self.restart_recording()
+
+  def restart_recording(self) -> None:
+    """Starts a fresh recorded mean: the next training call overwrites it.
+
+    :meth:`transport` calls it once it has used the recorded mean, so that
+    every step records the calls of its own forward pass only.
+    """
+    self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
