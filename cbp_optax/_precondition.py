@@ -131,6 +131,72 @@ def _check_matches_state(updates: Any, state: PreconditionState) -> None:
       )
 
 
+class _Rules(NamedTuple):
+  """The hyperparameters of one :func:`precondition` (tracers allowed)."""
+  b1: Any
+  b2: Any
+  damping: Any
+  relative_damping: Any  # None: the relative term is left out of the graph
+  normalized_first_step: bool
+  zero_moment_identity: bool
+  update_clip: Optional[float]
+
+
+def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
+                 g, m, v, p, is_stacked):
+  """One leaf's direction and new moments (eqs. 11-12; steps 6-9)."""
+  b1, b2, damping = rules.b1, rules.b2, rules.damping
+  out_dtype = _checks.output_dtype(g, p)
+  g_stats = jnp.asarray(g).astype(m.dtype)
+  m_new = b1 * m + (1.0 - b1) * g_stats
+  m_hat = m_new / mu_correction.astype(m.dtype)
+  v_hat = v / nu_correction.astype(v.dtype)
+  if rules.normalized_first_step:
+    # No history yet: the current gradient's own moment (Adam's step 1).
+    v_hat = jnp.where(v == 0, jnp.square(g_stats), v_hat)
+  denom = jnp.sqrt(v_hat) + damping
+  if rules.relative_damping is not None:
+    denom = denom + rules.relative_damping * _root_mean_square(v_hat,
+                                                               is_stacked)
+  if rules.normalized_first_step:
+    step = m_hat / denom
+  else:
+    step = jnp.where(first_step, m_hat, m_hat / denom)
+  if rules.zero_moment_identity:
+    step = jnp.where(v == 0, m_hat, step)
+  if rules.update_clip is not None:
+    limit = jnp.asarray(rules.update_clip, step.dtype)
+    step = jnp.clip(step, -limit, limit)
+  v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
+  return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
+          v_new.astype(v.dtype))
+
+
+def _check_arguments(b1, b2, damping, stats_dtype, zero_moment_identity,
+                     relative_damping, stacked, normalized_first_step,
+                     update_clip) -> Any:
+  """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
+  factory = 'cbp.precondition'
+  _checks.check_decay('b1', b1, factory=factory)
+  _checks.check_decay('b2', b2, factory=factory)
+  _checks.check_positive('damping', damping, factory=factory)
+  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
+  _checks.check_bool('zero_moment_identity', zero_moment_identity)
+  _checks.check_nonnegative('relative_damping', relative_damping,
+                            factory=factory)
+  _checks.check_callable('stacked', stacked, factory=factory)
+  _checks.check_bool('normalized_first_step', normalized_first_step)
+  if normalized_first_step and zero_moment_identity:
+    raise ValueError(
+        'normalized_first_step and zero_moment_identity are two rules for '
+        'the same coordinates (stored second moment zero): pass at most one '
+        'of them as True.'
+    )
+  if update_clip is not None:
+    _checks.check_positive('update_clip', update_clip, factory=factory)
+  return stats_dtype
+
+
 def precondition(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -275,27 +341,14 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  factory = 'cbp.precondition'
-  _checks.check_decay('b1', b1, factory=factory)
-  _checks.check_decay('b2', b2, factory=factory)
-  _checks.check_positive('damping', damping, factory=factory)
-  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
-  _checks.check_bool('zero_moment_identity', zero_moment_identity)
-  _checks.check_nonnegative('relative_damping', relative_damping,
-                            factory=factory)
-  _checks.check_callable('stacked', stacked, factory=factory)
-  _checks.check_bool('normalized_first_step', normalized_first_step)
-  if normalized_first_step and zero_moment_identity:
-    raise ValueError(
-        'normalized_first_step and zero_moment_identity are two rules for '
-        'the same coordinates (stored second moment zero): pass at most one '
-        'of them as True.'
-    )
-  if update_clip is not None:
-    _checks.check_positive('update_clip', update_clip, factory=factory)
+  stats_dtype = _check_arguments(
+      b1, b2, damping, stats_dtype, zero_moment_identity, relative_damping,
+      stacked, normalized_first_step, update_clip)
   # A concrete 0 leaves the relative term out of the graph: the default is
   # Algorithm 1's computation, op for op.
   with_relative = _checks.concrete_float(relative_damping) != 0.0
+  rules = _Rules(b1, b2, damping, relative_damping if with_relative else None,
+                 normalized_first_step, zero_moment_identity, update_clip)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
@@ -315,31 +368,6 @@ def precondition(
     nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)
     mu_correction = 1.0 - b1 ** count_inc
 
-    def leaf_update(g, m, v, p, is_stacked):
-      out_dtype = _checks.output_dtype(g, p)
-      g_stats = jnp.asarray(g).astype(m.dtype)
-      m_new = b1 * m + (1.0 - b1) * g_stats
-      m_hat = m_new / mu_correction.astype(m.dtype)
-      v_hat = v / nu_correction.astype(v.dtype)
-      if normalized_first_step:
-        # No history yet: the current gradient's own moment (Adam's step 1).
-        v_hat = jnp.where(v == 0, jnp.square(g_stats), v_hat)
-      denom = jnp.sqrt(v_hat) + damping
-      if with_relative:
-        denom = denom + relative_damping * _root_mean_square(v_hat, is_stacked)
-      if normalized_first_step:
-        step = m_hat / denom
-      else:
-        step = jnp.where(first_step, m_hat, m_hat / denom)
-      if zero_moment_identity:
-        step = jnp.where(v == 0, m_hat, step)
-      if update_clip is not None:
-        limit = jnp.asarray(update_clip, step.dtype)
-        step = jnp.clip(step, -limit, limit)
-      v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
-      return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
-              v_new.astype(v.dtype))
-
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     g_leaves = [leaf for _, leaf in paths_and_leaves]
     stacked_flags = [
@@ -354,7 +382,8 @@ def precondition(
     if params is not None:
       p_leaves = jax.tree.leaves(params)
     results = [
-        leaf_update(g, m, v, p, is_stacked)
+        _leaf_update(rules, first_step, mu_correction, nu_correction,
+                     g, m, v, p, is_stacked)
         for g, m, v, p, is_stacked in zip(
             g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
             p_leaves, stacked_flags,
