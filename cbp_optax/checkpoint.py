@@ -167,6 +167,20 @@ def differences(saved: Any, expected: Any, *, limit: int = 20) -> list[str]:
   return lines
 
 
+def mismatch_summary(saved: Any, expected: Any) -> str:
+  """One line counting what :func:`differences` lists, e.g. ``3 arrays
+  missing from the checkpoint, 0 not expected, 1 of another shape or dtype
+  (of 12 expected)``."""
+  saved_flat, expected_flat = _flat_shapes(saved), _flat_shapes(expected)
+  missing = len(set(expected_flat) - set(saved_flat))
+  extra = len(set(saved_flat) - set(expected_flat))
+  changed = sum(saved_flat[k] != expected_flat[k]
+                for k in set(saved_flat) & set(expected_flat))
+  return (f'{missing} array(s) missing from the checkpoint, {extra} not '
+          f'expected, {changed} of another shape or dtype (of '
+          f'{len(expected_flat)} expected, {len(saved_flat)} saved)')
+
+
 def _digest(leaf: Any) -> np.ndarray:
   """SHA-256 of an array's dtype, shape and bytes; zeros where this process
   cannot see the whole array (multi-process sharding), which skips it."""
@@ -791,7 +805,8 @@ def _read(source: pathlib.Path, directory: pathlib.Path, target: Any):
   if mismatch:
     raise CheckpointMismatchError(
         f'Checkpoint {directory} does not match the state to restore into '
-        '(a different model or optimizer configuration?):\n  '
+        '(a different model or optimizer configuration?): '
+        f'{mismatch_summary(saved_state, target)}:\n  '
         + '\n  '.join(mismatch)
     )
   abstract = _replicate_single_device_leaves(

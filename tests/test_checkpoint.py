@@ -1,6 +1,7 @@
 """Checkpoints: bit-exact resume in a new process, refusal of mismatches."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,16 @@ def test_nnx_state_roundtrip(tmp_path):
   np.testing.assert_array_equal(fresh.layers[0].mean[...], jnp.arange(3.0))
   np.testing.assert_array_equal(fresh.layers[0].layer.kernel[...],
                                 model.layers[0].layer.kernel[...])
+
+
+def test_mismatch_message_starts_with_a_summary_line(tmp_path):
+  checkpoint.save(tmp_path / 'c', make_state())
+  with pytest.raises(checkpoint.CheckpointMismatchError) as caught:
+    checkpoint.restore(tmp_path / 'c', make_state(tx=optax.adam(1e-2)))
+  first = str(caught.value).splitlines()[0]
+  assert re.search(r'\d+ array\(s\) missing from the checkpoint, [1-9]\d* '
+                   r'not expected, \d+ of another shape or dtype \(of \d+ '
+                   r'expected, \d+ saved\)', first), first
 
 
 @pytest.mark.parametrize('make_tx', [
