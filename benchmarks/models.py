@@ -295,10 +295,9 @@ def nnx_model(arch: Arch, centered: bool, seed: int = 0) -> nnx.Module:
     config = transformer.Config(depth=arch.depth, width=arch.width,
                                 heads=max(1, arch.width // 32),
                                 context=arch.context)
-    model = transformer.TransformerLM(config, rngs)
-    if centered:
-      cbp.nnx.center(model)  # the library's one-call centering
-    return model
+    # Built as the study builds it: the blocks centered inside their vmap,
+    # the stack axis named (center refuses to guess it when depth == heads).
+    return transformer.build_model(config, seed, centered)
   if arch.kind == 'mlp':
     return NnxMLP(arch.width, centered, rngs, arch.depth)
   if arch.kind == 'cnn':
