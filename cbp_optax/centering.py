@@ -48,45 +48,73 @@ References:
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from cbp_optax import _checks
 from cbp_optax import _opt_state
+from cbp_optax._layer_spec import CONV
+from cbp_optax._layer_spec import DENSE
+from cbp_optax._layer_spec import LayerSpec
+from cbp_optax._layer_spec import Shape
+from cbp_optax._layer_spec import conv_spec
+from cbp_optax._layer_spec import dense_spec
+from cbp_optax._layer_spec import feature_axes
+from cbp_optax._layer_spec import normalize_axes
+from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY
+from cbp_optax._stacks import layer_axes
+from cbp_optax._stacks import locate_stack_axes
+from cbp_optax._stacks import muon_dimension_numbers
+from cbp_optax._stacks import stack_axes_placements
+from cbp_optax._bias_shift import bias_shift
+from cbp_optax._bias_shift import needs_bias_residual
+from cbp_optax._bias_shift import shift_bias
 
-Shape = tuple[int, ...]
-DENSE, CONV = 'dense', 'conv'
 
-
-class LayerSpec(NamedTuple):
-  """What centering needs to know about one (unstacked) linear layer.
-
-  Hashable, so it can be static metadata of a module or a variable.
-
-  Attributes:
-    kind: ``'dense'`` or ``'conv'``.
-    axis: the input axes the layer contracts (dense, as configured, possibly
-      negative), or ``(-1,)`` (conv: the channel axis).
-    mean_shape: shape of ``mu``: the contracted input axes' sizes in
-      ascending axis order (dense), or ``(in_channels,)`` (conv).
-    kernel_shape: the kernel's shape.
-    bias_shape: the bias's shape.
-    feature_group_count: the convolution's feature groups (1 for dense).
-  """
-
-  kind: str
-  axis: tuple[int, ...]
-  mean_shape: Shape
-  kernel_shape: Shape
-  bias_shape: Shape
-  feature_group_count: int = 1
+__all__ = [
+    'AMBIGUOUS_STACK_REMEDY',
+    'batch_mean',
+    'bias_shift',
+    'CannotCenterError',
+    'centered_output',
+    'CenterReport',
+    'check_centerable',
+    'check_where',
+    'CONV',
+    'conv_spec',
+    'count_dtype',
+    'count_shape',
+    'DENSE',
+    'dense_spec',
+    'ema',
+    'feature_axes',
+    'input_count',
+    'layer_axes',
+    'LayerSpec',
+    'locate_stack_axes',
+    'mean_correction',
+    'mean_dtype',
+    'MODEL_PATH',
+    'muon_dimension_numbers',
+    'needs_bias_residual',
+    'normalize_axes',
+    'record_mean',
+    'register_parameter_state',
+    'selected',
+    'Shape',
+    'shift_bias',
+    'skip_reason',
+    'stack_axes_placements',
+    'subtract_mean',
+    'transport',
+    'UnclassifiedStateError',
+    'unsupported_layer_error',
+    'Where',
+]
 
 
 class CannotCenterError(ValueError):
@@ -216,42 +244,6 @@ def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
   return dtype
 
 
-def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
-  """Axes as non-negative indices, in ascending order (the kernel's order)."""
-  if isinstance(axes, int):
-    axes = (axes,)
-  return tuple(sorted(a % ndim for a in axes))
-
-
-def dense_spec(
-    axis: Union[int, Sequence[int]],
-    in_shape: Sequence[int],
-    out_shape: Sequence[int],
-) -> LayerSpec:
-  """The spec of a dense layer contracting ``axis`` (``in_shape`` in kernel order)."""
-  axis = (axis,) if isinstance(axis, int) else tuple(axis)
-  in_shape, out_shape = tuple(in_shape), tuple(out_shape)
-  return LayerSpec(DENSE, axis, in_shape, in_shape + out_shape, out_shape)
-
-
-def conv_spec(
-    kernel_size: Sequence[int],
-    in_features: int,
-    out_features: int,
-    feature_group_count: int,
-) -> LayerSpec:
-  """The spec of a convolution with a ``(*window, C_in/G, C_out)`` kernel."""
-  kernel_shape = tuple(kernel_size) + (
-      in_features // feature_group_count, out_features)
-  return LayerSpec(CONV, (-1,), (in_features,), kernel_shape, (out_features,),
-                   feature_group_count)
-
-
-def feature_axes(spec: LayerSpec, ndim: int) -> tuple[int, ...]:
-  """The input axes ``mu`` lives on, ascending, for an input of rank ``ndim``."""
-  return normalize_axes(spec.axis, ndim)
-
-
 def batch_mean(
     inputs: jax.Array,
     spec: LayerSpec,
@@ -349,40 +341,6 @@ def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Ar
   return inputs.astype(dtype) - jnp.reshape(mean, shape).astype(dtype)
 
 
-def _dense_shift(kernel: jax.Array, delta: jax.Array) -> jax.Array:
-  n = delta.ndim
-  return jnp.tensordot(
-      delta.astype(kernel.dtype), kernel,
-      axes=(tuple(range(n)), tuple(range(n))),
-      precision=lax.Precision.HIGHEST,
-  )
-
-
-def _conv_shift(kernel: jax.Array, delta: jax.Array, groups: int) -> jax.Array:
-  # An unpadded convolution of a constant image `delta` gives, at every output
-  # position, the kernel summed over its window and contracted with `delta`
-  # within each feature group.
-  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
-  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
-  grouped_kernel = jnp.reshape(
-      window_sum, (in_per_group, groups, out_features // groups))
-  grouped_delta = jnp.reshape(delta.astype(kernel.dtype), (groups, in_per_group))
-  shift = jnp.einsum('gc,cgo->go', grouped_delta, grouped_kernel,
-                     precision=lax.Precision.HIGHEST)
-  return jnp.reshape(shift, (out_features,))
-
-
-def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Array:
-  """``W delta``: how the layer's output moves when its input moves by ``delta``.
-
-  For one (unstacked) layer. The transport adds it for ``delta = mu_new -
-  mu_old`` (eq. 10); :func:`mean_correction` is it for ``delta = mu``.
-  """
-  if spec.kind == CONV:
-    return _conv_shift(kernel, delta, spec.feature_group_count)
-  return _dense_shift(kernel, delta)
-
-
 def mean_correction(spec: LayerSpec, kernel: jax.Array, mean: jax.Array) -> jax.Array:
   """What centering subtracts from the plain layer's output: ``W mu``.
 
@@ -423,244 +381,6 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
   wide = jnp.promote_types(mean.dtype, jnp.float32)
   return (decay * mean.astype(wide)
           + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)
-
-
-def stack_axes_placements(
-    shape: Shape, unstacked_shape: Shape
-) -> list[tuple[int, ...]]:
-  """Every placement of stack axes that makes ``shape`` ``unstacked_shape``.
-
-  In lexicographic order (leading axes first). More than one means the
-  shapes alone cannot tell where the stack axes are (a stack whose length
-  equals a feature size).
-  """
-  shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
-  extra = len(shape) - len(unstacked_shape)
-  if extra < 0:
-    return []
-  return [
-      axes for axes in itertools.combinations(range(len(shape)), extra)
-      if tuple(d for i, d in enumerate(shape) if i not in axes)
-      == unstacked_shape
-  ]
-
-
-def locate_stack_axes(
-    shape: Shape,
-    unstacked_shape: Shape,
-    preferred: Optional[tuple[int, ...]] = None,
-) -> Optional[tuple[int, ...]]:
-  """Which axes of ``shape`` are stack axes around ``unstacked_shape``.
-
-  ``preferred`` is taken when it fits; otherwise the first placement in
-  lexicographic order (leading axes first, as ``nnx.vmap``, ``nn.scan`` and
-  ``nn.vmap`` place them by default). None when no placement fits.
-  """
-  placements = stack_axes_placements(shape, unstacked_shape)
-  if preferred is not None and tuple(preferred) in placements:
-    return tuple(preferred)
-  return placements[0] if placements else None
-
-
-AMBIGUOUS_STACK_REMEDY = (
-    'Record where the stack axis is: create the Centered layers inside the '
-    'nnx.vmap / nnx.scan with transform_metadata={nnx.PARTITION_NAME: '
-    "'layers'} (their means then track the axis), or wrap a layer stacked "
-    'beforehand with cbp.nnx.Centered(layer, stack_axes=...) (the kernel '
-    'axes that are stack axes) before cbp.nnx.center. Linen records it '
-    'always.'
-)
-
-
-def _stack_axes(
-    name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
-) -> tuple[int, ...]:
-  placements = stack_axes_placements(array.shape, unstacked)
-  if preferred is not None and tuple(preferred) in placements:
-    return tuple(preferred)
-  if not placements:
-    raise ValueError(
-        f'transport: the {name} has shape {tuple(array.shape)}, which is not '
-        f'{unstacked} with stack axes added ({spec}); pass the parameters and '
-        'centering statistics of the same model.'
-    )
-  if len(placements) > 1:
-    raise ValueError(
-        f'transport: the {name} has shape {tuple(array.shape)}, which is '
-        f'{unstacked} with stack axes at any of {placements}: the shapes '
-        'cannot tell which (a stack as long as a feature size), and a wrong '
-        'guess would move each bias by another slice\'s kernel. '
-        + AMBIGUOUS_STACK_REMEDY
-    )
-  return placements[0]
-
-
-def _to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-  return jnp.moveaxis(x, axes, tuple(range(len(axes))))
-
-
-def _from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-  return jnp.moveaxis(x, tuple(range(len(axes))), axes)
-
-
-def layer_axes(
-    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
-    mean_stack_axes: Optional[tuple[int, ...]],
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-  """The stack axes of ``mean``, ``kernel`` and ``bias``, which must agree."""
-  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
-  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
-  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
-  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
-           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
-  if len(set(sizes)) != 1:
-    raise ValueError(
-        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
-    )
-  return mean_axes, kernel_axes, bias_axes
-
-
-def muon_dimension_numbers(
-    spec: LayerSpec, kernel_stack_axes: Sequence[int] = ()
-) -> Any:
-  """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
-
-  The reduction axes are the kernel's input axes (a dense layer's
-  contracted axes; a convolution's window and input-channel axes), the
-  output axes its feature axes, and the stack axes of a layer stack are
-  batch axes (each slice its own matrix).
-
-  Args:
-    spec: the layer, unstacked.
-    kernel_stack_axes: where the stacked kernel's stack axes are.
-
-  Returns:
-    An ``optax.contrib.MuonDimensionNumbers``.
-
-  Examples:
-    >>> from cbp_optax import centering
-    >>> spec = centering.conv_spec((3, 3), 8, 16, feature_group_count=1)
-    >>> centering.muon_dimension_numbers(spec, kernel_stack_axes=(0,))
-    MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=(4,))
-  """
-  stack = sorted(kernel_stack_axes)
-  ndim = len(spec.kernel_shape) + len(stack)
-  own_axes = [a for a in range(ndim) if a not in stack]
-  inputs = (len(spec.kernel_shape) - 1 if spec.kind == CONV
-            else len(spec.mean_shape))
-  return optax.contrib.MuonDimensionNumbers(
-      reduction_axis=tuple(own_axes[:inputs]),
-      output_axis=tuple(own_axes[inputs:]))
-
-
-def needs_bias_residual(dtype: Any) -> bool:
-  """Whether a bias of ``dtype`` keeps a float32 transport residual.
-
-  A 16-bit bias (bfloat16, float16) rounds at every transport, by up to half
-  its unit in the last place, and the roundings add up over thousands of
-  transports. Its residual carries the part of the exact bias the stored one
-  lacks into the next transport (compensated summation), so the stored bias
-  stays within one rounding of the exact one.
-  """
-  return jnp.finfo(dtype).bits < 32
-
-
-def _stored(x: jax.Array, wide: Any) -> jax.Array:
-  """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds.
-
-  XLA may keep a narrow (16-bit) result in the wider precision it was
-  computed in (``xla_allow_excess_precision``): the mean just refreshed, or
-  a kernel just updated, would then enter the bias move unrounded while the
-  stored one is rounded, and the difference would add up over transports.
-  ``reduce_precision`` pins the stored value.
-  """
-  narrow = jnp.finfo(x.dtype)
-  x = x.astype(wide)
-  if narrow.bits >= jnp.finfo(wide).bits:
-    return x
-  return lax.reduce_precision(x, exponent_bits=narrow.nexp,
-                              mantissa_bits=narrow.nmant)
-
-
-def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
-  """``b~ + W (mu_new - mu_old)`` for one layer, and the new residual.
-
-  In float32 at least, from the values as stored; a float32 or float64
-  layer computes exactly what ``bias + bias_shift(kernel, new - mean)``
-  does.
-  """
-  if residual is None:
-    wide = jnp.promote_types(jnp.promote_types(kernel.dtype, mean.dtype),
-                             jnp.float32)
-  else:
-    wide = residual.dtype
-  delta = _stored(new_mean, wide) - _stored(mean, wide)
-  shift = bias_shift(spec, _stored(kernel, wide), delta)
-  if residual is None:
-    return (_stored(bias, wide) + shift).astype(bias.dtype), None
-  exact = _stored(bias, wide) + residual + shift
-  rounded = lax.reduce_precision(
-      exact, exponent_bits=jnp.finfo(bias.dtype).nexp,
-      mantissa_bits=jnp.finfo(bias.dtype).nmant)
-  return rounded.astype(bias.dtype), exact - rounded
-
-
-def shift_bias(
-    spec: LayerSpec,
-    kernel: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    new_mean: jax.Array,
-    *,
-    mask: Optional[jax.Array] = None,
-    mean_stack_axes: Optional[tuple[int, ...]] = None,
-    residual: Optional[jax.Array] = None,
-) -> Any:
-  """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
-
-  For one layer or one stack (each slice by its own kernel), given the old
-  and new means. :func:`transport` is :func:`ema` followed by this; a copy
-  of the parameters (an optimizer's, with its own kernel) is moved by this
-  with the same means, so that it keeps representing the same function.
-
-  Args:
-    spec: the layer, unstacked.
-    kernel: the kernel, possibly with stack axes.
-    bias: the bias, with the same stack axes.
-    mean: ``mu_old``, with the same stack sizes.
-    new_mean: ``mu_new``, shaped like ``mean``.
-    mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
-    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
-    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`),
-      shaped like ``bias``; the move is then computed in float32 and what
-      the stored bias cannot hold is carried in the returned residual.
-
-  Returns:
-    The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.
-  """
-  mean_axes, kernel_axes, bias_axes = layer_axes(
-      spec, kernel, bias, mean, mean_stack_axes)
-  if mask is not None:
-    if mask.ndim < kernel.ndim:
-      mask = jnp.expand_dims(mask, kernel_axes)
-    kernel = kernel * mask
-  fn = functools.partial(_moved_bias, spec)
-  for _ in mean_axes:
-    fn = jax.vmap(fn)
-  if residual is None:
-    residual_axes = fronted_residual = None
-  else:
-    residual_axes = _stack_axes('residual', residual, spec.bias_shape,
-                                mean_axes, spec)
-    fronted_residual = _to_front(residual, residual_axes)
-  new_bias, new_residual = fn(
-      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
-      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes),
-      fronted_residual)
-  new_bias = _from_front(new_bias, bias_axes)
-  if residual is None:
-    return new_bias
-  return new_bias, _from_front(new_residual, residual_axes)
 
 
 def transport(

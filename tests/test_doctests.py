@@ -17,6 +17,7 @@ import pytest
 CORE_MODULES = (
     'cbp_optax',
     'cbp_optax._step',
+    'cbp_optax._stacks',
     'cbp_optax._alias',
     'cbp_optax.blocks',
     'cbp_optax.centering',

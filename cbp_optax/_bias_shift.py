@@ -1,0 +1,164 @@
+"""The bias transport's arithmetic, ``b~ += W (mu_new - mu_old)`` (eq. 10),
+for dense, convolutional and stacked layers, with the float32 residual of
+a 16-bit bias (framework-free; re-exported by :mod:`cbp_optax.centering`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cbp_optax._layer_spec import CONV
+from cbp_optax._layer_spec import LayerSpec
+from cbp_optax._stacks import _from_front
+from cbp_optax._stacks import _stack_axes
+from cbp_optax._stacks import _to_front
+from cbp_optax._stacks import layer_axes
+
+
+def _dense_shift(kernel: jax.Array, delta: jax.Array) -> jax.Array:
+  n = delta.ndim
+  return jnp.tensordot(
+      delta.astype(kernel.dtype), kernel,
+      axes=(tuple(range(n)), tuple(range(n))),
+      precision=lax.Precision.HIGHEST,
+  )
+
+
+def _conv_shift(kernel: jax.Array, delta: jax.Array, groups: int) -> jax.Array:
+  # An unpadded convolution of a constant image `delta` gives, at every output
+  # position, the kernel summed over its window and contracted with `delta`
+  # within each feature group.
+  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
+  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
+  grouped_kernel = jnp.reshape(
+      window_sum, (in_per_group, groups, out_features // groups))
+  grouped_delta = jnp.reshape(delta.astype(kernel.dtype), (groups, in_per_group))
+  shift = jnp.einsum('gc,cgo->go', grouped_delta, grouped_kernel,
+                     precision=lax.Precision.HIGHEST)
+  return jnp.reshape(shift, (out_features,))
+
+
+def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Array:
+  """``W delta``: how the layer's output moves when its input moves by ``delta``.
+
+  For one (unstacked) layer. The transport adds it for ``delta = mu_new -
+  mu_old`` (eq. 10); :func:`mean_correction` is it for ``delta = mu``.
+  """
+  if spec.kind == CONV:
+    return _conv_shift(kernel, delta, spec.feature_group_count)
+  return _dense_shift(kernel, delta)
+
+
+def needs_bias_residual(dtype: Any) -> bool:
+  """Whether a bias of ``dtype`` keeps a float32 transport residual.
+
+  A 16-bit bias (bfloat16, float16) rounds at every transport, by up to half
+  its unit in the last place, and the roundings add up over thousands of
+  transports. Its residual carries the part of the exact bias the stored one
+  lacks into the next transport (compensated summation), so the stored bias
+  stays within one rounding of the exact one.
+  """
+  return jnp.finfo(dtype).bits < 32
+
+
+def _stored(x: jax.Array, wide: Any) -> jax.Array:
+  """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds.
+
+  XLA may keep a narrow (16-bit) result in the wider precision it was
+  computed in (``xla_allow_excess_precision``): the mean just refreshed, or
+  a kernel just updated, would then enter the bias move unrounded while the
+  stored one is rounded, and the difference would add up over transports.
+  ``reduce_precision`` pins the stored value.
+  """
+  narrow = jnp.finfo(x.dtype)
+  x = x.astype(wide)
+  if narrow.bits >= jnp.finfo(wide).bits:
+    return x
+  return lax.reduce_precision(x, exponent_bits=narrow.nexp,
+                              mantissa_bits=narrow.nmant)
+
+
+def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
+  """``b~ + W (mu_new - mu_old)`` for one layer, and the new residual.
+
+  In float32 at least, from the values as stored; a float32 or float64
+  layer computes exactly what ``bias + bias_shift(kernel, new - mean)``
+  does.
+  """
+  if residual is None:
+    wide = jnp.promote_types(jnp.promote_types(kernel.dtype, mean.dtype),
+                             jnp.float32)
+  else:
+    wide = residual.dtype
+  delta = _stored(new_mean, wide) - _stored(mean, wide)
+  shift = bias_shift(spec, _stored(kernel, wide), delta)
+  if residual is None:
+    return (_stored(bias, wide) + shift).astype(bias.dtype), None
+  exact = _stored(bias, wide) + residual + shift
+  rounded = lax.reduce_precision(
+      exact, exponent_bits=jnp.finfo(bias.dtype).nexp,
+      mantissa_bits=jnp.finfo(bias.dtype).nmant)
+  return rounded.astype(bias.dtype), exact - rounded
+
+
+def shift_bias(
+    spec: LayerSpec,
+    kernel: jax.Array,
+    bias: jax.Array,
+    mean: jax.Array,
+    new_mean: jax.Array,
+    *,
+    mask: Optional[jax.Array] = None,
+    mean_stack_axes: Optional[tuple[int, ...]] = None,
+    residual: Optional[jax.Array] = None,
+) -> Any:
+  """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
+
+  For one layer or one stack (each slice by its own kernel), given the old
+  and new means. :func:`transport` is :func:`ema` followed by this; a copy
+  of the parameters (an optimizer's, with its own kernel) is moved by this
+  with the same means, so that it keeps representing the same function.
+
+  Args:
+    spec: the layer, unstacked.
+    kernel: the kernel, possibly with stack axes.
+    bias: the bias, with the same stack axes.
+    mean: ``mu_old``, with the same stack sizes.
+    new_mean: ``mu_new``, shaped like ``mean``.
+    mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
+    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
+    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`),
+      shaped like ``bias``; the move is then computed in float32 and what
+      the stored bias cannot hold is carried in the returned residual.
+
+  Returns:
+    The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.
+  """
+  mean_axes, kernel_axes, bias_axes = layer_axes(
+      spec, kernel, bias, mean, mean_stack_axes)
+  if mask is not None:
+    if mask.ndim < kernel.ndim:
+      mask = jnp.expand_dims(mask, kernel_axes)
+    kernel = kernel * mask
+  fn = functools.partial(_moved_bias, spec)
+  for _ in mean_axes:
+    fn = jax.vmap(fn)
+  if residual is None:
+    residual_axes = fronted_residual = None
+  else:
+    residual_axes = _stack_axes('residual', residual, spec.bias_shape,
+                                mean_axes, spec)
+    fronted_residual = _to_front(residual, residual_axes)
+  new_bias, new_residual = fn(
+      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
+      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes),
+      fronted_residual)
+  new_bias = _from_front(new_bias, bias_axes)
+  if residual is None:
+    return new_bias
+  return new_bias, _from_front(new_residual, residual_axes)

@@ -1,0 +1,145 @@
+"""Layer stacks: where a stacked layer's stack axes are, and the layer axes
+Muon's dimension numbers need (framework-free; re-exported by
+:mod:`cbp_optax.centering`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from cbp_optax._layer_spec import CONV
+from cbp_optax._layer_spec import LayerSpec
+from cbp_optax._layer_spec import Shape
+
+
+def stack_axes_placements(
+    shape: Shape, unstacked_shape: Shape
+) -> list[tuple[int, ...]]:
+  """Every placement of stack axes that makes ``shape`` ``unstacked_shape``.
+
+  In lexicographic order (leading axes first). More than one means the
+  shapes alone cannot tell where the stack axes are (a stack whose length
+  equals a feature size).
+  """
+  shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
+  extra = len(shape) - len(unstacked_shape)
+  if extra < 0:
+    return []
+  return [
+      axes for axes in itertools.combinations(range(len(shape)), extra)
+      if tuple(d for i, d in enumerate(shape) if i not in axes)
+      == unstacked_shape
+  ]
+
+
+def locate_stack_axes(
+    shape: Shape,
+    unstacked_shape: Shape,
+    preferred: Optional[tuple[int, ...]] = None,
+) -> Optional[tuple[int, ...]]:
+  """Which axes of ``shape`` are stack axes around ``unstacked_shape``.
+
+  ``preferred`` is taken when it fits; otherwise the first placement in
+  lexicographic order (leading axes first, as ``nnx.vmap``, ``nn.scan`` and
+  ``nn.vmap`` place them by default). None when no placement fits.
+  """
+  placements = stack_axes_placements(shape, unstacked_shape)
+  if preferred is not None and tuple(preferred) in placements:
+    return tuple(preferred)
+  return placements[0] if placements else None
+
+
+AMBIGUOUS_STACK_REMEDY = (
+    'Record where the stack axis is: create the Centered layers inside the '
+    'nnx.vmap / nnx.scan with transform_metadata={nnx.PARTITION_NAME: '
+    "'layers'} (their means then track the axis), or wrap a layer stacked "
+    'beforehand with cbp.nnx.Centered(layer, stack_axes=...) (the kernel '
+    'axes that are stack axes) before cbp.nnx.center. Linen records it '
+    'always.'
+)
+
+
+def _stack_axes(
+    name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
+) -> tuple[int, ...]:
+  placements = stack_axes_placements(array.shape, unstacked)
+  if preferred is not None and tuple(preferred) in placements:
+    return tuple(preferred)
+  if not placements:
+    raise ValueError(
+        f'transport: the {name} has shape {tuple(array.shape)}, which is not '
+        f'{unstacked} with stack axes added ({spec}); pass the parameters and '
+        'centering statistics of the same model.'
+    )
+  if len(placements) > 1:
+    raise ValueError(
+        f'transport: the {name} has shape {tuple(array.shape)}, which is '
+        f'{unstacked} with stack axes at any of {placements}: the shapes '
+        'cannot tell which (a stack as long as a feature size), and a wrong '
+        'guess would move each bias by another slice\'s kernel. '
+        + AMBIGUOUS_STACK_REMEDY
+    )
+  return placements[0]
+
+
+def _to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  return jnp.moveaxis(x, axes, tuple(range(len(axes))))
+
+
+def _from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  return jnp.moveaxis(x, tuple(range(len(axes))), axes)
+
+
+def layer_axes(
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    mean_stack_axes: Optional[tuple[int, ...]],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """The stack axes of ``mean``, ``kernel`` and ``bias``, which must agree."""
+  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
+  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
+  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
+  sizes = [tuple(x.shape[a] for a in axes) for x, axes in
+           ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
+  if len(set(sizes)) != 1:
+    raise ValueError(
+        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
+    )
+  return mean_axes, kernel_axes, bias_axes
+
+
+def muon_dimension_numbers(
+    spec: LayerSpec, kernel_stack_axes: Sequence[int] = ()
+) -> Any:
+  """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
+
+  The reduction axes are the kernel's input axes (a dense layer's
+  contracted axes; a convolution's window and input-channel axes), the
+  output axes its feature axes, and the stack axes of a layer stack are
+  batch axes (each slice its own matrix).
+
+  Args:
+    spec: the layer, unstacked.
+    kernel_stack_axes: where the stacked kernel's stack axes are.
+
+  Returns:
+    An ``optax.contrib.MuonDimensionNumbers``.
+
+  Examples:
+    >>> from cbp_optax import centering
+    >>> spec = centering.conv_spec((3, 3), 8, 16, feature_group_count=1)
+    >>> centering.muon_dimension_numbers(spec, kernel_stack_axes=(0,))
+    MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=(4,))
+  """
+  stack = sorted(kernel_stack_axes)
+  ndim = len(spec.kernel_shape) + len(stack)
+  own_axes = [a for a in range(ndim) if a not in stack]
+  inputs = (len(spec.kernel_shape) - 1 if spec.kind == CONV
+            else len(spec.mean_shape))
+  return optax.contrib.MuonDimensionNumbers(
+      reduction_axis=tuple(own_axes[:inputs]),
+      output_axis=tuple(own_axes[inputs:]))
