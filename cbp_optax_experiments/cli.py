@@ -21,7 +21,6 @@ import argparse
 import importlib.metadata
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -35,6 +34,7 @@ from flax import nnx
 
 import cbp_optax as cbp
 from cbp_optax_experiments import datasets
+from cbp_optax_experiments import outputs
 from cbp_optax import nnx as cbp_nnx
 
 
@@ -113,27 +113,6 @@ def _learning_rate(text: str) -> float:
     raise argparse.ArgumentTypeError(
         f'expected a finite learning rate > 0, got {text!r}')
   return value
-
-
-def check_out_dir(out: pathlib.Path, flag: str = '--out') -> None:
-  """Raises ValueError unless ``out`` is a folder or can be made one (so a
-  command fails before it trains, not when it writes).
-
-  Args:
-    out: the output folder.
-    flag: the option that named it, for the message.
-  """
-  if out.exists() and not out.is_dir():
-    raise ValueError(f'{flag} {out}: a file, not a folder')
-  parent = out
-  while not parent.exists():
-    if parent.is_symlink():
-      raise ValueError(f'{flag} {out}: {parent} is a broken link')
-    parent = parent.parent
-  if not parent.is_dir():
-    raise ValueError(f'{flag} {out}: {parent} is a file, not a folder')
-  if not os.access(parent, os.W_OK | os.X_OK):
-    raise ValueError(f'{flag} {out}: {parent} is not writable')
 
 
 def compare_parser() -> argparse.ArgumentParser:
@@ -254,7 +233,7 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   try:
     if args.out is not None:
-      check_out_dir(args.out)
+      outputs.check_out_dir(args.out)
     if args.data_dir is not None and args.data_dir.exists() and (
         not args.data_dir.is_dir()):
       raise ValueError(f'--data-dir {args.data_dir}: a file, not a folder')

@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import Any, Optional, Sequence
 
-from cbp_optax_experiments import cli as top_cli
+from cbp_optax_experiments import outputs
 from cbp_optax_experiments import datasets
 from cbp_optax_experiments.reproduce import cli as reproduce_cli
 from cbp_optax_experiments.workloads import arms as arms_lib
@@ -509,8 +509,8 @@ def plan(args: argparse.Namespace) -> Plan:
     ValueError: a bad argument; the message starts with the flag and its
       value. ``report.ResultsError``: an unreadable results.json.
   """
-  top_cli.check_out_dir(args.out)
-  top_cli.check_out_dir(args.out / RUNS)
+  outputs.check_out_dir(args.out)
+  outputs.check_out_dir(args.out / RUNS)
   arms = _chosen_arms(args)
   names = _chosen_workloads(args)
   seeds = list(range(args.seeds or (2 if args.quick else 3)))
@@ -543,7 +543,7 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
   if given:
     raise ValueError(f'--score-only rescores {args.out / report.RESULTS} as '
                      f'it stands: it takes no {", ".join(given)}')
-  top_cli.check_out_dir(args.out)
+  outputs.check_out_dir(args.out)
   results = report.load(args.out)
   if results is None:
     raise ValueError(f'--score-only: no {args.out / report.RESULTS}')
