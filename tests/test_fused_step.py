@@ -352,6 +352,27 @@ def test_nnx_step_has_no_parameter_copies_and_region_analysis_is_exact():
     np.testing.assert_array_equal(a, b)
 
 
+def test_nnx_lower_is_the_program_a_direct_call_runs():
+  # step.lower used to lower nnx.jit(step): another program, without the
+  # step's CPU compiler options, so its executable copied M3's moment.
+  x, labels = data()
+  step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
+  lowered_model, direct_model = NnxMLP(nnx.Rngs(0)), NnxMLP(nnx.Rngs(0))
+  lowered_opt = cbp_nnx.Optimizer(lowered_model, cbp.cbp(LR))
+  direct_opt = cbp_nnx.Optimizer(direct_model, cbp.cbp(LR))
+  compiled = step.lower(lowered_model, lowered_opt, x, labels).compile()
+  if jax.default_backend() == 'cpu':
+    assert _parameter_sized_copies(
+        compiled.as_text(), nnx.state(lowered_model, nnx.Param)) == []
+  for _ in range(3):
+    lowered_out = compiled(lowered_model, lowered_opt, x, labels)
+    direct_out = step(direct_model, direct_opt, x, labels)
+    np.testing.assert_array_equal(lowered_out.loss, direct_out.loss)
+  for a, b in zip(_flat(nnx.state((lowered_model, lowered_opt))),
+                  _flat(nnx.state((direct_model, direct_opt)))):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_steps_nested_in_an_undonated_user_jit_copy_no_parameter_buffer():
   """A user's own ``nnx.jit`` / ``jax.jit`` around the fused step donates
   nothing and sets no compiler options. The skip of a non-finite batch is a

@@ -5,7 +5,7 @@ refresh and transport as one compiled iteration (Algorithm 1).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +152,44 @@ def _select(ok: jax.Array, apply_step: Callable[..., None],
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
+class _CompiledStep:
+  """A compiled fused step, called as the step is: ``(model, optimizer,
+  *args) -> StepOutput``, updating the model and optimizer in place."""
+
+  def __init__(self, compiled: Any, split_arguments: Callable[..., Any]):
+    self._compiled = compiled
+    self._split_arguments = split_arguments
+
+  def __call__(self, *args: Any) -> StepOutput:
+    (model, optimizer, nodes), (_, state, slotted) = self._split_arguments(
+        args)
+    new_state, out = self._compiled(state, slotted)
+    nnx.update((model, optimizer, nodes), new_state)
+    return out
+
+  def as_text(self, *args: Any, **kwargs: Any) -> str:
+    return self._compiled.as_text(*args, **kwargs)
+
+
+class _LoweredStep:
+  """``step.lower(model, optimizer, *args)``: the program a direct call
+  runs, with its donation and, on CPU, its compiler options."""
+
+  def __init__(self, lowered: Any, split_arguments: Callable[..., Any]):
+    self._lowered = lowered
+    self._split_arguments = split_arguments
+
+  def as_text(self, *args: Any, **kwargs: Any) -> str:
+    return self._lowered.as_text(*args, **kwargs)
+
+  def compile(self, compiler_options: Optional[dict[str, Any]] = None
+              ) -> _CompiledStep:
+    """Compiles with the step's own options, or ``compiler_options``."""
+    compiled = (self._lowered.compile() if compiler_options is None
+                else self._lowered.compile(compiler_options))
+    return _CompiledStep(compiled, self._split_arguments)
+
+
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
     donate: bool = True, decay: Any = None,
@@ -182,8 +220,9 @@ def train_step(
   ``skipped_steps``. With no centered layer it is an ordinary train step.
   Called directly on CPU, the step compiles with XLA's
   ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized buffer
-  copies); ``step.lower(model, optimizer, *args)`` gives the lowered
-  program.
+  copies); ``step.lower(model, optimizer, *args)`` lowers that same
+  program (``.as_text()``, ``.compile(options)``, whose result is called
+  as the step is).
 
   Args:
     loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
@@ -286,7 +325,7 @@ def train_step(
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
 
-  def train(*args):
+  def split_arguments(args):
     if len(args) < 2:
       raise TypeError(
           'train_step: step(model, optimizer, *args) takes the model and the '
@@ -300,8 +339,12 @@ def train_step(
     graphdef, state = nnx.split((model, optimizer, nodes))
     if donate:
       state = _step.unaliased(state)
+    return (model, optimizer, nodes), (graphdef, state, _slots(args, nodes))
+
+  def train(*args):
+    (model, optimizer, nodes), jitted_args = split_arguments(args)
     try:
-      new_state, out = jitted(graphdef, state, _slots(args, nodes))
+      new_state, out = jitted(*jitted_args)
     except (TypeError, ValueError) as error:
       hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
                                         nnx.state(optimizer))
@@ -311,7 +354,10 @@ def train_step(
     nnx.update((model, optimizer, nodes), new_state)
     return out
 
-  # The same step under nnx.jit, for inspecting the program:
-  # step.lower(model, optimizer, *args).compile(options).
-  train.lower = nnx.jit(step, donate_argnums=(0, 1) if donate else ()).lower
+  def lower(*args):
+    graphdef, state, slotted = split_arguments(args)[1]
+    return _LoweredStep(jitted.lower(graphdef, state, slotted),
+                        split_arguments)
+
+  train.lower = lower
   return train
