@@ -5,6 +5,8 @@ Optimizer side (optax transforms):
 * :func:`equalize` - M1, layerwise gradient-norm equalization (eqs. 5-7).
 * :func:`precondition` - M3, damped lagged diagonal preconditioning (eqs. 11-12).
 * :func:`cbp` - the two chained with a learning rate (Algorithm 1, steps 3-9).
+* :func:`recommended` - the recommended recipe's optimizer (Muon) for a model
+  centered with M2, chosen on the workload suite's dev split.
 
 Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
 ``cbp_optax.linen``.
@@ -21,6 +23,7 @@ from cbp_optax import sharding
 from cbp_optax._alias import cbp
 from cbp_optax._alias import cbp_robust
 from cbp_optax._alias import cbp_transformer
+from cbp_optax._recipe import recommended
 from cbp_optax.blocks import block_names
 from cbp_optax.blocks import kernel_blocks
 from cbp_optax.blocks import layer_blocks
@@ -57,6 +60,7 @@ __all__ = (
     'nnx',
     'no_blocks',
     'precondition',
+    'recommended',
     'sharding',
 )
 

@@ -27,6 +27,7 @@ CORE_MODULES = (
     'cbp_optax.linen',
     'cbp_optax.nnx',
     'cbp_optax._precondition',
+    'cbp_optax._recipe',
     'cbp_optax.sharding',
 )
 
@@ -69,6 +70,7 @@ PAPER = 'Layerwise Conditioned Backpropagation'
 # (object, whether its docstring cites the paper).
 DOCUMENTED = (
     ('cbp_optax.cbp', True),
+    ('cbp_optax.recommended', True),
     ('cbp_optax.equalize', True),
     ('cbp_optax.precondition', True),
     ('cbp_optax.equalize_stats', True),

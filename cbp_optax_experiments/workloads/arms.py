@@ -246,10 +246,19 @@ def builtin_arms() -> dict[str, Arm]:
   return {arm.name: arm for arm in arms}
 
 
-# The place for the library's recommended recipe: an ``Arm('recommended',
-# ...)`` added here once it is chosen on the dev split (and recorded in
-# ``splits.CHOSEN_ON``). Empty until then.
-RECOMMENDED: tuple[Arm, ...] = ()
+def _recommended(lr, ctx):
+  return cbp.recommended(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+                         mask=decay_mask, dimension_numbers=ctx.muon_dims)
+
+
+# The library's recommended recipe (cbp.recommended on the centered model, a
+# BatchNorm model left plain), chosen on the dev split only: splits.CHOSEN_ON.
+RECOMMENDED: tuple[Arm, ...] = (
+    Arm('recommended', _recommended, centered=True,
+        center_batch_norm_models=False,
+        description='cbp.recommended (Muon, consistent_rms=0.2) on the '
+        'centered model (the plain one where the model has BatchNorm)'),
+)
 
 
 def user_arm(spec: str, centered: bool = False) -> Arm:

@@ -120,6 +120,18 @@ CHOSEN_ON: tuple[Choice, ...] = (
            ('transformer',),
            'transformer ablation, 3 seeds (3.335 vs 3.355 bits per byte); '
            'commit 8283620'),
+    Choice('cbp_optax.recommended = Muon (consistent_rms=0.2) on the '
+           'centered model: the recommended recipe', DEV,
+           tuple(SPLITS[DEV]),
+           'full dev run of 2026-12-02 (14 arms x 3 seeds, AlgoPerf targets): '
+           'muon_centered had the highest headline score (steps 0.728; muon '
+           '0.674, nadamw_centered 0.554, cbp_robust 0.400), chosen before '
+           'the test split was read'),
+    Choice('the recommended recipe leaves a model with BatchNorm plain', DEV,
+           ('tutorial-cnn',),
+           'same run: every centered arm missed the tutorial CNN\'s target '
+           '(muon_centered final 0.896-0.938), plain Muon reached it in 225 '
+           'steps (the best)'),
     Choice('workloads Arm.center_batch_norm_models=False for cbp_robust '
            '(a model with BatchNorm trains plain)', DEV, ('tutorial-cnn',),
            'AdamW centered vs plain, 3 seeds (3.6 vs 0.7 points of '
