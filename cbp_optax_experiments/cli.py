@@ -1,7 +1,8 @@
 """``cbp-optax``: the command-line entry point.
 
 ``cbp-optax compare`` trains the paper's MNIST MLP (§6.6: 4 hidden layers of
-width 256, batch 256) with optax.adam, Adam + Center and full CBP side by side
+width 256, batch 256) with optax.adam, Adam + Center, full CBP and the
+recommended recipe (Muon + Center) side by side
 and prints a comparison table (``--out DIR`` also writes results.md,
 results.json and a loss-curve PNG). ``cbp-optax reproduce`` runs the paper's
 studies (``cbp_optax_experiments.reproduce``). ``cbp-optax workloads`` races
@@ -83,6 +84,9 @@ def _methods(lr_adam: float, lr_cbp: float):
       'Adam': (False, lambda: optax.adam(lr_adam)),
       'Adam + Center': (True, lambda: optax.adam(lr_adam)),
       'CBP (M1+M2+M3)': (True, lambda: cbp.cbp(lr_cbp)),
+      # The recommended recipe: Muon on the centered model, at Adam's rate
+      # (its update RMS matches AdamW's).
+      'Recommended (Muon + Center)': (True, lambda: cbp.recommended(lr_adam)),
   }
 
 
@@ -176,14 +180,17 @@ def _quartiles(values) -> list[float]:
 
 
 def _table(rows) -> list[str]:
-  lines = [f'| {"method":<16} | {"train loss (EMA)":>16} | '
+  width = max([len('method')] + [len(row['method']) for row in rows])
+  lines = [f'| {"method":<{width}} | {"train loss (EMA)":>16} | '
            f'{"test accuracy":>13} | {"ms / step":>9} | '
            f'{"/ Adam, median [IQR]":>20} |',
-           f'|{"-" * 18}|{"-" * 17}:|{"-" * 14}:|{"-" * 10}:|{"-" * 21}:|']
+           f'|{"-" * (width + 2)}|{"-" * 17}:|{"-" * 14}:|{"-" * 10}:|'
+           f'{"-" * 21}:|']
   for row in rows:
     low, mid, high = row['ratio_to_adam_quartiles']
     ratio = f'{mid:.2f} [{low:.2f}, {high:.2f}]'
-    lines.append(f'| {row["method"]:<16} | {row["train_loss_ema"]:>16.4f} | '
+    lines.append(f'| {row["method"]:<{width}} | '
+                 f'{row["train_loss_ema"]:>16.4f} | '
                  f'{row["test_accuracy"]:>13.4f} | {row["ms_per_step"]:>9.2f} '
                  f'| {ratio:>20} |')
   return lines
@@ -219,7 +226,8 @@ def _write_results(out: pathlib.Path, plt, header: list[str], config: dict,
 
 
 def compare(argv: Optional[Sequence[str]] = None) -> int:
-  """``cbp-optax compare``: Adam vs Adam + Center vs CBP on the MNIST MLP.
+  """``cbp-optax compare``: Adam, Adam + Center, CBP and the recommended
+  recipe on the MNIST MLP.
 
   Args:
     argv: the command's arguments (see ``cbp-optax compare --help``).
@@ -329,7 +337,7 @@ EXTRA_MODULES = ('matplotlib', 'scipy', 'tqdm')
 
 # Command -> (entry point taking the command's own arguments, one-line help).
 _COMMANDS: dict[str, tuple[Callable[[Optional[Sequence[str]]], int], str]] = {
-    'compare': (compare, 'Adam vs Adam + Center vs CBP on the MNIST MLP '
+    'compare': (compare, 'Adam, Adam + Center, CBP and Muon + Center on the MNIST MLP '
                 '(§6.6); see cbp-optax compare --help'),
     'reproduce': (_reproduce, "the paper's studies: reproduce <study|all> "
                   '[--quick] [--download]; see cbp-optax reproduce --help'),

@@ -66,9 +66,13 @@ def main():
                       help='images per step')
   parser.add_argument('--learning-rate', type=float, default=1e-3,
                       help='peak learning rate')
-  parser.add_argument('--optimizer', choices=('cbp', 'adam', 'adamw'),
-                      default='cbp', help='cbp: full CBP; adam: Adam + '
-                      'Center; adamw: the tutorial\'s AdamW')
+  parser.add_argument('--optimizer',
+                      choices=('recommended', 'cbp', 'cbp_robust', 'adam',
+                               'adamw'),
+                      default='cbp', help='recommended: cbp.recommended '
+                      '(Muon; the recipe leaves this BatchNorm model plain: '
+                      'add --no-center); cbp: full CBP; cbp_robust; adam: '
+                      'Adam + Center; adamw: the tutorial\'s AdamW')
   parser.add_argument('--no-center', action='store_true',
                       help='leave the model as it is')
   parser.add_argument('--batchnorm-momentum', type=float, default=0.99,
@@ -99,7 +103,11 @@ def main():
     for path, reason in report.skipped:
       print(f'left as is: {path} ({reason.split(":")[0]})')
   tx = {
+      'recommended': lambda: cbp.recommended(
+          args.learning_rate,
+          dimension_numbers=cbp.nnx.muon_dimension_numbers(model)),
       'cbp': lambda: cbp.cbp(args.learning_rate),
+      'cbp_robust': lambda: cbp.cbp_robust(args.learning_rate),
       'adam': lambda: optax.adam(args.learning_rate),
       'adamw': lambda: optax.adamw(args.learning_rate),
   }[args.optimizer]()

@@ -40,7 +40,7 @@ def test_compare_job_prints_a_table():
             '32', '--data-dir', str(MNIST_DIR))
   lines = [l for l in out.splitlines() if l.startswith('| ')]
   assert [l.split('|')[1].strip() for l in lines[1:]] == [
-      'Adam', 'Adam + Center', 'CBP (M1+M2+M3)']
+      'Adam', 'Adam + Center', 'CBP (M1+M2+M3)', 'Recommended (Muon + Center)']
 
 
 @needs_mnist
