@@ -36,11 +36,11 @@ def recommended(
   learning rate, and with decoupled weight decay on the kernels.
 
   It was chosen on the workload suite's dev split only, by its headline
-  score (time to target in steps), before the test split was looked at;
-  the test split reports it. The measurements, and where it loses (Muon's
-  step costs 2-5x AdamW's on CPU; in wall-clock NAdamW on the centered model
-  led the dev split), are in the docs page "Workloads". Algorithm 1 itself
-  is :func:`cbp_optax.cbp`.
+  score (time to target in steps; first there), before the test split was
+  read. On the test split it is second in steps, behind schedule-free AdamW
+  on the centered model, and its steps cost 1.1-7x AdamW's on CPU, so in
+  wall-clock it falls further; the tables are in the docs page "Workloads".
+  Algorithm 1 itself is :func:`cbp_optax.cbp`.
 
   Args:
     learning_rate: a float or an optax schedule (the suite used a linear
