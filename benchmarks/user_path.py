@@ -155,9 +155,9 @@ def _first_call(step: Callable[[], Any], sync: Callable[[], None]) -> float:
 def nnx_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
   """``row`` on ``arch`` in NNX, compiled by its first call."""
   x, y = models.make_batch(arch, batch)
-  model = models.nnx_model(arch, centered=False)
-  if row.centered:
-    cbp.nnx.center(model)
+  # Built centered as models.nnx_model centers it (the transformer's blocks
+  # inside their vmap, where center can tell the stack axis).
+  model = models.nnx_model(arch, centered=row.centered)
   stacked = models.stacked_for(arch, model) if row.centered else None
   tx = OPTIMIZERS[row.optimizer](stacked)
 
