@@ -141,6 +141,17 @@ def flat(tree):
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def assert_every_copy_keeps_its_function(function, copies, before, after):
+  """Each transported copy in ``after`` computes what it did before
+  (``before``, to float64 tolerance), while the same copy left unmoved
+  (``copies``) would not: the means moved far."""
+  assert after.keys() == before.keys() and len(after) == 13
+  for key, copy in after.items():
+    change = max_relative(function(copy), before[key])
+    assert change <= F64_TOLERANCE, (key, change)
+    assert max_relative(function(copies[key]), before[key]) > 1e-3, key
+
+
 def assert_only_copy_biases_moved(before, after, fields):
   """Gradient statistics and kernels bit for bit; only copies' biases move."""
   before, after = flat(before), flat(after)
@@ -241,13 +252,8 @@ def test_nnx_transport_keeps_every_copys_function():
     nnx_transport(model, optimizer, 0.0)
     after = {k: nnx.as_pure(c) for k, c in
              copies_of(optimizer.opt_state).items()}
-    assert after.keys() == before.keys() and len(after) == 13
-    for key, copy in after.items():
-      change = max_relative(nnx_function(model, copy, x), before[key])
-      assert change <= F64_TOLERANCE, (key, change)
-      # The means moved far: left where it was, the copy would change.
-      assert max_relative(nnx_function(model, copies[key], x),
-                          before[key]) > 1e-3, key
+    assert_every_copy_keeps_its_function(
+        lambda c: nnx_function(model, c, x), copies, before, after)
     assert_only_copy_biases_moved(state_before,
                                   nnx.as_pure(optimizer.opt_state),
                                   COPY_FIELDS)
@@ -304,12 +310,8 @@ def test_nnx_functional_transport_moves_the_optax_state_copies():
         graphdef, nnx.as_pure(params), nnx.as_pure(rest), opt_state, 0.0)
     model = nnx.merge(graphdef, params, rest)
     after = copies_of(opt_state)
-    assert after.keys() == before.keys() and len(after) == 13
-    for key, copy in after.items():
-      change = max_relative(nnx_function(model, copy, x), before[key])
-      assert change <= F64_TOLERANCE, (key, change)
-      assert max_relative(nnx_function(model, copies[key], x),
-                          before[key]) > 1e-3, key
+    assert_every_copy_keeps_its_function(
+        lambda c: nnx_function(model, c, x), copies, before, after)
     assert_only_copy_biases_moved(state_before, opt_state, COPY_FIELDS)
 
 
@@ -445,11 +447,8 @@ def test_linen_transport_keeps_every_copys_function():
     _, new_centering, new_state = move(params, changed['centering'],
                                        opt_state, 0.0)
     after = copies_of(new_state)
-    assert after.keys() == before.keys() and len(after) == 13
-    for key, copy in after.items():
-      change = max_relative(f(copy, new_centering), before[key])
-      assert change <= F64_TOLERANCE, (key, change)
-      assert max_relative(f(copies[key], new_centering), before[key]) > 1e-3
+    assert_every_copy_keeps_its_function(
+        lambda c: f(c, new_centering), copies, before, after)
     assert_only_copy_biases_moved(opt_state, new_state, COPY_FIELDS)
 
 
