@@ -110,6 +110,44 @@ def test_the_framework_packages_mirror_each_other_file_for_file():
           todo.extend(graph[name])
 
 
+def _library_imports() -> dict[str, set[str]]:
+  """``{module: the cbp_optax modules it imports}``, lazy imports included."""
+  paths = {'.'.join(path.relative_to(ROOT).with_suffix('').parts)
+           .removesuffix('.__init__'): path for path in CORE.rglob('*.py')}
+  graph = {}
+  for module, path in paths.items():
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names |= {alias.name for alias in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        assert not node.level, (path, 'relative import')
+        names |= {f'{node.module}.{alias.name}' if
+                  f'{node.module}.{alias.name}' in paths else node.module
+                  for alias in node.names}
+    graph[module] = (names & set(paths)) - {module}
+  return graph
+
+
+def test_the_library_imports_form_no_circle():
+  graph = _library_imports()
+  assert 'cbp_optax._stacks' in graph['cbp_optax.centering'], graph
+  done, path = set(), []
+
+  def visit(module):
+    assert module not in path, ' -> '.join(path[path.index(module):]
+                                           + [module])
+    if module not in done:
+      path.append(module)
+      for imported in sorted(graph[module]):
+        visit(imported)
+      path.pop()
+      done.add(module)
+
+  for module in sorted(graph):
+    visit(module)
+
+
 def _code_lines(source: str) -> set[int]:
   """The numbers of the lines that hold code, docstrings left out."""
   lines = set()
