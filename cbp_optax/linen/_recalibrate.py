@@ -94,9 +94,9 @@ def recalibrate_batch_stats(
   Returns:
     ``variables`` with new ``batch_stats`` (same container type); a
     BatchNorm the forward pass never calls keeps its statistics. Functional,
-    as Linen is: ``cbp.nnx.recalibrate_batch_stats`` (the same algorithm, in
-    ``cbp_optax._batch_stats``) sets an NNX model's statistics in place and
-    returns the paths of the layers it recalibrated instead.
+    as Linen is: ``cbp.nnx.recalibrate_batch_stats`` runs the same algorithm
+    but sets an NNX model's statistics in place and returns the paths of the
+    layers it recalibrated instead.
 
   Raises:
     ValueError: ``variables`` without ``batch_stats``, no batches, a

@@ -99,9 +99,8 @@ def recalibrate_batch_stats(
     The paths of the BatchNorm layers recalibrated: all those the forward
     pass calls (one it never calls keeps its statistics). The statistics
     themselves are set in the model, as NNX's own updates are;
-    ``cbp.linen.recalibrate_batch_stats`` (the same algorithm, in
-    ``cbp_optax._batch_stats``) is functional, as Linen is, and returns the
-    new variables instead.
+    ``cbp.linen.recalibrate_batch_stats`` runs the same algorithm but is
+    functional, as Linen is, and returns the new variables instead.
 
   Raises:
     ValueError: a model without ``nnx.BatchNorm``, no batches, a BatchNorm
