@@ -7,18 +7,21 @@ them with the parameters frozen, as the population statistics over a set of
 training batches: every BatchNorm's input mean, and the variance of all its
 inputs pooled, not an average of per-batch variances.
 
-Both frameworks intercept every call of every BatchNorm, take that call's
-:func:`moments` (with the number of positions it normalized over) and fold
-them into per-layer accumulators with :func:`combine`; :func:`pool` then
-folds the batches together the same way and :func:`finish` checks and
-returns the statistics. A layer called twice in one forward pass, a
-time-major batch and a zero-example batch all follow from the counts.
+One algorithm for both frameworks, which differ only in how they reach a
+BatchNorm call and where the statistics go. Every call of every BatchNorm
+runs through :func:`pooled_call`, which takes that call's :func:`moments`
+(with the number of positions it normalized over) and folds them into the
+layer's accumulators with :func:`combine`; :func:`population` then folds the
+batches together the same way and checks the statistics. A layer called
+twice in one forward pass, a time-major batch and a zero-example batch all
+follow from the counts.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import (Any, Callable, Iterable, Mapping, NamedTuple, Optional,
+                    Sequence)
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +103,24 @@ def moments(
   return Moments(count, mean, total(deviation) / safe)
 
 
+def pooled_call(
+    norm: Any, x: jax.Array, mask: Optional[jax.Array], so_far: Moments,
+    call: Callable[[], Any],
+) -> tuple[Any, Moments]:
+  """One BatchNorm call, and ``so_far`` with its input's moments folded in.
+
+  ``norm`` is an ``nnx.BatchNorm`` or an ``nn.BatchNorm`` (both name their
+  feature axes ``axis`` and their device pooling ``axis_name`` and
+  ``axis_index_groups``); ``call()`` runs it on ``x`` with its batch's
+  statistics, as in training.
+  """
+  moments_of_call = moments(
+      x, norm.axis, mask=mask, axis_name=norm.axis_name,
+      axis_index_groups=norm.axis_index_groups)
+  out = call()
+  return out, combine(so_far, moments_of_call)
+
+
 def empty_like(mean: jax.Array, var: jax.Array) -> Moments:
   """Accumulators that have seen nothing, shaped (and so stacked) as ``mean``."""
   count = jnp.zeros(jnp.shape(mean),
@@ -153,6 +174,18 @@ def pool(batches: Iterable[Mapping[str, Moments]]) -> dict[str, Moments]:
   if pooled is None:
     raise ValueError('recalibrate_batch_stats: batches is empty.')
   return pooled
+
+
+def population(
+    batch_moments: Callable[[Any], Mapping[str, Moments]],
+    batches: Iterable[Any],
+) -> dict[str, tuple[Any, Any]]:
+  """``{path: (mean, var)}`` over all ``batches``, checked (:func:`finish`).
+
+  ``batch_moments(batch)`` runs the forward pass on one batch and returns
+  every called layer's accumulated :class:`Moments`.
+  """
+  return finish(pool(batch_moments(batch) for batch in batches))
 
 
 def finish(pooled: Mapping[str, Moments]) -> dict[str, tuple[Any, Any]]:

@@ -71,6 +71,7 @@ def _open_lock_file(path: pathlib.Path, create: bool) -> tuple[int, bool]:
     except FileNotFoundError:
       if not create:
         return -1, False
+      # Removed by a failing save between the two opens: create it again.
 
 
 def _names_file(path: pathlib.Path, fd: int) -> bool:

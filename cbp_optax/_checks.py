@@ -347,18 +347,22 @@ def check_stats_dtype(
         'which optax.inject_hyperparams leaves alone, or: '
         + static_args_remedy(factory, ('stats_dtype',))
     )
+  return float_dtype('stats_dtype', value, ': the statistics are square '
+                     'roots and ratios of squared gradients.')
+
+
+def float_dtype(name: str, value: Any, why: str = '.') -> jnp.dtype:
+  """``value`` as a real floating-point dtype, or a ``TypeError`` that names
+  ``name`` and ends with ``why``."""
   try:
     dtype = jnp.dtype(value)
   except TypeError as e:
     raise TypeError(
-        f'stats_dtype must be a floating-point dtype, got {value!r}.'
-    ) from e
+        f'{name} must be a floating-point dtype, got {value!r}.') from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-        f'stats_dtype must be a real floating-point dtype (float32, float64, '
-        f'bfloat16...), got {dtype}: the statistics are square roots and '
-        'ratios of squared gradients.'
-    )
+        f'{name} must be a real floating-point dtype (float32, float64, '
+        f'bfloat16...), got {dtype}{why}')
   return dtype
 
 

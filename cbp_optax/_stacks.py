@@ -6,7 +6,7 @@ Muon's dimension numbers need (framework-free; re-exported by
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,10 +48,36 @@ def locate_stack_axes(
   lexicographic order (leading axes first, as ``nnx.vmap``, ``nn.scan`` and
   ``nn.vmap`` place them by default). None when no placement fits.
   """
+  return resolve_stack_axes(shape, unstacked_shape, preferred)
+
+
+def resolve_stack_axes(
+    shape: Shape,
+    unstacked_shape: Shape,
+    preferred: Optional[Sequence[int]] = None,
+    *,
+    not_found: Optional[Callable[[], str]] = None,
+    ambiguous: Optional[Callable[[list[tuple[int, ...]]], str]] = None,
+) -> Optional[tuple[int, ...]]:
+  """The stack axes of ``shape`` around ``unstacked_shape``: every caller's rule.
+
+  ``preferred`` (where the caller knows them) when it is a placement that
+  fits; otherwise the only placement that fits. With ``not_found`` given, no
+  placement raises ``ValueError(not_found())`` (else None is returned); with
+  ``ambiguous`` given, several placements (a stack as long as a feature
+  size) raise ``ValueError(ambiguous(placements))`` (else the first, in
+  lexicographic order, is taken).
+  """
   placements = stack_axes_placements(shape, unstacked_shape)
   if preferred is not None and tuple(preferred) in placements:
     return tuple(preferred)
-  return placements[0] if placements else None
+  if not placements:
+    if not_found is not None:
+      raise ValueError(not_found())
+    return None
+  if len(placements) > 1 and ambiguous is not None:
+    raise ValueError(ambiguous(placements))
+  return placements[0]
 
 
 AMBIGUOUS_STACK_REMEDY = (
@@ -67,24 +93,19 @@ AMBIGUOUS_STACK_REMEDY = (
 def _stack_axes(
     name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
 ) -> tuple[int, ...]:
-  placements = stack_axes_placements(array.shape, unstacked)
-  if preferred is not None and tuple(preferred) in placements:
-    return tuple(preferred)
-  if not placements:
-    raise ValueError(
-        f'transport: the {name} has shape {tuple(array.shape)}, which is not '
-        f'{unstacked} with stack axes added ({spec}); pass the parameters and '
-        'centering statistics of the same model.'
-    )
-  if len(placements) > 1:
-    raise ValueError(
-        f'transport: the {name} has shape {tuple(array.shape)}, which is '
-        f'{unstacked} with stack axes at any of {placements}: the shapes '
-        'cannot tell which (a stack as long as a feature size), and a wrong '
-        'guess would move each bias by another slice\'s kernel. '
-        + AMBIGUOUS_STACK_REMEDY
-    )
-  return placements[0]
+  """The stack axes of one of a layer's arrays in the transport, or why not."""
+  return resolve_stack_axes(
+      array.shape, unstacked, preferred,
+      not_found=lambda: (
+          f'transport: the {name} has shape {tuple(array.shape)}, which is '
+          f'not {unstacked} with stack axes added ({spec}); pass the '
+          'parameters and centering statistics of the same model.'),
+      ambiguous=lambda placements: (
+          f'transport: the {name} has shape {tuple(array.shape)}, which is '
+          f'{unstacked} with stack axes at any of {placements}: the shapes '
+          'cannot tell which (a stack as long as a feature size), and a wrong '
+          'guess would move each bias by another slice\'s kernel. '
+          + AMBIGUOUS_STACK_REMEDY))
 
 
 def _to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:

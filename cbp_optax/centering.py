@@ -229,19 +229,10 @@ def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
       truncate the mean).
   """
   value = param_dtype if requested is None else requested
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError as e:
-    raise TypeError(
-        f'mean_dtype must be a floating-point dtype, got {value!r}.') from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        'mean_dtype must be a real floating-point dtype (float32, bfloat16, '
-        f'...), got {dtype}'
-        + ('' if requested is not None else " (the layer's param_dtype)")
-        + ': the mean of the inputs is not an integer.'
-    )
-  return dtype
+  return _checks.float_dtype(
+      'mean_dtype', value,
+      ('' if requested is not None else " (the layer's param_dtype)")
+      + ': the mean of the inputs is not an integer.')
 
 
 def batch_mean(

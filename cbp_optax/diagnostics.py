@@ -26,20 +26,21 @@ floating dtype of its inputs: float32, or float64 under
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
 
+from cbp_optax import _per_block
 from cbp_optax import _checks
+from cbp_optax import _hessian
 from cbp_optax.blocks import block_layout
 from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
 from cbp_optax.blocks import StackedFn
 from cbp_optax._equalize import stats_dtype_for
-
-LossFn = Callable[[Any], chex.Numeric]
+from cbp_optax._hessian import LossFn
 
 __all__ = (
     'GradientProfile',
@@ -210,68 +211,11 @@ class MeanAlignment(NamedTuple):
     return self.centered_eigenvalues[-1]
 
 
-# --- block norms --------------------------------------------------------------
+# --- block norms -------------------------------------------------------------
 
 
 def _layout(tree, block_fn, stacked) -> BlockLayout:
   return block_layout(tree, block_fn=block_fn, stacked=stacked)
-
-
-def _one_block(leaf_ids: Any) -> BlockLayout:
-  """A layout with the leaves ``leaf_ids`` as one block (none: no block)."""
-  leaf_ids = tuple(leaf_ids)
-  if not leaf_ids:
-    return BlockLayout((), (), (), ())
-  return BlockLayout(('all',), (leaf_ids,), (0,), (None,))
-
-
-def _whole_and_outside(layout: BlockLayout, tree: Any):
-  """One-block layouts of every leaf, and of the leaves in no block of
-  ``layout``: totals cover every parameter, whatever ``block_fn`` says."""
-  count = len(jax.tree.leaves(tree))
-  inside = {i for group in layout.groups for i in group}
-  return (_one_block(range(count)),
-          _one_block(i for i in range(count) if i not in inside))
-
-
-def _scalar(blocks: chex.Array, dtype) -> chex.Array:
-  """The one entry of a one-block result (0 for a layout without blocks)."""
-  return jnp.sum(blocks).astype(dtype)
-
-
-def _block_norms(layout: BlockLayout, tree: Any, dtype) -> chex.Array:
-  """``||x_l||_F`` of every block, shape (L,), without underflow.
-
-  ``block_energies`` squares the entries, so in float32 a block whose entries
-  are all below ~1e-19 (a vanishing gradient, exactly what these diagnostics
-  look for) would read as zero. Each block is divided by its largest entry
-  before squaring and the norm scaled back: ``m * ||x / m||``.
-  """
-  leaves = jax.tree.leaves(tree)
-  per_group = []
-  for leaf_ids, stack in zip(layout.groups, layout.group_stacks):
-    arrays = [jnp.asarray(leaves[i]).astype(dtype) for i in leaf_ids]
-    axes = lambda a: tuple(range(1, a.ndim)) if stack is not None else None
-    expand = lambda v, a: v if stack is None else jnp.reshape(
-        v, (stack,) + (1,) * (a.ndim - 1))
-    peak = jnp.zeros((stack,) if stack is not None else (), dtype)
-    for a in arrays:
-      peak = jnp.maximum(peak, jnp.max(jnp.abs(a), axis=axes(a), initial=0))
-    safe = jnp.where((peak > 0) & jnp.isfinite(peak), peak, 1.0)
-    total = jnp.zeros_like(peak)
-    for a in arrays:
-      total = total + jnp.sum(jnp.square(a / expand(safe, a)), axis=axes(a))
-    norm = jnp.where(jnp.isinf(peak), peak, safe * jnp.sqrt(total))
-    per_group.append(jnp.reshape(jnp.where(peak == 0, 0.0, norm), (-1,)))
-  if not per_group:
-    return jnp.zeros((0,), dtype)
-  return jnp.concatenate(per_group)
-
-
-def _disparity(norms: chex.Array) -> chex.Array:
-  if norms.shape[0] == 0:
-    return jnp.asarray(jnp.nan, norms.dtype)
-  return jnp.max(norms) / jnp.min(norms)
 
 
 def gradient_profile(
@@ -311,8 +255,8 @@ def gradient_profile(
     4.2426
   """
   layout = _layout(grads, block_fn, stacked)
-  norms = _block_norms(layout, grads, stats_dtype_for(grads))
-  return GradientProfile(layout.names, norms, _disparity(norms))
+  norms = _per_block.norms(layout, grads, stats_dtype_for(grads))
+  return GradientProfile(layout.names, norms, _per_block.disparity(norms))
 
 
 def update_profile(
@@ -355,7 +299,7 @@ def update_profile(
   """
   layout = _layout(updates, block_fn, stacked)
   dtype = stats_dtype_for(updates)
-  norms = _block_norms(layout, updates, dtype)
+  norms = _per_block.norms(layout, updates, dtype)
   relative = None
   if params is not None:
     param_layout = _layout(params, block_fn, stacked)
@@ -363,60 +307,13 @@ def update_profile(
       raise ValueError(
           'update_profile: updates and params have different blocks '
           f'({layout.names} vs {param_layout.names}).')
-    relative = _safe_ratio(norms, _block_norms(param_layout, params, dtype))
-  return UpdateProfile(layout.names, norms, _disparity(norms), relative)
+    relative = _per_block.safe_ratio(
+        norms, _per_block.norms(param_layout, params, dtype))
+  return UpdateProfile(layout.names, norms, _per_block.disparity(norms),
+                       relative)
 
 
-# --- Hessian-vector products ----------------------------------------------------
-
-
-def _hvp(loss_fn: LossFn, params: Any, vector: Any) -> Any:
-  """``H v`` by forward-over-reverse differentiation."""
-  return jax.jvp(jax.grad(loss_fn), (params,), (vector,))[1]
-
-
-# The largest count of probes or iterations: JAX's loop bounds and the
-# number of keys split are int32 (beyond it, an OverflowError from inside).
-_MAX_COUNT = 2**31 - 1
-
-
-def _check_key(key: Any) -> None:
-  """One PRNG key: typed (``jax.random.key``) or raw (``jax.random.PRNGKey``)."""
-  dtype, shape = getattr(key, 'dtype', None), getattr(key, 'shape', None)
-  typed = dtype is not None and jax.dtypes.issubdtype(dtype,
-                                                      jax.dtypes.prng_key)
-  if (typed and shape == ()) or (dtype == jnp.uint32 and shape == (2,)):
-    return
-  got = (f'the {type(key).__name__} {key!r}' if shape is None
-         else f'an array of shape {shape} and dtype {dtype}')
-  raise TypeError('key must be one PRNG key, jax.random.key(0) (or a raw '
-                  f'jax.random.PRNGKey(0)), got {got}.')
-
-
-def _float_leaves(params: Any) -> None:
-  for leaf in jax.tree.leaves(params):
-    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-      raise TypeError(
-          'Hessian diagnostics need floating-point parameters, got a leaf of '
-          f'dtype {jnp.result_type(leaf)}.')
-
-
-def _rademacher_like(key: chex.PRNGKey, params: Any) -> Any:
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, max(len(leaves), 1))
-  return jax.tree.unflatten(treedef, [
-      jax.random.rademacher(k, jnp.shape(leaf), jnp.result_type(leaf))
-      for k, leaf in zip(keys, leaves)
-  ])
-
-
-def _mean_and_stderr(samples: chex.Array) -> tuple[chex.Array, chex.Array]:
-  n = samples.shape[0]
-  mean = jnp.mean(samples, axis=0)
-  if n < 2:
-    return mean, jnp.full_like(mean, jnp.inf)
-  return mean, jnp.std(samples, axis=0, ddof=1) / jnp.sqrt(n).astype(
-      samples.dtype)
+# --- curvature ---------------------------------------------------------------
 
 
 def hessian_trace(
@@ -463,101 +360,34 @@ def hessian_trace(
     (6.0, 0.0)
   """
   _checks.check_count('num_samples', num_samples, minimum=1,
-                      maximum=_MAX_COUNT)
+                      maximum=_hessian.MAX_COUNT)
   if batch_size is not None:
     _checks.check_count('batch_size', batch_size, minimum=1,
-                        maximum=_MAX_COUNT)
-  _check_key(key)
-  _float_leaves(params)
+                        maximum=_hessian.MAX_COUNT)
+  _hessian.check_key(key)
+  _hessian.float_leaves(params)
   layout = _layout(params, block_fn, stacked)
-  whole, outside = _whole_and_outside(layout, params)
+  whole, outside = _per_block.whole_and_outside(layout, params)
   dtype = stats_dtype_for(params)
 
   def sample(probe_key):
-    probe = _rademacher_like(probe_key, params)
-    hv = _hvp(loss_fn, params, probe)
+    probe = _hessian.rademacher_like(probe_key, params)
+    hv = _hessian.hvp(loss_fn, params, probe)
     products = jax.tree.leaves(
         jax.tree.map(lambda v, h: (v * h).astype(dtype), probe, hv))
-    return (_block_sums(layout, products, dtype),
-            _scalar(_block_sums(whole, products, dtype), dtype),
-            _scalar(_block_sums(outside, products, dtype), dtype))
+    return (_per_block.sums(layout, products, dtype),
+            _per_block.scalar(_per_block.sums(whole, products, dtype), dtype),
+            _per_block.scalar(_per_block.sums(outside, products, dtype),
+                              dtype))
 
   keys = jax.random.split(key, num_samples)
   per_block, totals, outsides = jax.lax.map(sample, keys,
                                             batch_size=batch_size)
-  estimate, stderr = _mean_and_stderr(totals)
-  block_estimates, block_stderr = _mean_and_stderr(per_block)
-  outside_estimate, outside_stderr = _mean_and_stderr(outsides)
+  estimate, stderr = _hessian.mean_and_stderr(totals)
+  block_estimates, block_stderr = _hessian.mean_and_stderr(per_block)
+  outside_estimate, outside_stderr = _hessian.mean_and_stderr(outsides)
   return HessianTrace(layout.names, estimate, stderr, block_estimates,
                       block_stderr, outside_estimate, outside_stderr)
-
-
-def _block_sums(layout: BlockLayout, leaves, dtype) -> chex.Array:
-  """Sum of every block's entries, shape (L,), in the order of ``layout``."""
-  per_group = []
-  for leaf_ids, stack in zip(layout.groups, layout.group_stacks):
-    total = jnp.zeros((stack,) if stack is not None else (), dtype)
-    for i in leaf_ids:
-      leaf = jnp.asarray(leaves[i], dtype)
-      axes = tuple(range(1, leaf.ndim)) if stack is not None else None
-      total = total + jnp.sum(leaf, axis=axes)
-    per_group.append(jnp.reshape(total, (-1,)))
-  if not per_group:
-    return jnp.zeros((0,), dtype)
-  return jnp.concatenate(per_group)
-
-
-def _block_ids(layout: BlockLayout, params: Any) -> list[chex.Array]:
-  """For each leaf, the index of its block, broadcastable against the leaf."""
-  leaves = jax.tree.leaves(params)
-  ids: list[Any] = [None] * len(leaves)
-  for leaf_ids, start, stack in zip(layout.groups, layout.group_starts,
-                                    layout.group_stacks):
-    for i in leaf_ids:
-      if stack is None:
-        ids[i] = jnp.asarray(start, jnp.int32)
-      else:
-        shape = (stack,) + (1,) * (jnp.ndim(leaves[i]) - 1)
-        ids[i] = jnp.reshape(start + jnp.arange(stack, dtype=jnp.int32), shape)
-  return ids
-
-
-def _tree_dot(a: Any, b: Any, dtype) -> chex.Array:
-  return sum((jnp.sum(x.astype(dtype) * y.astype(dtype))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))),
-             jnp.zeros((), dtype))
-
-
-def _power_iteration(loss_fn, params, key, num_iters, mask, dtype):
-  """Power iteration on ``P H P`` with ``P`` the 0/1 ``mask`` tree (or None)."""
-  restrict = (lambda t: t) if mask is None else (
-      lambda t: jax.tree.map(lambda x, m: x * m.astype(x.dtype), t, mask))
-  vector = restrict(jax.tree.map(
-      lambda leaf, k: jax.random.normal(k, jnp.shape(leaf),
-                                        jnp.result_type(leaf)),
-      params, _split_like(key, params)))
-
-  def normalize(v):
-    norm = jnp.sqrt(_tree_dot(v, v, dtype))
-    safe = jnp.where(norm > 0, norm, 1.0)
-    return jax.tree.map(lambda x: (x / safe).astype(x.dtype), v)
-
-  def body(_, v):
-    return normalize(restrict(_hvp(loss_fn, params, v)))
-
-  vector = jax.lax.fori_loop(0, num_iters, body, normalize(vector))
-  hv = restrict(_hvp(loss_fn, params, vector))
-  eigenvalue = _tree_dot(vector, hv, dtype)
-  error = jax.tree.map(lambda h, v: h - eigenvalue.astype(h.dtype) * v, hv,
-                       vector)
-  residual = jnp.sqrt(_tree_dot(error, error, dtype))
-  return eigenvalue, residual, vector
-
-
-def _split_like(key: chex.PRNGKey, tree: Any) -> Any:
-  leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(
-      treedef, list(jax.random.split(key, max(len(leaves), 1)))[:len(leaves)])
 
 
 def top_eigenvalue(
@@ -612,32 +442,34 @@ def top_eigenvalue(
     >>> blocks.names, [round(float(e), 4) for e in blocks.eigenvalue]
     (('a', 'b'), [1.0, 4.0])
   """
-  _checks.check_count('num_iters', num_iters, minimum=0, maximum=_MAX_COUNT)
+  _checks.check_count('num_iters', num_iters, minimum=0,
+                      maximum=_hessian.MAX_COUNT)
   _checks.check_bool('per_block', per_block)
-  _check_key(key)
-  _float_leaves(params)
+  _hessian.check_key(key)
+  _hessian.float_leaves(params)
   dtype = stats_dtype_for(params)
   if not per_block:
-    value, residual, vector = _power_iteration(loss_fn, params, key,
-                                               num_iters, None, dtype)
+    value, residual, vector = _hessian.power_iteration(
+        loss_fn, params, key, num_iters, None, dtype)
     return TopEigenvalue((), value, residual, vector)
   layout = _layout(params, block_fn, stacked)
-  ids = _block_ids(layout, params)
+  ids = _per_block.leaf_block_ids(layout, params)
   treedef = jax.tree.structure(params)
 
   def one_block(block):
     # A leaf in no block (block_fn returned None) is outside every H_ll.
     mask = jax.tree.unflatten(treedef, [
         jnp.zeros((), jnp.bool_) if i is None else i == block for i in ids])
-    return _power_iteration(loss_fn, params, jax.random.fold_in(key, block),
-                            num_iters, mask, dtype)
+    return _hessian.power_iteration(
+        loss_fn, params, jax.random.fold_in(key, block), num_iters, mask,
+        dtype)
 
   values, residuals, vectors = jax.lax.map(
       one_block, jnp.arange(len(layout.names), dtype=jnp.int32))
   return TopEigenvalue(layout.names, values, residuals, vectors)
 
 
-# --- movement and alignment -----------------------------------------------------
+# --- movement and alignment --------------------------------------------------
 
 
 def parameter_movement(
@@ -682,25 +514,17 @@ def parameter_movement(
   delta = jax.tree.map(
       lambda a, b: jnp.asarray(a, dtype) - jnp.asarray(b, dtype),
       params, params_init)
-  distances = _block_norms(layout, delta, dtype)
-  initial = _block_norms(layout, params_init, dtype)
-  relative = _safe_ratio(distances, initial)
-  whole, outside = _whole_and_outside(layout, params)
-  total = _safe_ratio(_scalar(_block_norms(whole, delta, dtype), dtype),
-                      _scalar(_block_norms(whole, params_init, dtype), dtype))
-  outside_distance = _scalar(_block_norms(outside, delta, dtype), dtype)
+  distances = _per_block.norms(layout, delta, dtype)
+  initial = _per_block.norms(layout, params_init, dtype)
+  relative = _per_block.safe_ratio(distances, initial)
+  whole, outside = _per_block.whole_and_outside(layout, params)
+  total = _per_block.safe_ratio(
+      _per_block.scalar(_per_block.norms(whole, delta, dtype), dtype),
+      _per_block.scalar(_per_block.norms(whole, params_init, dtype), dtype))
+  outside_distance = _per_block.scalar(
+      _per_block.norms(outside, delta, dtype), dtype)
   return ParameterMovement(layout.names, distances, relative, total,
                            outside_distance)
-
-
-def _safe_ratio(numerator: chex.Array, denominator: chex.Array) -> chex.Array:
-  """``n / d``, with ``0 / 0 = 0``, ``n / 0 = inf`` and NaN in, NaN out."""
-  positive = denominator > 0
-  ratio = numerator / jnp.where(positive, denominator, 1.0)
-  ratio = jnp.where(positive, ratio,
-                    jnp.where(numerator > 0, jnp.inf, 0.0).astype(ratio.dtype))
-  return jnp.where(jnp.isnan(numerator) | jnp.isnan(denominator),
-                   jnp.nan, ratio).astype(ratio.dtype)
 
 
 def mean_alignment(inputs: chex.Array) -> MeanAlignment:

@@ -33,20 +33,20 @@ own) and plain ``jax.distributed.initialize()``; see ``docs/multihost.md``.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import warnings
-from typing import IO, Mapping, Optional, Sequence
+from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
 from cbp_optax import _checks
+from cbp_optax._workers import Worker
+from cbp_optax._workers import describe_exit
+from cbp_optax._workers import finish
 
 __all__ = [
     'ENV_COORDINATOR',
@@ -68,7 +68,6 @@ ENV_PROCESS_ID = 'CBP_OPTAX_PROCESS_ID'
 ENV_INIT_TIMEOUT = 'CBP_OPTAX_INIT_TIMEOUT'
 
 LOOPBACK = '127.0.0.1'
-_TAIL_LINES = 40
 
 
 class LaunchError(RuntimeError):
@@ -118,135 +117,50 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def gloo_available() -> bool:
   """Whether this jaxlib has gloo, the CPU collectives multi-process needs."""
+  return _gloo_cpu_client_factory(LOOPBACK) is not None
+
+
+def _gloo_cpu_client_factory(
+    hostname: str,
+) -> Optional[Callable[[], Any]]:
+  """A factory of CPU clients whose gloo collectives listen on ``hostname``.
+
+  The one place this module uses JAX internals, because JAX has no public
+  API for either thing it needs: to ask whether jaxlib was built with gloo,
+  and to choose the address gloo's TCP transport listens on (JAX takes the
+  address the host name resolves to). The factory builds the CPU client as
+  ``jax._src.xla_bridge`` does by default, from jaxlib's
+  ``make_gloo_tcp_collectives`` and the ``jax.distributed`` client, with
+  ``hostname`` added. Where those names are missing (no gloo, or another
+  JAX version) it returns None, and the callers fall back:
+  :func:`gloo_available` says False, :func:`initialize_from_env` leaves
+  JAX's default address.
+  """
+  # pylint: disable=g-import-not-at-top
   try:
-    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    from jax._src import distributed
+    from jax._src import xla_bridge
+  except ImportError:  # pragma: no cover
+    return None
+  try:
+    from jax._src.lib import _jax
   except ImportError:  # pragma: no cover - older jaxlib layout
     try:
       from jax._src.lib import xla_extension as _jax  # type: ignore
     except ImportError:
-      return False
-  return hasattr(_jax, 'make_gloo_tcp_collectives')
+      return None
+  # pylint: enable=g-import-not-at-top
+  make_collectives = getattr(_jax, 'make_gloo_tcp_collectives', None)
+  if make_collectives is None or not hasattr(xla_bridge, 'make_cpu_client'):
+    return None
 
+  def make_cpu_client():
+    return xla_bridge.make_cpu_client(collectives=make_collectives(
+        distributed_client=distributed.global_state.client,
+        hostname=hostname))
 
-def _describe_exit(code: int) -> str:
-  if code < 0:
-    try:
-      return f'was killed by {signal.Signals(-code).name}'
-    except ValueError:
-      return f'was killed by signal {-code}'
-  return f'exited with status {code}'
+  return make_cpu_client
 
-
-class _Worker:
-  """One child process, its output pump and the time it was seen to exit."""
-
-  def __init__(self, index: int, proc: subprocess.Popen, stream: Optional[IO],
-               lock: threading.Lock, keep_lines: int):
-    self.index = index
-    self.proc = proc
-    self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
-    self.exited_at: Optional[float] = None
-    self._stream = stream
-    self._lock = lock
-    self.pump = threading.Thread(target=self._pump, daemon=True)
-    self.pump.start()
-    self.waiter = threading.Thread(target=self._wait, daemon=True)
-    self.waiter.start()
-
-  def _pump(self) -> None:
-    assert self.proc.stdout is not None
-    for raw in iter(self.proc.stdout.readline, b''):
-      line = raw.decode('utf-8', errors='replace')
-      if not line.endswith('\n'):
-        line += '\n'
-      self.lines.append(line)
-      if self._stream is not None:
-        with self._lock:
-          try:
-            self._stream.write(f'[proc {self.index}] {line}')
-            self._stream.flush()
-          except (ValueError, OSError):  # stream closed under us
-            self._stream = None
-    self.proc.stdout.close()
-
-  def _wait(self) -> None:
-    self.proc.wait()
-    self.exited_at = time.monotonic()
-
-  def tail(self, lines: int = _TAIL_LINES) -> str:
-    kept = list(self.lines)[-lines:]
-    return ''.join(f'    {line}' for line in kept) or '    (no output)\n'
-
-
-def _group_alive(pid: int) -> bool:
-  try:
-    os.killpg(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # pragma: no cover - a process of another user
-    return True
-  return True
-
-
-# A killed process is gone (and its group with it) only once its parent has
-# reaped it; a worker's orphaned children are reaped by init, which in some
-# containers takes a while. How long the launcher waits for that after
-# SIGKILL, and for the workers' output pumps to read the rest.
-_KILL_WAIT = 10.0
-_MIN_PUMP_WAIT = 1.0
-
-
-def _wait_gone(workers: Sequence[_Worker], seconds: float) -> list[_Worker]:
-  """Waits up to ``seconds`` for the workers' process groups to be gone;
-  returns the workers whose group is still there."""
-  deadline = time.monotonic() + seconds
-  for w in workers:
-    try:
-      w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
-  while (time.monotonic() < deadline
-         and any(_group_alive(w.proc.pid) for w in workers)):
-    time.sleep(0.01)
-  return [w for w in workers if _group_alive(w.proc.pid)]
-
-
-def _stop(workers: Sequence[_Worker], grace: float) -> None:
-  """Ends every process of every worker's process group and waits until
-  all are gone: SIGTERM, SIGKILL after ``grace``, then up to
-  :data:`_KILL_WAIT` seconds for the killed processes to be reaped.
-
-  Each worker leads its own session (``start_new_session=True``), so its
-  process group holds what it started: the worker, and children it left
-  behind even after it exited (a group lives while any member does). A
-  process that left the group itself (``setsid``, a daemon) is beyond reach.
-  """
-  for w in workers:
-    w.proc.poll()
-  alive = [w for w in workers if _group_alive(w.proc.pid)]
-  for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, _KILL_WAIT)):
-    if not alive:
-      return
-    for w in alive:
-      try:
-        os.killpg(w.proc.pid, sig)
-      except (ProcessLookupError, PermissionError):
-        pass
-    alive = _wait_gone(alive, wait)
-  if alive:
-    warnings.warn(
-        f'cbp_optax.launch: the process groups {[w.proc.pid for w in alive]} '
-        f'still exist {_KILL_WAIT:g} s after SIGKILL (a process in '
-        'uninterruptible sleep, or one its parent has not reaped).',
-        RuntimeWarning, stacklevel=2)
-
-
-def _finish(workers: Sequence[_Worker], grace: float) -> None:
-  """Stops what is left of every worker's process group (see :func:`_stop`)
-  and collects the rest of their output."""
-  _stop(workers, grace)
-  for w in workers:
-    w.pump.join(timeout=max(grace, _MIN_PUMP_WAIT))
 
 
 _MAX_PROCESSES = 1024
@@ -363,7 +277,7 @@ def launch(
       init_timeout, keep_lines, grace, stop_on_failure)
   base_env = _worker_env(env, num_processes, cpu_devices, init_timeout)
   lock = threading.Lock()
-  workers: list[_Worker] = []
+  workers: list[Worker] = []
   start = time.monotonic()
   try:
     for index in range(num_processes):
@@ -373,13 +287,13 @@ def launch(
           [python, *args], env=worker_env, cwd=cwd, stdin=subprocess.DEVNULL,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
           start_new_session=True)
-      workers.append(_Worker(index, proc, stream, lock, keep_lines))
+      workers.append(Worker(index, proc, stream, lock, keep_lines))
     return _supervise(workers, start, timeout, grace, stop_on_failure)
   except LaunchError:
     raise  # _supervise has stopped everything
   except BaseException:
     # KeyboardInterrupt, or a failure to start a worker: leave nothing behind.
-    _finish(workers, grace)
+    finish(workers, grace)
     raise
 
 
@@ -427,13 +341,13 @@ def _worker_env(env: Optional[Mapping[str, str]], num_processes: int,
   return base_env
 
 
-def _result(workers: Sequence[_Worker], start: float) -> LaunchResult:
+def _result(workers: Sequence[Worker], start: float) -> LaunchResult:
   return LaunchResult([w.proc.poll() for w in workers],
                       [list(w.lines) for w in workers],
                       time.monotonic() - start)
 
 
-def _failure(workers: Sequence[_Worker], first: _Worker, start: float,
+def _failure(workers: Sequence[Worker], first: Worker, start: float,
              stop_on_failure: bool) -> WorkerFailed:
   others = [w for w in workers if w is not first]
   if stop_on_failure:
@@ -441,16 +355,16 @@ def _failure(workers: Sequence[_Worker], first: _Worker, start: float,
             f'({", ".join(str(w.index) for w in others) or "none"})')
   else:
     fate = 'then ' + ', '.join(
-        f'process {w.index} {_describe_exit(w.proc.returncode)} after '
+        f'process {w.index} {describe_exit(w.proc.returncode)} after '
         f'{w.exited_at - start:.1f} s' for w in others)
   return WorkerFailed(
       f'process {first.index} of {len(workers)} '
-      f'{_describe_exit(first.proc.returncode)} after '
+      f'{describe_exit(first.proc.returncode)} after '
       f'{first.exited_at - start:.1f} s; {fate}. Last output of '
       f'process {first.index}:\n{first.tail()}', _result(workers, start))
 
 
-def _supervise(workers: Sequence[_Worker], start: float, timeout: float,
+def _supervise(workers: Sequence[Worker], start: float, timeout: float,
                grace: float, stop_on_failure: bool) -> LaunchResult:
   """Waits for the workers: all exit 0, one fails, or the timeout passes.
 
@@ -463,14 +377,14 @@ def _supervise(workers: Sequence[_Worker], start: float, timeout: float,
     failed = sorted((w for w in exited if w.proc.returncode != 0),
                     key=lambda w: w.exited_at)
     if failed and (stop_on_failure or len(exited) == len(workers)):
-      _finish(workers, grace)
+      finish(workers, grace)
       raise _failure(workers, failed[0], start, stop_on_failure)
     if len(exited) == len(workers):
-      _finish(workers, grace)  # children the workers left running
+      finish(workers, grace)  # children the workers left running
       return _result(workers, start)
     if time.monotonic() > deadline:
       running = [w.index for w in workers if w.exited_at is None]
-      _finish(workers, grace)
+      finish(workers, grace)
       tails = ''.join(f'  process {w.index}:\n{w.tail(10)}' for w in workers)
       raise LaunchTimeout(
           f'{len(workers)} processes did not finish within {timeout:g} s '
@@ -482,33 +396,23 @@ def _supervise(workers: Sequence[_Worker], start: float, timeout: float,
 def _bind_gloo_to_loopback() -> bool:
   """Makes the CPU backend's gloo collectives listen on 127.0.0.1 only.
 
-  JAX creates gloo's TCP transport on the address the host name resolves
-  to. For a run that is all on this machine, the loopback address is enough
-  and exposes nothing. Uses JAX internals; where they differ (another JAX
-  version) nothing changes and False is returned.
+  For a run that is all on this machine the loopback address is enough and
+  exposes nothing. Registers the factory of
+  :func:`_gloo_cpu_client_factory` for the CPU backend (public API); returns
+  False, changing nothing, where that factory is not available, the
+  collectives are not gloo's, or the CPU backend exists already.
   """
-  try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
-    import jax  # pylint: disable=g-import-not-at-top
-  except ImportError:  # pragma: no cover
-    return False
-  if (jax.config.jax_cpu_collectives_implementation != 'gloo'
-      or 'cpu' in getattr(xla_bridge, '_backends', {'cpu': None})
-      or not hasattr(_jax, 'make_gloo_tcp_collectives')):
-    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.extend import backend  # pylint: disable=g-import-not-at-top
 
-  def make_cpu_client():
-    collectives = _jax.make_gloo_tcp_collectives(
-        distributed_client=distributed.global_state.client,
-        hostname=LOOPBACK)
-    return xla_bridge.make_cpu_client(collectives=collectives)
-
+  factory = _gloo_cpu_client_factory(LOOPBACK)
+  if (factory is None
+      or jax.config.jax_cpu_collectives_implementation != 'gloo'):
+    return False
   try:
-    xla_bridge.register_backend_factory(
-        'cpu', make_cpu_client, priority=0, fail_quietly=False)
-  except (RuntimeError, TypeError):  # pragma: no cover
+    backend.register_backend_factory(
+        'cpu', factory, priority=0, fail_quietly=False)
+  except (RuntimeError, TypeError):  # the CPU backend is initialized
     return False
   return True
 

@@ -7,10 +7,13 @@ and progress bars need the ``experiments`` extra (matplotlib, scipy, tqdm).
 """
 
 import ast
+import io
 import json
 import pathlib
 import subprocess
 import sys
+import textwrap
+import tokenize
 
 import pytest
 
@@ -20,6 +23,12 @@ EXTRA = ('matplotlib', 'scipy', 'tqdm')
 CORE_MODULES = ('cbp_optax', 'cbp_optax.nnx', 'cbp_optax.linen',
                 'cbp_optax.diagnostics', 'cbp_optax.sharding',
                 'cbp_optax.launch')
+# Issue 29: a library module a reader can hold in mind, a function that fits
+# on a screen (code lines: docstrings, comments and blank lines left out).
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_CODE_LINES = 80
+_NOT_CODE = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+             tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER)
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -99,6 +108,97 @@ def test_the_framework_packages_mirror_each_other_file_for_file():
         if name not in seen:
           seen.add(name)
           todo.extend(graph[name])
+
+
+def _library_imports() -> dict[str, set[str]]:
+  """``{module: the cbp_optax modules it imports}``, lazy imports included."""
+  paths = {'.'.join(path.relative_to(ROOT).with_suffix('').parts)
+           .removesuffix('.__init__'): path for path in CORE.rglob('*.py')}
+  graph = {}
+  for module, path in paths.items():
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names |= {alias.name for alias in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        assert not node.level, (path, 'relative import')
+        names |= {f'{node.module}.{alias.name}' if
+                  f'{node.module}.{alias.name}' in paths else node.module
+                  for alias in node.names}
+    graph[module] = (names & set(paths)) - {module}
+  return graph
+
+
+def test_the_library_imports_form_no_circle():
+  graph = _library_imports()
+  assert 'cbp_optax._stacks' in graph['cbp_optax.centering'], graph
+  done, path = set(), []
+
+  def visit(module):
+    assert module not in path, ' -> '.join(path[path.index(module):]
+                                           + [module])
+    if module not in done:
+      path.append(module)
+      for imported in sorted(graph[module]):
+        visit(imported)
+      path.pop()
+      done.add(module)
+
+  for module in sorted(graph):
+    visit(module)
+
+
+def _code_lines(source: str) -> set[int]:
+  """The numbers of the lines that hold code, docstrings left out."""
+  lines = set()
+  for token in tokenize.generate_tokens(io.StringIO(source).readline):
+    if token.type not in _NOT_CODE:
+      lines.update(range(token.start[0], token.end[0] + 1))
+  for node in ast.walk(ast.parse(source)):
+    if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                          ast.AsyncFunctionDef))
+        and ast.get_docstring(node, clean=False) is not None):
+      lines -= set(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+  return lines
+
+
+def _function_code_lines(source: str) -> dict[str, int]:
+  """``{'name:line': code lines}`` of every function, nested ones within."""
+  code = _code_lines(source)
+  return {f'{node.name}:{node.lineno}':
+              len(code & set(range(node.lineno, node.end_lineno + 1)))
+          for node in ast.walk(ast.parse(source))
+          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blank_lines():
+  source = textwrap.dedent('''\
+      def f(x):
+        """A docstring
+
+        over three lines."""
+        # a comment
+
+        y = {"a": 1,
+             "b": """a string that is code"""}  # a comment after code
+        return y
+      ''')
+  assert _function_code_lines(source) == {'f:1': 4}
+
+
+def test_no_library_module_or_function_is_too_long():
+  too_long = []
+  for path in sorted(CORE.rglob('*.py')):
+    source, name = path.read_text(), path.relative_to(ROOT)
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+      too_long.append(f'{name}: {lines} lines')
+    too_long += [f'{name}: {function}: {count} code lines'
+                 for function, count in _function_code_lines(source).items()
+                 if count > MAX_FUNCTION_CODE_LINES]
+  assert not too_long, (
+      f'over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_CODE_LINES} '
+      'code lines a function:\n' + '\n'.join(too_long))
 
 
 def test_the_experiments_ship_as_their_own_package_with_the_data():

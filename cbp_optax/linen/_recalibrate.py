@@ -92,7 +92,11 @@ def recalibrate_batch_stats(
     **apply_kwargs: keyword arguments of every ``apply_fn`` call.
 
   Returns:
-    ``variables`` with new ``batch_stats`` (same container type).
+    ``variables`` with new ``batch_stats`` (same container type); a
+    BatchNorm the forward pass never calls keeps its statistics. Functional,
+    as Linen is: ``cbp.nnx.recalibrate_batch_stats`` runs the same algorithm
+    but sets an NNX model's statistics in place and returns the paths of the
+    layers it recalibrated instead.
 
   Raises:
     ValueError: ``variables`` without ``batch_stats``, no batches, a
@@ -135,24 +139,23 @@ def recalibrate_batch_stats(
     found, x, _, kwargs = _call_input(module, args, kwargs)
     if not found:
       return next_fun(*args, **kwargs)
-    mask = kwargs.get('mask')
-    call = _batch_stats.moments(
-        x, module.axis, mask=mask, axis_name=module.axis_name,
-        axis_index_groups=module.axis_index_groups)
     so_far = _batch_stats.Moments(*(
         module.get_variable('batch_stats', name)
         for name in (_POOL_COUNT, 'mean', 'var', _POOL_CALLS)))
-    # Batch statistics whatever the constructor or the call says (Linen
-    # refuses the flag in both places, so clear the constructor's; a
-    # positional flag is dropped with the other positional arguments).
-    kwargs = dict(kwargs, use_running_average=False)
-    constructed = module.use_running_average
-    object.__setattr__(module, 'use_running_average', None)
-    try:
-      out = next_fun(x, **kwargs)
-    finally:
-      object.__setattr__(module, 'use_running_average', constructed)
-    pooled = _batch_stats.combine(so_far, call)
+
+    def call():
+      # Batch statistics whatever the constructor or the call says (Linen
+      # refuses the flag in both places, so clear the constructor's; a
+      # positional flag is dropped with the other positional arguments).
+      constructed = module.use_running_average
+      object.__setattr__(module, 'use_running_average', None)
+      try:
+        return next_fun(x, **dict(kwargs, use_running_average=False))
+      finally:
+        object.__setattr__(module, 'use_running_average', constructed)
+
+    out, pooled = _batch_stats.pooled_call(module, x, kwargs.get('mask'),
+                                           so_far, call)
     for name, value in ((_POOL_COUNT, pooled.count), ('mean', pooled.mean),
                         ('var', pooled.var), (_POOL_CALLS, pooled.calls)):
       module.put_variable('batch_stats', name, value)
@@ -167,8 +170,8 @@ def recalibrate_batch_stats(
 
   plain = flax.core.unfreeze(variables)
   counted = dict(plain, batch_stats=_with_counts(plain['batch_stats']))
-  stats = _batch_stats.finish(_batch_stats.pool(
-      batch_moments(counted, batch) for batch in batches))
+  stats = _batch_stats.population(lambda batch: batch_moments(counted, batch),
+                                  batches)
   new = dict(plain, batch_stats=_replace_entries(plain['batch_stats'], stats))
   if isinstance(variables, flax.core.FrozenDict):
     return flax.core.freeze(new)

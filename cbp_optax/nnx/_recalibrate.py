@@ -44,15 +44,13 @@ def _pooling_type(norm_type: type) -> type:
 
   def __call__(self, x, use_running_average=None, *, mask=None, **kwargs):
     del use_running_average
-    call = _batch_stats.moments(
-        x, self.axis, mask=mask, axis_name=self.axis_name,
-        axis_index_groups=self.axis_index_groups)
     so_far = _batch_stats.Moments(
         getattr(self, _COUNT)[...], self.mean[...], self.var[...],
         getattr(self, _CALLS)[...])
-    out = norm_type.__call__(self, x, use_running_average=False, mask=mask,
-                             **kwargs)
-    pooled = _batch_stats.combine(so_far, call)
+    out, pooled = _batch_stats.pooled_call(
+        self, x, mask, so_far,
+        lambda: norm_type.__call__(self, x, use_running_average=False,
+                                   mask=mask, **kwargs))
     getattr(self, _COUNT)[...] = pooled.count
     getattr(self, _CALLS)[...] = pooled.calls
     self.mean[...], self.var[...] = pooled.mean, pooled.var
@@ -99,7 +97,10 @@ def recalibrate_batch_stats(
 
   Returns:
     The paths of the BatchNorm layers recalibrated: all those the forward
-    pass calls (one it never calls keeps its statistics).
+    pass calls (one it never calls keeps its statistics). The statistics
+    themselves are set in the model, as NNX's own updates are;
+    ``cbp.linen.recalibrate_batch_stats`` runs the same algorithm but is
+    functional, as Linen is, and returns the new variables instead.
 
   Raises:
     ValueError: a model without ``nnx.BatchNorm``, no batches, a BatchNorm
@@ -145,8 +146,8 @@ def recalibrate_batch_stats(
                                     n.var[...], getattr(n, _CALLS)[...])
             for p, n in _norm_layers(copy)}
 
-  stats = _batch_stats.finish(_batch_stats.pool(
-      batch_moments(state, batch) for batch in batches))
+  stats = _batch_stats.population(lambda batch: batch_moments(state, batch),
+                                  batches)
   for path, norm in norms:
     if path in stats:
       mean, var = stats[path]

@@ -14,6 +14,7 @@ from flax import nnx
 
 from cbp_optax import _checks
 from cbp_optax import centering as core
+from cbp_optax._stacks import resolve_stack_axes
 
 
 
@@ -101,41 +102,45 @@ def layer_spec(layer: nnx.Module) -> core.LayerSpec:
   return spec_of(layer)
 
 
+def _given_stack_axes(
+    name: str, given: Sequence[int], kernel_shape: tuple[int, ...],
+    spec: core.LayerSpec,
+) -> tuple[int, ...]:
+  """``Centered(stack_axes=given)`` as sorted non-negative axes, or why not."""
+  ndim = len(kernel_shape)
+  axes = tuple(sorted(
+      a % ndim for a in given
+      if isinstance(a, int) and not isinstance(a, bool) and -ndim <= a < ndim))
+  placements = core.stack_axes_placements(kernel_shape, spec.kernel_shape)
+  if len(axes) != len(tuple(given)) or axes not in placements:
+    raise ValueError(
+        f'{name}: stack_axes={given!r} does not fit: the kernel of shape '
+        f'{kernel_shape} is {spec.kernel_shape} with stack axes at '
+        f'{placements or "no placement"}.'
+    )
+  return axes
+
+
 def _stacked_shape(
     layer: nnx.Module, spec: core.LayerSpec,
     stack_axes: Optional[Sequence[int]] = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Shape and stack axes of ``mu`` for a layer that may already be stacked."""
   kernel_shape = tuple(layer.kernel.shape)
-  placements = core.stack_axes_placements(kernel_shape, spec.kernel_shape)
+  name = type(layer).__name__
   if stack_axes is not None:
-    ndim = len(kernel_shape)
-    given = stack_axes
-    stack_axes = tuple(sorted(
-        a % ndim for a in given
-        if isinstance(a, int) and not isinstance(a, bool) and -ndim <= a < ndim))
-    if len(stack_axes) != len(tuple(given)) or stack_axes not in placements:
-      raise ValueError(
-          f'{type(layer).__name__}: stack_axes={given!r} does not fit: '
-          f'the kernel of shape {kernel_shape} is {spec.kernel_shape} with '
-          f'stack axes at {placements or "no placement"}.'
-      )
-    axes = stack_axes
-  elif not placements:
-    raise ValueError(
-        f'{type(layer).__name__}: kernel shape {kernel_shape} is not '
-        f'{spec.kernel_shape} with stack axes added.'
-    )
-  elif len(placements) > 1:
-    raise ValueError(
-        f'{type(layer).__name__}: the kernel of shape {kernel_shape} is '
-        f'{spec.kernel_shape} stacked along any of the axes {placements}; '
-        'the shapes cannot tell which (a stack as long as a feature size), '
-        'and a wrong guess would change the function at the first '
-        'transport. ' + core.AMBIGUOUS_STACK_REMEDY
-    )
-  else:
-    axes = placements[0]
+    stack_axes = _given_stack_axes(name, stack_axes, kernel_shape, spec)
+  axes = resolve_stack_axes(
+      kernel_shape, spec.kernel_shape, stack_axes,
+      not_found=lambda: (
+          f'{name}: kernel shape {kernel_shape} is not '
+          f'{spec.kernel_shape} with stack axes added.'),
+      ambiguous=lambda placements: (
+          f'{name}: the kernel of shape {kernel_shape} is '
+          f'{spec.kernel_shape} stacked along any of the axes {placements}; '
+          'the shapes cannot tell which (a stack as long as a feature size), '
+          'and a wrong guess would change the function at the first '
+          'transport. ' + core.AMBIGUOUS_STACK_REMEDY))
   shape = list(spec.mean_shape)
   for axis in axes:
     shape.insert(min(axis, len(shape)), kernel_shape[axis])
