@@ -225,3 +225,18 @@ def test_direct_call_donates_and_compiles_once(caplog):
   assert not [r for r in caplog.records if 'Compiling' in r.getMessage()]
   assert kernel.is_deleted()  # donated to the step
   assert int(optimizer.step[...]) == 4
+
+
+def test_the_optax_transform_says_late_centering_in_no_framework_words():
+  # It said "cbp.nnx.center moved ..." and named nnx.Optimizer for any
+  # caller of the framework-free transform.
+  tx = cbp.precondition()
+  state = tx.init({'h': {'kernel': jnp.ones((2, 2)), 'bias': jnp.zeros(2)}})
+  moved = {'h': {'layer': {'kernel': jnp.ones((2, 2)),
+                           'bias': jnp.zeros(2)}}}
+  with pytest.raises(ValueError, match=(
+      "precondition: the model was centered after the optimizer was built: "
+      "centering moved 'h/bias' to 'h/layer/bias'.*Build the optimizer "
+      'after centering the model.')) as caught:
+    tx.update(moved, state)
+  assert 'nnx' not in str(caught.value)
