@@ -132,15 +132,17 @@ def cbp(
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
     stats_dtype: Optional[Any] = None,
-    zero_moment_identity: bool = False,
-    relative_damping: float = 0.0,
-    normalized_first_step: bool = False,
+    zero_moment: str = 'damped',
     update_clip: Optional[float] = None,
+    relative_damping: Optional[float] = None,
+    zero_moment_identity: Optional[bool] = None,
+    normalized_first_step: Optional[bool] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
 
-  The chain :func:`equalize` -> :func:`precondition` -> optional decoupled
-  weight decay -> ``optax.scale_by_learning_rate``, i.e. the update
+  The chain :func:`equalize` -> :func:`precondition` -> optional
+  ``optax.clip`` -> optional decoupled weight decay ->
+  ``optax.scale_by_learning_rate``, i.e. the update
   :math:`-\eta P_t \hat m_t` of eq. (12) with :math:`m` built from
   :math:`S_t g_t`. Centering (M2) is a reparameterization of the model, not an
   optimizer step: wrap the layers with ``cbp_optax.nnx.Centered`` or
@@ -153,7 +155,7 @@ def cbp(
   Adam's learning rate can be far too large (on Rosenbrock from the origin,
   :math:`\eta = 0.1` sends the second coordinate to about 421). Start around
   :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`, or use a larger ``damping``, a
-  learning-rate warm-up, or the opt-in ``zero_moment_identity=True`` where
+  learning-rate warm-up, or the opt-in ``zero_moment='identity'`` where
   gradients can be exactly zero at the start; see :func:`precondition`.
 
   Hyperparameters: every argument but ``learning_rate`` and ``weight_decay``
@@ -201,25 +203,31 @@ def cbp(
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
       float32, float64 for float64 parameters).
-    zero_moment_identity: opt-in guard (off by default, not part of
-      Algorithm 1): coordinates whose stored second moment is exactly zero
-      get :math:`P = 1` instead of :math:`1/\zeta`; see :func:`precondition`.
-    relative_damping: opt-in (0, the default, is Algorithm 1): damping
-      :math:`\zeta + \delta r_{t-1}` relative to each tensor's stored
-      second-moment scale (per slice of a ``stacked`` leaf); see
-      :func:`precondition`.
-    normalized_first_step: opt-in (off by default): where the stored second
-      moment is zero (every coordinate at step 1), :math:`P` uses the current
-      gradient's own moment instead of :math:`P_1 = I`; see
-      :func:`precondition`.
-    update_clip: opt-in (``None``, the default, leaves it out): each
-      coordinate of :math:`P_t \hat m_t` is clipped to :math:`[-c, c]`
-      before the learning rate; see :func:`precondition`.
+    zero_moment: what :math:`P` is where the stored second moment is
+      exactly zero: ``'damped'`` (the default, Algorithm 1: :math:`P_1 = I`
+      at step 1, :math:`1/\zeta` after it), ``'identity'`` (opt-in:
+      :math:`P = 1`) or ``'normalized'`` (opt-in, :func:`cbp_robust`'s:
+      :math:`P` from the current gradient's own moment, Adam's first step);
+      see :func:`precondition`.
+    update_clip: opt-in :math:`c > 0` (``None``, the default, leaves it
+      out; not part of Algorithm 1): ``optax.clip(c)`` after
+      :func:`precondition`, so each coordinate of :math:`P_t \hat m_t` lies
+      in :math:`[-c, c]` and moves by at most :math:`c \eta`. It is
+      :math:`P'_t \hat m_t` with :math:`P'_t = \min(P_t, c / |\hat m_t|)`:
+      Lemma 1's upper bound holds and the lower one becomes
+      :math:`\min(1/(G + \zeta), c / G)`; where it binds, the lag of
+      Theorem 3 is given up on that coordinate at that step.
+    relative_damping: deprecated (removal in 1.0), warns: a knob of the
+      ablation studies; :func:`precondition` keeps it.
+    zero_moment_identity: deprecated (removal in 1.0), warns: ``True`` is
+      ``zero_moment='identity'``.
+    normalized_first_step: deprecated (removal in 1.0), warns: ``True`` is
+      ``zero_moment='normalized'``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
-    ``(EqualizeState, PreconditionState, [weight decay state,] learning-rate
-    state)``.
+    ``(EqualizeState, PreconditionState, [clip state,] [weight decay
+    state,] learning-rate state)``.
 
   Raises:
     TypeError: a hyperparameter of the wrong type (bool, string, schedule
@@ -228,7 +236,8 @@ def cbp(
       tree, for ``mask``): the message names ``static_args`` when it looks
       like the value ``inject_hyperparams`` made of a function.
     ValueError: a non-scalar hyperparameter, a concrete value that is not
-      finite or out of range, or a ``mask`` without ``weight_decay``.
+      finite or out of range, an unknown ``zero_moment``, or a ``mask``
+      without ``weight_decay``.
 
   Examples:
     The first step applies :math:`s_l = 1` and :math:`P_1 = I`, so the update
@@ -269,6 +278,38 @@ def cbp(
     §4.4 (eq. 12) and Algorithm 1.
   """
   _check_arguments('cbp.cbp', locals())  # the arguments, before any local
+  zero_moment = precondition_lib.resolve_zero_moment(
+      'cbp.cbp', zero_moment, 'damped', zero_moment_identity,
+      normalized_first_step)
+  return _chain(
+      'cbp.cbp', learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
+      min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,
+      mask=mask, block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+      zero_moment=zero_moment, update_clip=update_clip,
+      relative_damping=_relative_damping('cbp.cbp', relative_damping))
+
+
+def _relative_damping(factory: str, relative_damping: Optional[float]) -> Any:
+  """The deprecated ``relative_damping`` of a factory: warns when passed."""
+  if relative_damping is None:
+    return 0.0
+  warnings.warn(
+      f'{factory}(relative_damping=...) is deprecated and will be removed in '
+      '1.0: it serves the ablation studies (0, Algorithm 1, is every '
+      'recommended configuration). cbp.precondition keeps it; spell the '
+      'chain out: optax.chain(cbp.equalize(...), cbp.precondition(..., '
+      'relative_damping=delta), optax.scale_by_learning_rate(lr)).',
+      DeprecationWarning, stacklevel=3)
+  return relative_damping
+
+
+def _chain(factory: str, learning_rate, *, b1, b2, damping, decay, min_scale, max_scale,
+           weight_decay, mask, block_fn, stacked, stats_dtype, zero_moment,
+           update_clip, relative_damping
+           ) -> optax.GradientTransformationExtraArgs:
+  """The chain of :func:`cbp` from checked, resolved arguments."""
+  if update_clip is not None:
+    _checks.check_positive('update_clip', update_clip, factory=factory)
   transforms = [
       equalize_lib.equalize(
           decay,
@@ -279,13 +320,12 @@ def cbp(
           stats_dtype=stats_dtype,
       ),
       precondition_lib.precondition(
-          b1, b2, damping, stats_dtype=stats_dtype,
-          zero_moment_identity=zero_moment_identity,
+          b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment,
           relative_damping=relative_damping, stacked=stacked,
-          normalized_first_step=normalized_first_step,
-          update_clip=update_clip,
       ),
   ]
+  if update_clip is not None:
+    transforms.append(optax.clip(update_clip))
   if weight_decay is not None:
     transforms.append(optax.add_decayed_weights(weight_decay, mask))
   transforms.append(optax.scale_by_learning_rate(learning_rate))
@@ -295,10 +335,10 @@ def cbp(
 # Where each departure from Algorithm 1 was chosen (all on the workload
 # suite's dev split, none on its test split; the suite's split module keeps
 # the full record, with the runs and commits):
-#   damping=1e-8, relative_damping=0.0: dev, the seven original workloads,
-#     suite run of 2026-12-01 (commit 8283620);
+#   damping=1e-8 (relative damping dropped): dev, the seven original
+#     workloads, suite run of 2026-12-01 (commit 8283620);
 #   update_clip=3.0: dev, deep-mlp and init-scale-4 (their studies; bc058b0);
-#   normalized_first_step=True: dev, init-scale-4 (init-scale grid; 22a60c6);
+#   zero_moment='normalized': dev, init-scale-4 (init-scale grid; 22a60c6);
 #   min_scale=max_scale=1.0: dev, transformer and init-scale-4 (22a60c6).
 def cbp_robust(
     learning_rate: optax.ScalarOrSchedule,
@@ -314,68 +354,78 @@ def cbp_robust(
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
     stats_dtype: Optional[Any] = None,
-    zero_moment_identity: bool = False,
-    relative_damping: float = 0.0,
-    normalized_first_step: bool = True,
+    zero_moment: str = 'normalized',
     update_clip: Optional[float] = 3.0,
+    relative_damping: Optional[float] = None,
+    zero_moment_identity: Optional[bool] = None,
+    normalized_first_step: Optional[bool] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""CBP made robust: :func:`cbp` with four departures from Algorithm 1.
 
   Use :func:`cbp` (Algorithm 1 exactly) to reproduce the paper. This is
-  :func:`cbp` with the arguments below changed from Algorithm 1's defaults;
-  each can be passed back (``cbp_robust(lr, damping=1e-3,
-  normalized_first_step=False, update_clip=None, min_scale=0.1,
-  max_scale=4.0)`` is Algorithm 1). The step is Adam-sized, so start from a
-  tuned AdamW learning rate.
+  :func:`cbp` with four defaults changed; each can be passed back
+  (``cbp_robust(lr, damping=1e-3, zero_moment='damped', update_clip=None,
+  min_scale=0.1, max_scale=4.0)`` is Algorithm 1). The step is Adam-sized,
+  so start from a tuned AdamW learning rate. Spelled out, it is the chain
+
+  .. code-block:: python
+
+    optax.chain(
+        cbp.equalize(min_scale=1.0, max_scale=1.0),
+        cbp.precondition(damping=1e-8, zero_moment='normalized'),
+        optax.clip(3.0),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
   * ``damping=1e-8``: eq. (11)'s :math:`\zeta` is Adam's :math:`\epsilon`,
     not :math:`10^{-3}` (which makes every coordinate with
     :math:`\sqrt{\hat v} \ll \zeta` take an SGD-sized step). The lag is kept.
-  * ``normalized_first_step=True``: where the stored second moment is zero
+  * ``zero_moment='normalized'``: where the stored second moment is zero
     (every coordinate at step 1), :math:`P` uses the current
     :math:`\tilde g_t^2` instead of :math:`P_1 = I`, so step 1 moves each
     coordinate by about :math:`\eta`, as Adam's does.
-  * ``update_clip=3.0``: each coordinate of :math:`P_t \hat m_t` is clipped
-    to :math:`[-3, 3]` (about Adam's largest step), since the lagged
-    :math:`\hat v_{t-1}` does not bound a gradient that grows.
+  * ``update_clip=3.0``: ``optax.clip(3.0)`` after :func:`precondition`
+    (about Adam's largest step), since the lagged :math:`\hat v_{t-1}` does
+    not bound a gradient that grows.
   * ``min_scale=max_scale=1.0``: M1's scales are one (:math:`S_t = I`); the
     block energies are still kept for :func:`cbp_optax.equalize_stats`.
 
   Lemma 1's bounds hold with each (the clip changes the lower one to
-  :math:`\min(1/(G + \zeta), 3/G)`); the lag is given up only at a
-  coordinate's first step and where the clip binds. Each was chosen on the
-  workload suite's dev split; the measurements behind them, and when to
-  center a model with BatchNorm, are in the docs page "Why cbp_robust
-  departs from Algorithm 1" (docs/cbp-robust.md).
+  :math:`\min(1/(G + \zeta), 3/G)`). Each was chosen on the workload suite's
+  dev split; the measurements are in the docs page "Why cbp_robust departs
+  from Algorithm 1" (docs/cbp-robust.md).
 
   Args:
     learning_rate: :math:`\eta`, a float or an optax schedule; AdamW's
       tuned rate is the place to start.
-    b1: as in :func:`cbp`.
+    b1: every other argument is :func:`cbp`'s, documented there, with the
+      defaults of this signature.
     b2: as in :func:`cbp`.
-    damping: as in :func:`cbp` (here :math:`10^{-8}`).
+    damping: as in :func:`cbp`.
     decay: as in :func:`cbp`.
-    min_scale: as in :func:`cbp` (here 1: M1's scales are one).
-    max_scale: as in :func:`cbp` (here 1).
+    min_scale: as in :func:`cbp`.
+    max_scale: as in :func:`cbp`.
     weight_decay: as in :func:`cbp`.
     mask: as in :func:`cbp`.
     block_fn: as in :func:`cbp`.
     stacked: as in :func:`cbp`.
     stats_dtype: as in :func:`cbp`.
-    zero_moment_identity: as in :func:`cbp`; exclusive with
-      ``normalized_first_step``.
-    relative_damping: as in :func:`cbp` (0, as there).
-    normalized_first_step: as in :func:`cbp` (here True).
-    update_clip: as in :func:`cbp` (here 3.0; ``None`` leaves it out).
+    zero_moment: as in :func:`cbp`.
+    update_clip: as in :func:`cbp`.
+    relative_damping: deprecated, as in :func:`cbp`.
+    zero_moment_identity: deprecated, as in :func:`cbp`.
+    normalized_first_step: deprecated, as in :func:`cbp`.
 
   Returns:
-    The :func:`cbp` transformation with these arguments.
+    The :func:`cbp` transformation with these arguments; its state is
+    ``(EqualizeState, PreconditionState, EmptyState (the clip), [weight
+    decay state,] EmptyState (the learning rate))``. The clip's
+    ``EmptyState`` is new since 0.1.0: a checkpoint of a ``cbp_robust`` state
+    saved with 0.1 has one entry fewer (docs page "Behaviour notes").
 
   Raises:
-    TypeError: as :func:`cbp` (messages name ``cbp.cbp_robust``); an unknown
-      keyword argument.
-    ValueError: as :func:`cbp`; ``zero_moment_identity=True`` without
-      ``normalized_first_step=False``.
+    TypeError: as :func:`cbp` (messages name ``cbp.cbp_robust``).
+    ValueError: as :func:`cbp`.
 
   Examples:
     Step 1 moves each coordinate by about the learning rate, whatever the
@@ -408,26 +458,17 @@ def cbp_robust(
     eq. (11), Lemma 1, Theorem 3 and Algorithm 1 (what this configuration
     departs from).
   """
-  _check_arguments('cbp.cbp_robust', locals())  # the arguments alone
-  _checks.check_bool('zero_moment_identity', zero_moment_identity)
-  _checks.check_bool('normalized_first_step', normalized_first_step)
-  if zero_moment_identity and normalized_first_step:
-    raise ValueError(
-        'cbp_robust sets normalized_first_step=True, and zero_moment_identity '
-        'is another rule for the same coordinates (stored second moment '
-        'zero): pass normalized_first_step=False with it, '
-        'cbp.cbp_robust(learning_rate, zero_moment_identity=True, '
-        'normalized_first_step=False).'
-    )
-  return cbp(
-      learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
+  factory = 'cbp.cbp_robust'
+  _check_arguments(factory, locals())  # the arguments alone
+  zero_moment = precondition_lib.resolve_zero_moment(
+      factory, zero_moment, 'normalized', zero_moment_identity,
+      normalized_first_step)
+  return _chain(
+      factory, learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
       min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,
       mask=mask, block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      zero_moment_identity=zero_moment_identity,
-      relative_damping=relative_damping,
-      normalized_first_step=normalized_first_step,
-      update_clip=update_clip,
-  )
+      zero_moment=zero_moment, update_clip=update_clip,
+      relative_damping=_relative_damping(factory, relative_damping))
 
 
 @functools.wraps(cbp_robust, assigned=('__module__', '__annotations__'))

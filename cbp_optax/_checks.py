@@ -162,10 +162,9 @@ def check_mean_decay(value: Any) -> None:
         'The centering means take one decay per transport; cbp.cbp has no '
         'mean_decay, so optax.inject_hyperparams cannot schedule it. To '
         'schedule it, run the transport yourself after the optimizer update '
-        'with this step\'s value: cbp.nnx.transport(model, '
-        'mean_decay=schedule(step)) or cbp.linen.transport(params, '
-        'centering, mean_decay=schedule(step)); inside jit a traced value '
-        'is accepted.'
+        'with this step\'s value, transport(..., '
+        'mean_decay=schedule(step)) of your framework\'s package; inside '
+        'jit a traced value is accepted.'
     )
   check_decay('mean_decay', value)
 
@@ -216,17 +215,27 @@ def is_injected_value(value: Any) -> bool:
   return isinstance(value, (numbers.Number, np.generic)) or is_array(value)
 
 
-def static_args_remedy(factory: str, names: Any) -> str:
-  """Why a function argument arrived as a value, and the call that fixes it."""
+def static_args_remedy(factory: Optional[str], names: Any) -> str:
+  """Why a function argument arrived as a value, and the call that fixes it.
+
+  Args:
+    factory: the factory ``inject_hyperparams`` wrapped, or None where it is
+      not known (a preset called with the step count does not know who
+      passed it): the call then names a placeholder, not a guess.
+    names: the arguments to name in ``static_args``.
+  """
   names = tuple(names)
   them = 'it' if len(names) == 1 else 'them'
   passed = tuple(f'{n}=...' for n in names)
+  call = (f'optax.inject_hyperparams({factory or "factory"}, '
+          f'static_args={names!r})({_arguments(factory or "", *passed)})')
+  if factory is None:
+    call += (', where factory is the one you wrapped (cbp.cbp, '
+             'cbp.cbp_robust, cbp.equalize, ...)')
   return (
       'optax.inject_hyperparams calls every function argument that is not '
       'in its static_args as a schedule of the step count and passes the '
-      f'factory what the function returned. Name {them} there: '
-      f'optax.inject_hyperparams({factory}, static_args={names!r})('
-      f'{_arguments(factory, *passed)}).'
+      f'factory what the function returned. Name {them} there: {call}.'
   )
 
 
@@ -271,7 +280,7 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
   return TypeError(
       f'{function} takes (path, leaf) but was called with one argument, '
       f'{_short_repr(value)}, as {argument}. '
-      + static_args_remedy('cbp.cbp', (argument,))
+      + static_args_remedy(None, (argument,))
   )
 
 

@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
+import warnings
 
 import chex
 import jax
@@ -131,15 +132,100 @@ def _check_matches_state(updates: Any, state: PreconditionState) -> None:
       )
 
 
+# What P is for a coordinate whose stored second moment is zero (every
+# coordinate at step 1; later, one whose gradients were all exactly zero).
+ZERO_MOMENT_RULES = ('damped', 'identity', 'normalized')
+
+
+def check_zero_moment(zero_moment: Any, *, factory: str) -> None:
+  """Refuses a ``zero_moment`` that is not one of :data:`ZERO_MOMENT_RULES`."""
+  if not isinstance(zero_moment, str):
+    raise TypeError(
+        f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
+        f'the {type(zero_moment).__name__} {zero_moment!r}.'
+    )
+  if zero_moment not in ZERO_MOMENT_RULES:
+    raise ValueError(
+        f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
+        f'{zero_moment!r}.'
+    )
+
+
+def resolve_zero_moment(
+    factory: str,
+    zero_moment: str,
+    default: str,
+    zero_moment_identity: Optional[bool],
+    normalized_first_step: Optional[bool],
+) -> str:
+  """``zero_moment`` with the deprecated booleans folded in (they warn).
+
+  ``zero_moment_identity=True`` is ``'identity'`` and
+  ``normalized_first_step=True`` is ``'normalized'``; either passed as False
+  turns its own rule back into ``'damped'``. The warning points at the
+  factory's caller (two frames up).
+
+  Args:
+    factory: the public factory, for the messages.
+    zero_moment: the ``zero_moment`` argument.
+    default: the factory's default ``zero_moment``.
+    zero_moment_identity: the deprecated boolean, or None when not passed.
+    normalized_first_step: the deprecated boolean, or None when not passed.
+
+  Returns:
+    One of :data:`ZERO_MOMENT_RULES`.
+
+  Raises:
+    TypeError: a rule that is not a string, a boolean that is not a bool.
+    ValueError: an unknown rule, both booleans True, or a boolean together
+      with a ``zero_moment`` other than the default.
+  """
+  check_zero_moment(zero_moment, factory=factory)
+  old = {'zero_moment_identity': zero_moment_identity,
+         'normalized_first_step': normalized_first_step}
+  passed = {name: value for name, value in old.items() if value is not None}
+  if not passed:
+    return zero_moment
+  for name, value in passed.items():
+    _checks.check_bool(name, value)
+  replacement = {'zero_moment_identity': 'identity',
+                 'normalized_first_step': 'normalized'}
+  spelled = ', '.join(
+      f'{name}={value} is zero_moment='
+      f'{replacement[name] if value else "damped"!r}'
+      for name, value in passed.items())
+  warnings.warn(
+      f'{factory}: zero_moment_identity and normalized_first_step are '
+      'deprecated and will be removed in 1.0; pass zero_moment, one of '
+      f'{ZERO_MOMENT_RULES!r} ({spelled}).',
+      DeprecationWarning, stacklevel=3)
+  if zero_moment != default:
+    raise ValueError(
+        f'{factory}: pass the rule once, as zero_moment={zero_moment!r}, '
+        f'without {" or ".join(passed)}.'
+    )
+  if zero_moment_identity and normalized_first_step:
+    raise ValueError(
+        'normalized_first_step and zero_moment_identity are two rules for '
+        'the same coordinates (stored second moment zero): pass at most one '
+        'of them as True, or one zero_moment.'
+    )
+  for name, value in passed.items():
+    if value:
+      return replacement[name]
+    if zero_moment == replacement[name]:
+      zero_moment = 'damped'
+  return zero_moment
+
+
 class _Rules(NamedTuple):
   """The hyperparameters of one :func:`precondition` (tracers allowed)."""
   b1: Any
   b2: Any
   damping: Any
   relative_damping: Any  # None: the relative term is left out of the graph
-  normalized_first_step: bool
-  zero_moment_identity: bool
-  update_clip: Optional[float]
+  zero_moment: str  # one of ZERO_MOMENT_RULES
+  update_clip: Optional[float]  # deprecated: optax.clip after the transform
 
 
 def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
@@ -151,18 +237,19 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
   m_new = b1 * m + (1.0 - b1) * g_stats
   m_hat = m_new / mu_correction.astype(m.dtype)
   v_hat = v / nu_correction.astype(v.dtype)
-  if rules.normalized_first_step:
+  normalized = rules.zero_moment == 'normalized'
+  if normalized:
     # No history yet: the current gradient's own moment (Adam's step 1).
     v_hat = jnp.where(v == 0, jnp.square(g_stats), v_hat)
   denom = jnp.sqrt(v_hat) + damping
   if rules.relative_damping is not None:
     denom = denom + rules.relative_damping * _root_mean_square(v_hat,
                                                                is_stacked)
-  if rules.normalized_first_step:
+  if normalized:
     step = m_hat / denom
   else:
     step = jnp.where(first_step, m_hat, m_hat / denom)
-  if rules.zero_moment_identity:
+  if rules.zero_moment == 'identity':
     step = jnp.where(v == 0, m_hat, step)
   if rules.update_clip is not None:
     limit = jnp.asarray(rules.update_clip, step.dtype)
@@ -172,8 +259,7 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
           v_new.astype(v.dtype))
 
 
-def _check_arguments(b1, b2, damping, stats_dtype, zero_moment_identity,
-                     relative_damping, stacked, normalized_first_step,
+def _check_arguments(b1, b2, damping, stats_dtype, relative_damping, stacked,
                      update_clip) -> Any:
   """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
   factory = 'cbp.precondition'
@@ -181,19 +267,16 @@ def _check_arguments(b1, b2, damping, stats_dtype, zero_moment_identity,
   _checks.check_decay('b2', b2, factory=factory)
   _checks.check_positive('damping', damping, factory=factory)
   stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
-  _checks.check_bool('zero_moment_identity', zero_moment_identity)
   _checks.check_nonnegative('relative_damping', relative_damping,
                             factory=factory)
   _checks.check_callable('stacked', stacked, factory=factory)
-  _checks.check_bool('normalized_first_step', normalized_first_step)
-  if normalized_first_step and zero_moment_identity:
-    raise ValueError(
-        'normalized_first_step and zero_moment_identity are two rules for '
-        'the same coordinates (stored second moment zero): pass at most one '
-        'of them as True.'
-    )
   if update_clip is not None:
     _checks.check_positive('update_clip', update_clip, factory=factory)
+    warnings.warn(
+        'cbp.precondition(update_clip=c) is deprecated and will be removed '
+        'in 1.0: chain optax.clip after it, optax.chain(cbp.precondition('
+        '...), optax.clip(c)) (the same update; cbp.cbp(update_clip=c) '
+        'does this).', DeprecationWarning, stacklevel=3)
   return stats_dtype
 
 
@@ -203,10 +286,11 @@ def precondition(
     damping: float = 1e-3,
     *,
     stats_dtype: Optional[Any] = None,
-    zero_moment_identity: bool = False,
+    zero_moment: str = 'damped',
     relative_damping: float = 0.0,
     stacked: Optional[StackedFn] = None,
-    normalized_first_step: bool = False,
+    zero_moment_identity: Optional[bool] = None,
+    normalized_first_step: Optional[bool] = None,
     update_clip: Optional[float] = None,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
@@ -237,10 +321,10 @@ def precondition(
   (sparse features, gated or dead units, hand-written objectives), use a
   learning rate well below Adam's, a larger ``damping`` (the bound is
   :math:`1/\zeta`), a warm-up schedule on the learning rate, or the opt-in
-  ``zero_moment_identity=True``, which gives such a coordinate
-  :math:`P = 1`, as every coordinate has at step 1 (with it, CBP converges on
-  that Rosenbrock run at :math:`\eta = 0.1`; see tests/test_hardening.py).
-  It is off by default: the default is Algorithm 1 exactly.
+  ``zero_moment='identity'``, which gives such a coordinate :math:`P = 1`,
+  as every coordinate has at step 1 (with it, CBP converges on that
+  Rosenbrock run at :math:`\eta = 0.1`; see tests/test_hardening.py). The
+  default, ``'damped'``, is Algorithm 1 exactly.
 
   Dtypes: the moments are float32 for low-precision parameters
   (``stats_dtype`` overrides), and the update has the gradient's dtype, as
@@ -259,40 +343,37 @@ def precondition(
     damping: :math:`\zeta > 0`.
     stats_dtype: a real floating dtype for both moments; defaults to float32
       for low-precision parameters and to the parameter dtype otherwise.
-    zero_moment_identity: opt-in guard, not part of Algorithm 1: where the
-      stored second moment is exactly zero (no non-zero gradient seen yet),
-      use :math:`P = 1` instead of :math:`1/\zeta`, i.e. the step-1 rule
-      :math:`P_1 = I` per coordinate. Off by default.
+    zero_moment: what :math:`P` is for a coordinate whose stored second
+      moment is exactly zero (every coordinate at step 1; later, one whose
+      gradients were all zero so far). ``'damped'`` (the default) is
+      Algorithm 1: :math:`P_1 = I` at step 1, and :math:`1/\zeta`, the
+      damping's bound, after it. ``'identity'`` (opt-in, not part of
+      Algorithm 1): :math:`P = 1` at every step, the step-1 rule
+      :math:`P_1 = I` per coordinate. ``'normalized'`` (opt-in, not part of
+      Algorithm 1; :func:`cbp_optax.cbp_robust`'s): :math:`P` is formed from
+      the current gradient's own moment, :math:`\tilde v = \tilde g_t^2`, in
+      place of :math:`\hat v_{t-1}` (Adam's first step:
+      :math:`\hat m_1 / (|\tilde g_1| + \zeta)`, about :math:`\pm 1` per
+      coordinate, instead of the raw gradient's size). :math:`\tilde v` lies
+      in :math:`[0, G^2]`, so Lemma 1's bounds hold unchanged; the lag of
+      Theorem 3 is given up at that one step of each coordinate only. A
+      string, so ``optax.inject_hyperparams`` keeps it static.
     relative_damping: opt-in :math:`\delta \ge 0` (0, the default, is
-      Algorithm 1): the damping becomes :math:`\zeta + \delta r`, with
-      :math:`r` the root mean square of the tensor's :math:`\hat v` (of each
-      slice of a ``stacked`` leaf). Lemma 1's bounds become
-      :math:`1/((1 + \delta) G + \zeta) \le P_t \le 1/\zeta`.
+      Algorithm 1), used by the ablation studies: the damping becomes
+      :math:`\zeta + \delta r`, with :math:`r` the root mean square of the
+      tensor's :math:`\hat v` (of each slice of a ``stacked`` leaf). Lemma
+      1's bounds become :math:`1/((1 + \delta) G + \zeta) \le P_t \le
+      1/\zeta`.
     stacked: ``stacked(path, leaf) -> bool`` declares layer-stacked leaves
       (one :math:`r` per slice); used only with ``relative_damping``.
-    normalized_first_step: opt-in, not part of Algorithm 1 (off by
-      default): where the stored second moment is exactly zero (every
-      coordinate at step 1, and a coordinate whose gradients were all zero
-      so far), :math:`P` is formed from the current gradient's own moment,
-      :math:`\tilde v = \tilde g_t^2`, in place of :math:`\hat v_{t-1}`
-      (Adam's first step: :math:`\hat m_1 / (|\tilde g_1| + \zeta)`,
-      about :math:`\pm 1` per coordinate) instead of :math:`P_1 = I`, whose
-      size is the raw gradient's. :math:`\tilde v` lies in :math:`[0, G^2]`,
-      so Lemma 1's bounds hold unchanged; the lag of Theorem 3 is given up
-      at that one step of each coordinate only. Exclusive with
-      ``zero_moment_identity`` (two rules for the same coordinates).
-    update_clip: opt-in :math:`c > 0`, not part of Algorithm 1 (``None``,
-      the default, leaves it out): each coordinate of the direction
-      :math:`P_t \hat m_t` is clipped to :math:`[-c, c]`, so no coordinate
-      moves by more than :math:`c \eta` in one step. Where the lagged
-      :math:`\hat v_{t-1}` underestimates the current gradient (a
-      coordinate whose few past gradients were near zero) the lagged
-      direction is unbounded relative to Adam's; the clip bounds it. It is
-      :math:`P'_t \hat m_t` with :math:`P'_t = \min(P_t, c / |\hat m_t|)`,
-      so Lemma 1's upper bound holds and the lower one becomes
-      :math:`\min(1/((1 + \delta) G + \zeta), c / G)`; where it binds,
-      :math:`P'_t` depends on the current gradient (the lag of Theorem 3 is
-      given up on those coordinates at that step only).
+    zero_moment_identity: deprecated (removal in 1.0), warns:
+      ``True`` is ``zero_moment='identity'``.
+    normalized_first_step: deprecated (removal in 1.0), warns:
+      ``True`` is ``zero_moment='normalized'``.
+    update_clip: deprecated (removal in 1.0), warns: chain
+      ``optax.clip(c)`` after this transform instead (the same update;
+      :func:`cbp_optax.cbp`'s ``update_clip`` does). Clips each coordinate
+      of :math:`P_t \hat m_t` to :math:`[-c, c]`.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
@@ -301,10 +382,10 @@ def precondition(
   Raises:
     TypeError: a hyperparameter that is not a real number (a bool, a string,
       a schedule; schedule ``b1``, ``b2`` or ``damping`` with
-      ``optax.inject_hyperparams``), or a ``stats_dtype`` that is not a real
-      floating dtype.
-    ValueError: a hyperparameter array that is not a scalar, or a concrete
-      value out of range; at update, gradients that do not match the state,
+      ``optax.inject_hyperparams``), a ``zero_moment`` that is not a string,
+      or a ``stats_dtype`` that is not a real floating dtype.
+    ValueError: a hyperparameter array that is not a scalar, a concrete
+      value out of range, an unknown ``zero_moment``; at update, gradients that do not match the state,
       or the ``params`` given to ``update`` (leaves and shapes, as
       :func:`cbp_optax.equalize` checks them).
 
@@ -327,7 +408,7 @@ def precondition(
 
     The opt-in guard gives that coordinate :math:`P = 1` instead:
 
-    >>> tx = cbp.precondition(b1=0.0, zero_moment_identity=True)
+    >>> tx = cbp.precondition(b1=0.0, zero_moment='identity')
     >>> state = tx.init({'w': jnp.zeros(2)})
     >>> _, state = tx.update({'w': jnp.array([2.0, 0.0])}, state)
     >>> updates, state = tx.update({'w': jnp.array([2.0, 3.0])}, state)
@@ -341,14 +422,16 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  stats_dtype = _check_arguments(
-      b1, b2, damping, stats_dtype, zero_moment_identity, relative_damping,
-      stacked, normalized_first_step, update_clip)
+  zero_moment = resolve_zero_moment(
+      'cbp.precondition', zero_moment, 'damped', zero_moment_identity,
+      normalized_first_step)
+  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype,
+                                 relative_damping, stacked, update_clip)
   # A concrete 0 leaves the relative term out of the graph: the default is
   # Algorithm 1's computation, op for op.
   with_relative = _checks.concrete_float(relative_damping) != 0.0
   rules = _Rules(b1, b2, damping, relative_damping if with_relative else None,
-                 normalized_first_step, zero_moment_identity, update_clip)
+                 zero_moment, update_clip)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)

@@ -80,13 +80,11 @@ def resolve_stack_axes(
   return placements[0]
 
 
+# Framework-free: each framework package says it in its own words.
 AMBIGUOUS_STACK_REMEDY = (
-    'Record where the stack axis is: create the Centered layers inside the '
-    'nnx.vmap / nnx.scan with transform_metadata={nnx.PARTITION_NAME: '
-    "'layers'} (their means then track the axis), or wrap a layer stacked "
-    'beforehand with cbp.nnx.Centered(layer, stack_axes=...) (the kernel '
-    'axes that are stack axes) before cbp.nnx.center. Linen records it '
-    'always.'
+    'Record where the stack axis is: pass the means\' stack axes '
+    '(mean_stack_axes), or create the centered layers inside the stacking '
+    'transform with the stack axis named, so that their means track it.'
 )
 
 

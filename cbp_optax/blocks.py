@@ -97,14 +97,24 @@ def path_name(path: KeyPath) -> str:
   return '/'.join(key_name(k) for k in path)
 
 
-def centered_after_init(tree: Any, state_tree: Any) -> Optional[str]:
-  """Why ``tree`` no longer matches ``state_tree``, when NNX centering did it.
+def centered_after_init(
+    tree: Any, state_tree: Any, *, center: str = 'centering',
+    remedy: str = 'Build the optimizer after centering the model.',
+) -> Optional[str]:
+  """Why ``tree`` no longer matches ``state_tree``, when centering did it.
 
-  ``cbp.nnx.center`` moves a layer's parameters one level down
+  Centering a layer in place moves its parameters one level down
   (``hidden/kernel`` becomes ``hidden/layer/kernel``), so an optimizer state
   built before it holds the old paths. Returns an error message saying so
   and what to do, or None when the mismatch has another cause. Paths of
   ``state_tree`` may carry a prefix (an optax chain's state).
+
+  Args:
+    tree: the gradients (or parameters) of the step.
+    state_tree: the optimizer state.
+    center: what moved the parameters, for the message (a framework package
+      names its own function; the optax transforms name none).
+    remedy: the message's last sentence, what to do instead.
   """
   def names(t):
     return [tuple(key_name(k) for k in strip_variable_suffix(path))
@@ -119,10 +129,8 @@ def centered_after_init(tree: Any, state_tree: Any) -> Optional[str]:
     if old in suffixes:
       return (
           'the model was centered after the optimizer was built: '
-          f"cbp.nnx.center moved '{'/'.join(old)}' to '{'/'.join(path)}', "
-          'and the optimizer state still has the old layout. Build the '
-          'optimizer (nnx.Optimizer / cbp.nnx.Optimizer) after calling '
-          'center.'
+          f"{center} moved '{'/'.join(old)}' to '{'/'.join(path)}', "
+          f'and the optimizer state still has the old layout. {remedy}'
       )
   return None
 

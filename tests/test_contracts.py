@@ -244,7 +244,7 @@ def test_cbp_transformer_warns_and_is_cbp_robust():
           == inspect.signature(cbp.cbp_robust).parameters)
   # The configuration it replaced stays spelled out for the ablation study.
   assert set(configurations.TRANSFORMER_COMBINATION) < set(
-      inspect.signature(cbp.cbp).parameters)
+      inspect.signature(configurations.cbp_study).parameters)
 
 
 @pytest.mark.parametrize('name', NAMES)

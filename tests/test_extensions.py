@@ -30,7 +30,8 @@ def test_relative_damping_matches_numpy_reference(damping, b1):
   reference = ref.CBPReference(SHAPES, lr=LR, rho=0.9, relative_damping=0.3,
                                **REF_CLIP, **kw)
   worst, clip_low, clip_high = run_both(
-      lambda: cbp.cbp(LR, decay=0.9, relative_damping=0.3, **CLIP, **kw),
+      lambda: configurations.cbp_study(LR, decay=0.9, relative_damping=0.3,
+                                       **CLIP, **kw),
       reference)
   assert clip_low and clip_high
   assert worst <= 1e-10, worst
@@ -154,15 +155,27 @@ def test_relative_damping_keeps_lemma_1_bounds():
     assert np.all(p >= 1 / ((1 + delta) * bound + damping) * (1 - 1e-5))
 
 
-def test_zero_relative_damping_is_algorithm_1_exactly():
+@pytest.mark.parametrize('kwargs', [
+    {}, dict(weight_decay=0.1, update_clip=0.5),
+    dict(damping=1e-8, zero_moment='normalized', min_scale=1.0,
+         max_scale=1.0, update_clip=3.0)])
+def test_zero_relative_damping_is_algorithm_1_exactly(kwargs):
+  # cbp_study (the studies' spelled-out chain) and cbp's deprecated
+  # relative_damping=0.0 are cbp.cbp, update for update and state for state.
   params = {'w': jnp.linspace(-1.0, 1.0, 7)}
-  grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1))} for t in range(4)]
-  plain, explicit = cbp.cbp(1e-2), cbp.cbp(1e-2, relative_damping=0.0)
-  plain_state, explicit_state = plain.init(params), explicit.init(params)
+  grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1)) * 10.0 ** t}
+           for t in range(4)]
+  plain = cbp.cbp(1e-2, **kwargs)
+  with pytest.warns(DeprecationWarning, match='relative_damping'):
+    explicit = cbp.cbp(1e-2, relative_damping=0.0, **kwargs)
+  study = configurations.cbp_study(1e-2, relative_damping=0.0, **kwargs)
+  states = [tx.init(params) for tx in (plain, explicit, study)]
   for g in grads:
-    plain_u, plain_state = plain.update(g, plain_state, params)
-    explicit_u, explicit_state = explicit.update(g, explicit_state, params)
-    chex.assert_trees_all_equal(plain_u, explicit_u)
+    plain_u, states[0] = plain.update(g, states[0], params)
+    for i, tx in ((1, explicit), (2, study)):
+      u, states[i] = tx.update(g, states[i], params)
+      chex.assert_trees_all_equal(u, plain_u)
+      chex.assert_trees_all_equal(states[i], states[0])
 
 
 @pytest.mark.parametrize('bad, error', [(-0.1, ValueError),
@@ -170,6 +183,7 @@ def test_zero_relative_damping_is_algorithm_1_exactly():
                                         ('0.1', TypeError),
                                         (jnp.ones(2), ValueError),
                                         (float('nan'), ValueError)])
+@pytest.mark.filterwarnings('ignore:cbp.cbp.relative_damping')
 def test_bad_relative_damping_fails_at_construction(bad, error):
   with pytest.raises(error, match='relative_damping'):
     cbp.cbp(1e-2, relative_damping=bad)
@@ -192,5 +206,6 @@ def test_transformer_combination_matches_numpy_reference():
   reference = ref.CBPReference(SHAPES, lr=LR, damping=1e-8, equalize=False,
                                relative_damping=0.03)
   worst, _, _ = run_both(
-      lambda: cbp.cbp(LR, **configurations.TRANSFORMER_COMBINATION), reference)
+      lambda: configurations.cbp_study(
+          LR, **configurations.TRANSFORMER_COMBINATION), reference)
   assert worst <= 1e-10, worst

@@ -292,7 +292,7 @@ def test_opt_in_zero_moment_identity_guard_converges_on_rosenbrock():
   rosenbrock = lambda p: (1 - p[0]) ** 2 + 100 * (p[1] - p[0] ** 2) ** 2
   results, losses = {}, {}
   for guard in (False, True):
-    tx = cbp.cbp(0.1, zero_moment_identity=guard)
+    tx = cbp.cbp(0.1, zero_moment='identity' if guard else 'damped')
 
     def step(carry, _, tx=tx):
       params, state = carry
@@ -310,7 +310,12 @@ def test_opt_in_zero_moment_identity_guard_converges_on_rosenbrock():
 
 def test_guard_must_be_a_bool():
   with pytest.raises(TypeError, match='zero_moment_identity must be True or'):
-    cbp.cbp(1e-2, zero_moment_identity='yes')
+    cbp.cbp(1e-2, zero_moment_identity='yes')  # the deprecated spelling
+  with pytest.raises(ValueError, match=r"zero_moment must be one of \("
+                     r"'damped', 'identity', 'normalized'\), got 'yes'"):
+    cbp.cbp(1e-2, zero_moment='yes')
+  with pytest.raises(TypeError, match='zero_moment must be one of'):
+    cbp.cbp(1e-2, zero_moment=True)
 
 
 # --- items 5, 7, 8: checkpoints ---------------------------------------------------

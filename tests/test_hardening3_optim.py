@@ -131,14 +131,17 @@ def test_block_fn_preset_not_in_static_args_names_static_args(factory,
   tx = optax.inject_hyperparams(factory)(*args, block_fn=preset)
   with pytest.raises(TypeError, match=(
       rf"cbp.{preset.__name__} takes \(path, leaf\) but was called with one "
-      r"argument.*static_args=\('block_fn',\)")):
+      r"argument.*static_args=\('block_fn',\)")) as caught:
     tx.init(two_layers()[0])
+  # The preset cannot know the factory: it named cbp.cbp for cbp_robust.
+  assert 'inject_hyperparams(cbp.' not in str(caught.value)
+  assert 'inject_hyperparams(factory, ' in str(caught.value)
 
 
 @pytest.mark.parametrize('factory', [cbp.cbp, cbp.equalize, cbp.precondition])
 def test_stacked_predicate_not_in_static_args_names_static_args(factory):
   args = (1e-2,) if factory is cbp.cbp else ()
-  kwargs = {} if factory is cbp.equalize else {'relative_damping': 0.1}
+  kwargs = {'relative_damping': 0.1} if factory is cbp.precondition else {}
   stacked = cbp.blocks.stacked_predicate([('a',)])
   tx = optax.inject_hyperparams(factory)(*args, stacked=stacked, **kwargs)
   with pytest.raises(TypeError, match=r"static_args=\('stacked',\)"):
@@ -182,8 +185,7 @@ def test_callable_dtype_not_in_static_args_is_refused(factory):
     ('block_fn',), ('stacked',), ('mask',), ('stats_dtype',)])
 def test_function_arguments_in_static_args_match_the_plain_factory(static):
   kwargs = {'block_fn': dict(block_fn=cbp.leaf_blocks),
-            'stacked': dict(stacked=cbp.blocks.stacked_predicate([('a',)]),
-                            relative_damping=0.1),
+            'stacked': dict(stacked=cbp.blocks.stacked_predicate([('a',)])),
             'mask': dict(weight_decay=0.5, mask=kernels_only),
             'stats_dtype': dict(stats_dtype=jnp.float32)}[static[0]]
   params, grads = two_layers()
@@ -216,15 +218,22 @@ def test_a_schedule_names_the_factory_it_was_passed_to(factory, name, call):
     factory(*args, **{name: optax.constant_schedule(0.5)})
 
 
-def test_cbp_robust_with_zero_moment_identity_says_what_it_already_sets():
-  # "normalized_first_step and zero_moment_identity are two rules": but the
-  # caller set only one of them.
-  with pytest.raises(ValueError, match=(
-      'cbp_robust sets normalized_first_step=True.*'
-      r'cbp.cbp_robust\(learning_rate, zero_moment_identity=True, '
-      r'normalized_first_step=False\)')):
-    cbp.cbp_robust(1e-2, zero_moment_identity=True)
-  cbp.cbp_robust(1e-2, zero_moment_identity=True, normalized_first_step=False)
+def test_cbp_robust_zero_moment_is_one_argument():
+  # It said "normalized_first_step and zero_moment_identity are two rules"
+  # though the caller set only one of them; one argument has no conflict.
+  params, grads = two_layers()
+  with pytest.warns(DeprecationWarning, match="zero_moment='identity'"):
+    old = cbp.cbp_robust(1e-2, zero_moment_identity=True)
+  new = cbp.cbp_robust(1e-2, zero_moment='identity')
+  old_state, new_state = old.init(params), new.init(params)
+  for _ in range(3):
+    old_u, old_state = old.update(grads, old_state, params)
+    new_u, new_state = new.update(grads, new_state, params)
+    chex.assert_trees_all_equal(old_u, new_u)
+  with pytest.raises(ValueError, match="pass the rule once, as zero_moment="
+                     "'damped'"):
+    with pytest.warns(DeprecationWarning):
+      cbp.cbp_robust(1e-2, zero_moment='damped', zero_moment_identity=True)
 
 
 # --- item 6: the scales equalize_stats reports ---------------------------------

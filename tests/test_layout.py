@@ -263,3 +263,36 @@ def test_cli_lets_other_import_errors_through(monkeypatch):
                       (needs_something_else, cli._COMMANDS['compare'][1]))
   with pytest.raises(ModuleNotFoundError, match='not_a_real_module_cbp'):
     cli.main(['compare'])
+
+
+# The optax transforms and the framework-free core: their messages name no
+# framework package (issue 29: precondition said "cbp.nnx.center moved ...",
+# the core's stack-axis remedy named cbp.nnx.Centered).
+FRAMEWORK_FREE = ('_alias.py', '_checks.py', '_equalize.py',
+                  '_precondition.py', '_recipe.py', '_stacks.py',
+                  '_bias_shift.py', '_layer_spec.py', 'blocks.py',
+                  'centering.py')
+FRAMEWORK_WORDS = ('nnx', 'linen', 'nn.scan', 'nn.vmap')
+
+
+def _message_strings(tree: ast.Module) -> list[str]:
+  """The string constants of a module, docstrings left out."""
+  docstrings = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef,
+                         ast.AsyncFunctionDef)):
+      body = node.body
+      if (body and isinstance(body[0], ast.Expr)
+          and isinstance(body[0].value, ast.Constant)):
+        docstrings.add(id(body[0].value))
+  return [node.value for node in ast.walk(tree)
+          if isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in docstrings]
+
+
+@pytest.mark.parametrize('name', FRAMEWORK_FREE)
+def test_framework_free_messages_name_no_framework_package(name):
+  tree = ast.parse((CORE / name).read_text())
+  found = [text for text in _message_strings(tree)
+           if any(word in text for word in FRAMEWORK_WORDS)]
+  assert not found, f'{name} names a framework in {found}'

@@ -1,10 +1,11 @@
-"""``normalized_first_step`` and ``cbp_robust`` against the float64 reference.
+"""``zero_moment='normalized'`` and ``cbp_robust`` against the float64 reference.
 
 The option is off by default (tests/test_reference.py checks Algorithm 1,
 unchanged); here: the reference match of the option alone and inside
 ``cbp_robust``, guards that fail when the rule is dropped, Lemma 1's bounds on
-random gradients, construction-time validation, and
-``optax.inject_hyperparams`` under ``jit``.
+random gradients, construction-time validation, ``optax.inject_hyperparams`` under ``jit``, the
+deprecated spellings (``normalized_first_step``, ``zero_moment_identity``,
+``precondition(update_clip=)``) and ``cbp_robust`` spelled out as a chain.
 """
 
 import chex
@@ -15,6 +16,7 @@ import optax
 import pytest
 
 import cbp_optax as cbp
+from cbp_optax_experiments import configurations
 from tests import numpy_reference as ref
 from tests.test_reference import CLIP
 from tests.test_reference import from_tree
@@ -53,9 +55,9 @@ def test_normalized_first_step_matches_numpy_reference(b1, relative_damping):
                                relative_damping=relative_damping,
                                normalized_first_step=True)
   worst, clip_low, clip_high = run_both(
-      lambda: cbp.cbp(LR, decay=0.9, **CLIP, **kw,
-                      relative_damping=relative_damping,
-                      normalized_first_step=True),
+      lambda: configurations.cbp_study(LR, decay=0.9, **CLIP, **kw,
+                                       relative_damping=relative_damping,
+                                       zero_moment='normalized'),
       reference)
   assert clip_low and clip_high
   assert worst <= 1e-10, worst
@@ -69,13 +71,13 @@ def test_normalized_first_step_matches_reference_on_sparse_gradients():
                                normalized_first_step=True)
   worst = run_sequence(
       lambda: cbp.cbp(LR, b2=0.99, decay=0.9, **CLIP,
-                      normalized_first_step=True), reference, grads_seq)
+                      zero_moment='normalized'), reference, grads_seq)
   assert worst <= 1e-10, worst
   # Guard: the revived coordinates are where the rule matters after step 1.
   plain = ref.CBPReference(SHAPES, lr=LR, b2=0.99, rho=0.9, **REF_CLIP)
   worst = run_sequence(
       lambda: cbp.cbp(LR, b2=0.99, decay=0.9, **CLIP,
-                      normalized_first_step=True), plain, grads_seq)
+                      zero_moment='normalized'), plain, grads_seq)
   assert worst > 1e-3, worst
 
 
@@ -93,7 +95,7 @@ def test_first_step_is_about_the_learning_rate_whatever_the_scale(scale):
   # -lr * g / (|g| + damping), about -lr * sign(g), as Adam's first step.
   g = {'w': jnp.array([3.0, -0.5, 2.0]) * scale}
   params = {'w': jnp.zeros(3)}
-  tx = cbp.cbp(0.1, damping=1e-12, normalized_first_step=True)
+  tx = cbp.cbp(0.1, damping=1e-12, zero_moment='normalized')
   updates, _ = tx.update(g, tx.init(params), params)
   np.testing.assert_allclose(updates['w'], [-0.1, 0.1, -0.1], rtol=1e-5)
   plain = cbp.cbp(0.1)
@@ -109,7 +111,7 @@ def test_normalized_first_step_keeps_lemma_1_bounds(relative_damping):
   damping = 1e-3
   tx = cbp.precondition(b1=0.0, damping=damping,
                         relative_damping=relative_damping,
-                        normalized_first_step=True)
+                        zero_moment='normalized')
   state = tx.init({'w': jnp.zeros(50)})
   bound = 0.0
   for t in range(30):
@@ -124,10 +126,10 @@ def test_normalized_first_step_keeps_lemma_1_bounds(relative_damping):
     assert np.all(p >= lower * (1 - 1e-5)), (t, p.min(), lower)
 
 
-def test_normalized_first_step_off_is_algorithm_1_exactly():
+def test_damped_zero_moment_is_algorithm_1_exactly():
   params = {'w': jnp.linspace(-1.0, 1.0, 7)}
   grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1))} for t in range(4)]
-  plain, explicit = cbp.cbp(1e-2), cbp.cbp(1e-2, normalized_first_step=False)
+  plain, explicit = cbp.cbp(1e-2), cbp.cbp(1e-2, zero_moment='damped')
   plain_state, explicit_state = plain.init(params), explicit.init(params)
   for g in grads:
     plain_u, plain_state = plain.update(g, plain_state, params)
@@ -135,8 +137,21 @@ def test_normalized_first_step_off_is_algorithm_1_exactly():
     chex.assert_trees_all_equal(plain_u, explicit_u)
 
 
-@pytest.mark.parametrize('bad', ['yes', 1, None, jnp.ones(())])
+@pytest.mark.parametrize('bad, error', [
+    ('Normalized', ValueError), ('', ValueError), (True, TypeError),
+    (None, TypeError), (1, TypeError), (jnp.ones(()), TypeError)])
+def test_bad_zero_moment_fails_at_construction(bad, error):
+  for make in (lambda: cbp.cbp(1e-2, zero_moment=bad),
+               lambda: cbp.cbp_robust(1e-2, zero_moment=bad),
+               lambda: cbp.precondition(zero_moment=bad)):
+    with pytest.raises(error, match='zero_moment must be one of'):
+      make()
+
+
+@pytest.mark.filterwarnings('ignore::DeprecationWarning')
+@pytest.mark.parametrize('bad', ['yes', 1, jnp.ones(())])
 def test_bad_normalized_first_step_fails_at_construction(bad):
+  # The deprecated spelling keeps its checks until it is removed.
   with pytest.raises(TypeError, match='normalized_first_step'):
     cbp.cbp(1e-2, normalized_first_step=bad)
   with pytest.raises(TypeError, match='normalized_first_step'):
@@ -145,11 +160,46 @@ def test_bad_normalized_first_step_fails_at_construction(bad):
     cbp.cbp_robust(1e-2, normalized_first_step=bad)
 
 
+@pytest.mark.filterwarnings('ignore::DeprecationWarning')
 def test_normalized_first_step_excludes_zero_moment_identity():
   with pytest.raises(ValueError, match='zero_moment_identity'):
     cbp.precondition(normalized_first_step=True, zero_moment_identity=True)
   with pytest.raises(ValueError, match='zero_moment_identity'):
-    cbp.cbp_robust(1e-2, zero_moment_identity=True)
+    cbp.cbp_robust(1e-2, normalized_first_step=True,
+                   zero_moment_identity=True)
+
+
+# (factory, deprecated arguments, the zero_moment they are).
+DEPRECATED_SPELLINGS = [
+    (cbp.cbp, dict(normalized_first_step=True), 'normalized'),
+    (cbp.cbp, dict(zero_moment_identity=True), 'identity'),
+    (cbp.cbp, dict(zero_moment_identity=False), 'damped'),
+    (cbp.cbp_robust, dict(normalized_first_step=False), 'damped'),
+    (cbp.cbp_robust, dict(zero_moment_identity=True), 'identity'),
+    (cbp.cbp_robust, dict(zero_moment_identity=True,
+                          normalized_first_step=False), 'identity'),
+    (cbp.cbp_robust, dict(zero_moment_identity=False), 'normalized'),
+    (cbp.precondition, dict(normalized_first_step=True), 'normalized'),
+    (cbp.precondition, dict(zero_moment_identity=True), 'identity'),
+]
+
+
+@pytest.mark.parametrize('factory, old, rule', DEPRECATED_SPELLINGS)
+def test_deprecated_booleans_warn_and_are_one_zero_moment(factory, old, rule):
+  args = () if factory is cbp.precondition else (1e-2,)
+  with pytest.warns(DeprecationWarning, match=(
+      r"deprecated and will be removed in 1.0; pass zero_moment")) as caught:
+    old_tx = factory(*args, **old)
+  assert caught[0].filename == __file__  # points at the caller
+  new_tx = factory(*args, zero_moment=rule)
+  params = {'w': jnp.zeros(4)}
+  grads = [{'w': jnp.array([1.0, 0.0, -2.0, 0.0]) * (t + 1)} for t in range(2)]
+  grads.append({'w': jnp.array([1.0, 3.0, -2.0, 0.5])})
+  old_state, new_state = old_tx.init(params), new_tx.init(params)
+  for g in grads:
+    old_u, old_state = old_tx.update(g, old_state, params)
+    new_u, new_state = new_tx.update(g, new_state, params)
+    chex.assert_trees_all_equal(old_u, new_u)
 
 
 @pytest.mark.parametrize('name', ['cbp', 'cbp_robust'])
@@ -157,8 +207,9 @@ def test_works_under_inject_hyperparams_and_jit(name):
   make = getattr(cbp, name)
   params = {'a': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)}}
   grads = jax.tree.map(lambda x: jnp.cos(x + 1.0), params)
-  kwargs = dict(learning_rate=1e-2, b1=0.9, relative_damping=0.1,
-                normalized_first_step=True)
+  # zero_moment is a string: inject_hyperparams keeps it static.
+  kwargs = dict(learning_rate=1e-2, b1=0.9, damping=1e-3,
+                zero_moment='normalized')
   plain = make(**kwargs)
   injected = optax.inject_hyperparams(make)(**kwargs)
   state, injected_state = plain.init(params), injected.init(params)
@@ -168,7 +219,8 @@ def test_works_under_inject_hyperparams_and_jit(name):
         grads, injected_state, params)
     chex.assert_trees_all_close(injected_updates, updates, rtol=1e-5)
   # A hyperparameter can be changed between steps (it is a tracer).
-  injected_state.hyperparams['relative_damping'] = jnp.asarray(0.5)
+  assert 'zero_moment' not in injected_state.hyperparams
+  injected_state.hyperparams['damping'] = jnp.asarray(0.5)
   changed, _ = jax.jit(injected.update)(grads, injected_state, params)
   assert not np.allclose(changed['a']['kernel'], updates['a']['kernel'])
 
@@ -193,7 +245,8 @@ def test_update_clip_matches_numpy_reference(b1):
 def test_update_clip_bounds_every_coordinate_and_keeps_lemma_1():
   rng = np.random.default_rng(4)
   damping, clip = 1e-3, 2.0
-  tx = cbp.precondition(b1=0.0, damping=damping, update_clip=clip)
+  tx = optax.chain(cbp.precondition(b1=0.0, damping=damping),
+                   optax.clip(clip))
   state = tx.init({'w': jnp.zeros(50)})
   bound = 0.0
   clipped = 0
@@ -217,6 +270,7 @@ def test_update_clip_bounds_every_coordinate_and_keeps_lemma_1():
                                         (True, TypeError), ('1', TypeError),
                                         (float('inf'), ValueError),
                                         (jnp.ones(2), ValueError)])
+@pytest.mark.filterwarnings('ignore::DeprecationWarning')
 def test_bad_update_clip_fails_at_construction(bad, error):
   for make in (cbp.cbp, cbp.cbp_robust):
     with pytest.raises(error, match='update_clip'):
@@ -253,6 +307,24 @@ def test_degenerate_clip_fixes_the_scale_even_when_energies_overflow():
       np.testing.assert_allclose(updates['b']['w'], low, rtol=1e-6)
     else:
       assert np.all(np.isnan(updates['a']['w']))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_precondition_update_clip_warns_and_is_optax_clip_after_it(dtype):
+  params = {'w': jnp.zeros(5, dtype)}
+  grads = [{'w': (jnp.array([1.0, 0.0, -3.0, 2.0, 0.0]) * 10.0 ** -t
+                  ).astype(dtype)} for t in range(3)]
+  grads.append({'w': jnp.array([5.0, 2.0, -1.0, 0.3, 40.0], dtype)})
+  with pytest.warns(DeprecationWarning, match=r'optax.clip\(c\)'):
+    old = cbp.precondition(update_clip=0.1)
+  new = optax.chain(cbp.precondition(), optax.clip(0.1))
+  old_state, new_state = old.init(params), new.init(params)
+  for g in grads:
+    old_u, old_state = old.update(g, old_state)
+    new_u, new_state = new.update(g, new_state)
+    chex.assert_trees_all_equal(old_u, new_u)
+    chex.assert_trees_all_equal(old_state, new_state[0])
+  assert np.max(np.abs(np.asarray(new_u['w'], np.float32))) <= 0.1 + 1e-3
 
 
 ROBUST_REFERENCE = dict(damping=1e-8, relative_damping=0.0,
@@ -314,17 +386,16 @@ def test_cbp_robust_is_cbp_with_its_documented_arguments():
            for t in range(4)]
   robust = cbp.cbp_robust(1e-2, weight_decay=0.1)
   spelled = cbp.cbp(1e-2, weight_decay=0.1, damping=1e-8,
-                    relative_damping=0.0, normalized_first_step=True,
-                    update_clip=3.0, min_scale=1.0, max_scale=1.0)
+                    zero_moment='normalized', update_clip=3.0,
+                    min_scale=1.0, max_scale=1.0)
   robust_state, spelled_state = robust.init(params), spelled.init(params)
   for g in grads:
     robust_u, robust_state = robust.update(g, robust_state, params)
     spelled_u, spelled_state = spelled.update(g, spelled_state, params)
     chex.assert_trees_all_equal(robust_u, spelled_u)
   # Passing Algorithm 1's values back gives Algorithm 1, bit for bit.
-  algorithm_1 = cbp.cbp_robust(1e-2, damping=1e-3, relative_damping=0.0,
-                               normalized_first_step=False, update_clip=None,
-                               min_scale=0.1, max_scale=4.0)
+  algorithm_1 = cbp.cbp_robust(1e-2, damping=1e-3, zero_moment='damped',
+                               update_clip=None, min_scale=0.1, max_scale=4.0)
   plain = cbp.cbp(1e-2)
   a_state, p_state = algorithm_1.init(params), plain.init(params)
   for g in grads:
@@ -333,3 +404,36 @@ def test_cbp_robust_is_cbp_with_its_documented_arguments():
     chex.assert_trees_all_equal(a_u, p_u)
   with pytest.raises(TypeError, match='unexpected keyword'):
     cbp.cbp_robust(1e-2, not_an_argument=1)
+
+
+def cbp_robust_chain(learning_rate, weight_decay=None):
+  """``cbp.cbp_robust`` spelled out as an optax chain (README, docs)."""
+  return optax.chain(
+      cbp.equalize(min_scale=1.0, max_scale=1.0),
+      cbp.precondition(damping=1e-8, zero_moment='normalized'),
+      optax.clip(3.0),
+      *([] if weight_decay is None
+        else [optax.add_decayed_weights(weight_decay)]),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+@pytest.mark.parametrize('weight_decay', [None, 0.1])
+def test_cbp_robust_is_its_chain_update_for_update(weight_decay):
+  params = {'a': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)},
+            'b': {'kernel': jnp.ones((2, 2))}}
+  grads = [jax.tree.map(lambda x, t=t: jnp.cos(3 * x + t) * 10.0 ** t, params)
+           for t in range(5)]
+  robust = cbp.cbp_robust(1e-2, weight_decay=weight_decay)
+  chain = cbp_robust_chain(1e-2, weight_decay)
+  robust_state, chain_state = robust.init(params), chain.init(params)
+  chex.assert_trees_all_equal_structs(robust_state, chain_state)
+  for g in grads:
+    robust_u, robust_state = robust.update(g, robust_state, params)
+    chain_u, chain_state = chain.update(g, chain_state, params)
+    chex.assert_trees_all_equal(robust_u, chain_u)
+    chex.assert_trees_all_equal(robust_state, chain_state)
+  # The state layout: M1, M3, the clip, [the decay,] the learning rate.
+  names = [type(s).__name__ for s in robust_state]
+  assert names[:3] == ['EqualizeState', 'PreconditionState', 'EmptyState']
+  assert len(names) == (4 if weight_decay is None else 5)

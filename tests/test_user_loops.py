@@ -225,3 +225,34 @@ def test_direct_call_donates_and_compiles_once(caplog):
   assert not [r for r in caplog.records if 'Compiling' in r.getMessage()]
   assert kernel.is_deleted()  # donated to the step
   assert int(optimizer.step[...]) == 4
+
+
+def test_the_optax_transform_says_late_centering_in_no_framework_words():
+  # It said "cbp.nnx.center moved ..." and named nnx.Optimizer for any
+  # caller of the framework-free transform.
+  tx = cbp.precondition()
+  state = tx.init({'h': {'kernel': jnp.ones((2, 2)), 'bias': jnp.zeros(2)}})
+  moved = {'h': {'layer': {'kernel': jnp.ones((2, 2)),
+                           'bias': jnp.zeros(2)}}}
+  with pytest.raises(ValueError, match=(
+      "precondition: the model was centered after the optimizer was built: "
+      "centering moved 'h/bias' to 'h/layer/bias'.*Build the optimizer "
+      'after centering the model.')) as caught:
+    tx.update(moved, state)
+  assert 'nnx' not in str(caught.value)
+
+
+def test_docs_plain_linen_optax_loop_runs_and_moves_the_means():
+  """The Linen optax loop (moved from the README) runs as written, and its
+  transport moved the means off zero."""
+  page = (ROOT / 'docs/using-cbp-on-your-model.md').read_text()
+  section = page.split('## A plain optax loop (Linen)', 1)[1].split(
+      '\n## ', 1)[0]
+  blocks = re.findall(r'```python\n(.*?)```', section, re.S)
+  assert len(blocks) == 1
+  namespace = {}
+  exec(compile(blocks[0], 'docs/using-cbp-on-your-model.md', 'exec'),  # pylint: disable=exec-used
+       namespace)
+  assert np.isfinite(float(namespace['loss']))
+  means = jax.tree.leaves(namespace['centering'])
+  assert max(float(jnp.max(jnp.abs(m))) for m in means) > 0.01

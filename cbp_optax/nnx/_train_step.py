@@ -23,6 +23,12 @@ from cbp_optax.nnx._transport import _check_optimizer_state
 from cbp_optax.nnx._transport import transport
 from cbp_optax.nnx._wrapper import Centered
 
+# The NNX words of blocks.centered_after_init's message.
+_LATE_CENTERING = dict(
+    center='cbp.nnx.center',
+    remedy=('Build the optimizer (nnx.Optimizer / cbp.nnx.Optimizer) after '
+            'calling center.'))
+
 
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
@@ -65,7 +71,8 @@ class Optimizer(nnx.Optimizer):
     try:
       return super().update(model, grads, **kwargs)
     except (TypeError, ValueError) as error:
-      hint = blocks.centered_after_init(grads, nnx.state(self))
+      hint = blocks.centered_after_init(grads, nnx.state(self),
+                                        **_LATE_CENTERING)
       if hint:
         raise ValueError(f'Optimizer.update: {hint}') from error
       raise
@@ -347,7 +354,8 @@ def train_step(
       new_state, out = jitted(*jitted_args)
     except (TypeError, ValueError) as error:
       hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
-                                        nnx.state(optimizer))
+                                        nnx.state(optimizer),
+                                        **_LATE_CENTERING)
       if hint:
         raise ValueError(f'train_step: {hint}') from error
       raise

@@ -16,6 +16,15 @@ from cbp_optax import _checks
 from cbp_optax import centering as core
 from cbp_optax._stacks import resolve_stack_axes
 
+# AMBIGUOUS_STACK_REMEDY in NNX's words.
+_STACK_REMEDY = (
+    'Record where the stack axis is: create the Centered layers inside the '
+    'nnx.vmap / nnx.scan with transform_metadata={nnx.PARTITION_NAME: '
+    "'layers'} (their means then track the axis), or wrap a layer stacked "
+    'beforehand with cbp.nnx.Centered(layer, stack_axes=...) (the kernel '
+    'axes that are stack axes) before cbp.nnx.center.'
+)
+
 
 
 class _StackTracked(nnx.BatchStat):
@@ -140,7 +149,7 @@ def _stacked_shape(
           f'{spec.kernel_shape} stacked along any of the axes {placements}; '
           'the shapes cannot tell which (a stack as long as a feature size), '
           'and a wrong guess would change the function at the first '
-          'transport. ' + core.AMBIGUOUS_STACK_REMEDY))
+          'transport. ' + _STACK_REMEDY))
   shape = list(spec.mean_shape)
   for axis in axes:
     shape.insert(min(axis, len(shape)), kernel_shape[axis])
@@ -303,17 +312,23 @@ class Centered(nnx.Module):
     with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
     """
     residual = getattr(self, 'bias_residual', None)
-    moved = core.transport(
-        self.spec,
-        self.layer.kernel[...],
-        self.layer.bias[...],
-        self.mean[...],
-        self.batch_mean[...],
-        mean_decay,
-        mask=getattr(self.layer, 'mask', None),
-        mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
-        residual=None if residual is None else residual[...],
-    )
+    try:
+      moved = core.transport(
+          self.spec,
+          self.layer.kernel[...],
+          self.layer.bias[...],
+          self.mean[...],
+          self.batch_mean[...],
+          mean_decay,
+          mask=getattr(self.layer, 'mask', None),
+          mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
+          residual=None if residual is None else residual[...],
+      )
+    except ValueError as error:
+      if core.AMBIGUOUS_STACK_REMEDY not in str(error):
+        raise
+      raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
+                                          _STACK_REMEDY)) from error
     self.layer.bias[...] = moved[0]
     self.mean[...] = moved[1]
     if residual is not None:

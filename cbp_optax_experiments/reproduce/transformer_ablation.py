@@ -17,7 +17,7 @@ except "former cbp_transformer, not centered", the optimizer side alone):
 * CBP (Algorithm 1): ``cbp.cbp`` with its defaults.
 * + small damping: ``damping=1e-8`` alone (Adam's epsilon, no relative term).
 * + relative damping: ``damping=1e-8, relative_damping=0.03``.
-* + zero-moment identity: ``zero_moment_identity=True``.
+* + zero-moment identity: ``zero_moment='identity'``.
 * + kernel blocks: ``block_fn=cbp.kernel_blocks`` (M1 on matrices only).
 * + M1 off: ``block_fn=cbp.no_blocks`` (S_t = I).
 * former cbp_transformer: the combination (small damping, relative damping,
@@ -93,7 +93,7 @@ CANDIDATES = (
     _cbp('+ small damping', damping=1e-8, grid=(3e-3, 1e-2, 3e-2)),
     _cbp('+ relative damping', damping=1e-8, relative_damping=0.03,
          grid=(3e-3, 1e-2, 3e-2)),
-    _cbp('+ zero-moment identity', zero_moment_identity=True),
+    _cbp('+ zero-moment identity', zero_moment='identity'),
     _cbp('+ kernel blocks', block_fn=cbp.kernel_blocks),
     _cbp('+ M1 off', block_fn=cbp.no_blocks),
     _cbp('former cbp_transformer', grid=(3e-3, 1e-2, 3e-2),
@@ -111,7 +111,7 @@ def make_tx(candidate: Candidate, model, steps: int):
     base = optax.adamw(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask)
   else:
     kwargs = dict(candidate.cbp_kwargs)
-    factory = cbp.cbp
+    factory = configurations.cbp_study  # cbp.cbp, with relative_damping
     if kwargs.pop('robust_alias', False):
       factory = cbp.cbp_robust
     base = factory(lr, weight_decay=lm.WEIGHT_DECAY, mask=lm.decay_mask,
@@ -343,7 +343,7 @@ def plot_curves(seed_runs, path):
 def paper_arms() -> list[training.Method]:
   """Adam, the paper's full CBP, and each candidate on the centered MLP."""
   def variant(**kwargs):
-    return lambda lr: cbp.cbp(lr, **kwargs)
+    return lambda lr: configurations.cbp_study(lr, **kwargs)
   return [
       training.Method('Adam', optax.adam),
       training.Method('CBP (full)', cbp.cbp, centered=True,
@@ -353,7 +353,7 @@ def paper_arms() -> list[training.Method]:
       training.Method('+ M1 off', variant(block_fn=cbp.no_blocks),
                       centered=True),
       training.Method('+ zero-moment identity', variant(
-          zero_moment_identity=True), centered=True),
+          zero_moment='identity'), centered=True),
       training.Method('former cbp_transformer', variant(
           **configurations.TRANSFORMER_COMBINATION), centered=True),
   ]

@@ -177,9 +177,9 @@ def _cbp(lr, ctx):
 
 def _former_cbp_transformer(lr, ctx):
   """What ``cbp.cbp_transformer`` was before it became ``cbp_robust``."""
-  return cbp.cbp(ctx.schedule(lr), **configurations.TRANSFORMER_COMBINATION,
-                 weight_decay=WEIGHT_DECAY, mask=decay_mask,
-                 stacked=ctx.stacked)
+  return configurations.cbp_study(
+      ctx.schedule(lr), **configurations.TRANSFORMER_COMBINATION,
+      weight_decay=WEIGHT_DECAY, mask=decay_mask, stacked=ctx.stacked)
 
 
 def _with_supported(factory, lr, ctx):

@@ -109,7 +109,7 @@ CHOSEN_ON: tuple[Choice, ...] = (
            'init-scale grid (no divergence at depth 30): the studies of '
            'which deep-mlp and init-scale-4 are the suite\'s copies; commit '
            'bc058b0'),
-    Choice('cbp_optax.cbp_robust normalized_first_step=True', DEV,
+    Choice("cbp_optax.cbp_robust zero_moment='normalized'", DEV,
            ('init-scale-4',),
            'init-scale grid: Algorithm 1 diverged in 20 of 30 cells; commit '
            '22a60c6'),
