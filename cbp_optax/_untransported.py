@@ -118,14 +118,24 @@ def _pass_through(framework: str):
     return lax.cond(jnp.any(crossed), warn, lambda count: count, count)
 
   @pass_through.def_vmap
-  def _rule(axis_size, in_batched, crossed, count):
+  def _vmap(axis_size, in_batched, crossed, count):
     # Once over the whole batch: a batched predicate would turn the cond
     # into a select, which calls back at every call.
     if not in_batched[1]:
       count = jnp.broadcast_to(count, (axis_size,) + count.shape)
     return pass_through(crossed, count), True
 
-  return pass_through
+  # The identity to differentiation (a pure_callback has no JVP), for
+  # gradients taken with respect to every variable collection.
+  @jax.custom_jvp
+  def differentiable(crossed: jax.Array, count: jax.Array) -> jax.Array:
+    return pass_through(crossed, count)
+
+  @differentiable.defjvp
+  def _jvp(primals, tangents):
+    return differentiable(*primals), tangents[1]
+
+  return differentiable
 
 
 def check(before: jax.Array, after: jax.Array, positions: int,

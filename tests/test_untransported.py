@@ -217,3 +217,18 @@ def test_ignoring_the_warning_removes_the_check_so_export_works():
     warnings.filterwarnings('ignore', category=UntransportedWarning)
     exported = jax.export.export(jax.jit(unchecked))(state, x)
   chex.assert_trees_all_equal(exported.call(state, x), forward(state, x))
+
+
+def test_gradients_may_be_taken_with_respect_to_every_collection():
+  """A pure_callback has no JVP: the check is the identity to it."""
+  model = cbp.linen.center(LinenNet())
+  x, y = batch()
+  variables = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables):
+    logits, changed = model.apply(variables, x, mutable=['centering'])
+    return loss_of(logits, y), changed
+
+  grads, changed = jax.jit(jax.grad(loss_fn, has_aux=True))(variables)
+  chex.assert_trees_all_equal_structs(grads, variables)
+  assert float(changed['centering']['Dense_0']['batch_count'][0]) == 16.0
