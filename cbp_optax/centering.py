@@ -73,6 +73,7 @@ from cbp_optax._stacks import stack_axes_placements
 from cbp_optax._bias_shift import bias_shift
 from cbp_optax._bias_shift import needs_bias_residual
 from cbp_optax._bias_shift import shift_bias
+from cbp_optax._untransported import UntransportedWarning
 
 
 __all__ = [
@@ -113,6 +114,7 @@ __all__ = [
     'transport',
     'UnclassifiedStateError',
     'unsupported_layer_error',
+    'UntransportedWarning',
     'Where',
 ]
 

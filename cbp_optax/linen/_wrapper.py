@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
+from cbp_optax import _untransported
 from cbp_optax import centering as core
 
 
@@ -157,8 +158,11 @@ def _centered_call(
     if count is None:
       recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
     else:
-      recorded.value, count.value = core.record_mean(
-          inputs, spec, recorded.value, count.value, axis_name)
+      before = count.value
+      recorded.value, after = core.record_mean(
+          inputs, spec, recorded.value, before, axis_name)
+      count.value = _untransported.check(
+          before, after, core.input_count(inputs, spec), 'linen')
 
   def kernel():
     value = kernel_of()
@@ -187,7 +191,8 @@ class Centered(nn.Module):
   does, after the update. A layer called several times in one ``apply`` (an
   unrolled recurrent cell) records the mean over all its calls, each
   weighted by the positions it saw (``'centering'/'batch_count'``, which
-  the transport sets back to zero). A convolution is centered after its
+  the transport sets back to zero; 1,000 calls' worth without a transport
+  warns once, :class:`cbp_optax.centering.UntransportedWarning`). A convolution is centered after its
   padding and runs as the plain layer minus ``(sum over the window of W) .
   mu``; a conv ``mask`` is kept in ``'centering'/'kernel_mask'`` for the
   transport.

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cbp_optax import _checks
+from cbp_optax import _untransported
 from cbp_optax import centering as core
 from cbp_optax._stacks import resolve_stack_axes
 
@@ -170,7 +171,8 @@ class Centered(nnx.Module):
   several times before the transport (an unrolled recurrent cell, one layer
   applied twice) records the mean over all those calls, each weighted by the
   positions it saw (``batch_count`` counts them; the transport sets it back
-  to zero). ``model.eval()`` (or ``nnx.view(model,
+  to zero; a layer that counts 1,000 calls without a transport warns once,
+  :class:`cbp_optax.centering.UntransportedWarning`). ``model.eval()`` (or ``nnx.view(model,
   use_running_average=True)``) stops the recording; ``model.train()``
   resumes it; ``use_running_average`` may also be passed to the call. Other
   keyword arguments (e.g. ``out_sharding``) go to the layer.
@@ -267,9 +269,11 @@ class Centered(nnx.Module):
     if use_running_average is None:
       use_running_average = self.use_running_average
     if not use_running_average:
-      self.batch_mean[...], self.batch_count[...] = core.record_mean(
-          inputs, self.spec, self.batch_mean[...], self.batch_count[...],
-          self.axis_name)
+      before = self.batch_count[...]
+      self.batch_mean[...], after = core.record_mean(
+          inputs, self.spec, self.batch_mean[...], before, self.axis_name)
+      self.batch_count[...] = _untransported.check(
+          before, after, core.input_count(inputs, self.spec), 'nnx')
     return core.centered_output(
         self.spec,
         lambda x: self.layer(x, *args, **kwargs),

@@ -1,10 +1,11 @@
 """External tuning in miniature: grid, tuning seed, evaluation seeds, cost.
 
-Per (workload, arm): one compiled chunk of ``eval_every`` steps (a
-``lax.scan``, or a compiled step called ``eval_every`` times where the
-workload's ``scan_steps`` is False; the seed and the peak learning rate are
-traced arguments, so the whole grid and every seed reuse it), plus compiled
-init and evaluation. The arm's rate is chosen from the workload's grid on the
+Per (workload, arm): one compiled chunk of ``eval_every`` steps of the
+library's fused step (``cbp.linen.train_step`` / ``cbp.nnx.train_step``,
+traced in; a ``lax.scan``, or a compiled step called ``eval_every`` times
+where the workload's ``scan_steps`` is False; the seed and the peak learning
+rate are traced arguments, so the whole grid and every seed reuse it), plus
+compiled init and evaluation. The arm's rate is chosen from the workload's grid on the
 tuning seed (fastest to the target, then best metric; rates on which the
 tuning run diverged are discarded); a choice at an edge of the grid extends
 it once by a factor 3 in that direction. The chosen rate then runs on the
@@ -71,20 +72,20 @@ def step_keys(data_key, dropout_key, index):
           jax.random.fold_in(dropout_key, index))
 
 
-def make_step(task: definitions.Task, centered: bool,
-              tx: optax.GradientTransformation, data_key, dropout_key):
-  """``step((params, state, opt_state), index) -> (carry, loss)``; a
-  ``centered`` task is transported after each update."""
+def make_step(task: definitions.Task, tx: optax.GradientTransformation,
+              data_key, dropout_key):
+  """``step((params, state, opt_state), index) -> (carry, loss)``: the
+  library's fused step (update, and transport for a centered model).
+
+  A step it skipped (a non-finite loss, gradient or statistic) reports a NaN
+  loss, so that the run counts as diverged (``diverged``), as it did when
+  the non-finite update went through."""
+  fused = task.step(tx)
+
   def step(carry, index):
-    params, state, opt_state = carry
     batch_key, drop_key = step_keys(data_key, dropout_key, index)
-    (loss, state), grads = jax.value_and_grad(task.loss, has_aux=True)(
-        params, state, batch_key, drop_key)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    if centered:
-      params, state, opt_state = task.transport(params, state, opt_state)
-    return (params, state, opt_state), loss
+    carry, out = fused(*carry, batch_key, drop_key)
+    return carry, jnp.where(out.skipped, jnp.nan, out.loss)
   return step
 
 
@@ -141,8 +142,7 @@ def make_runner(task: definitions.Task, arm: arms_lib.Arm,
 
   def seeded_step(seed, lr):
     _, data_key, dropout_key = seed_keys(seed)
-    return make_step(task, arm.centers(workload), arm.make(lr, ctx),
-                     data_key, dropout_key)
+    return make_step(task, arm.make(lr, ctx), data_key, dropout_key)
 
   if workload.scan_steps:
     def scanned(carry, c, seed, lr):

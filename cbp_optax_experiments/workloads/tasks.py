@@ -1,10 +1,12 @@
 """What a workload is: a ``Workload`` (budget, grid, family) building a ``Task``.
 
 A ``Task`` is pure functions of (parameters, model state) that the protocol
-scans over steps inside one ``jax.jit``. Every random choice comes from the
-run's seed: ``init(key)`` the initialization, ``loss(..., batch_key,
-dropout_key)`` the minibatch and the dropout masks, so two arms run with the
-same seed see the same initialization, batches and dropout.
+scans over steps inside one ``jax.jit``; its ``step`` is the library's own
+fused step (``cbp.linen.train_step``, ``cbp.nnx.train_step``), traced into
+the scan, so the suite measures what a user runs. Every random choice comes
+from the run's seed: ``init(key)`` the initialization, ``loss(...,
+batch_key, dropout_key)`` the minibatch and the dropout masks, so two arms
+run with the same seed see the same initialization, batches and dropout.
 
 ``linen_task`` and ``nnx_task`` turn a Flax model, its data and its loss into
 a ``Task``; the workloads (``definitions``, ``families``) are written with
@@ -43,11 +45,12 @@ class Task(NamedTuple):
       variables (centering means, batch statistics), possibly empty.
     loss: ``loss(params, state, batch_key, dropout_key) -> (loss, state)``,
       the training-mode minibatch loss and the updated state.
-    transport: ``transport(params, state, opt_state) -> (params, state,
-      opt_state)``: M2's mean refresh and bias transport (Algorithm 1, steps
-      10-11) of a centered model, moving the optimizer state's copies of the
-      parameters (schedule-free's ``z``) with the biases; never called for a
-      plain one.
+    step: ``step(tx)(params, state, opt_state, batch_key, dropout_key) ->
+      ((params, state, opt_state), cbp_optax StepOutput)``: the library's
+      fused train step with ``tx``: forward and backward of ``loss``, the
+      update and, for a centered model, M2's mean refresh and bias transport
+      (Algorithm 1, steps 10-11, moving the optimizer state's copies of the
+      parameters too); a non-finite batch is skipped (``skipped``).
     evaluate: ``evaluate(params, state) -> metric`` in evaluation mode.
     batch: ``batch(batch_key)``: the minibatch a step with that key sees.
     stacked: ``stacked=`` argument for ``cbp.cbp`` (layer-stacked leaves), or
@@ -56,7 +59,7 @@ class Task(NamedTuple):
   """
   init: Callable[[jax.Array], tuple[Any, Any]]
   loss: Callable[..., tuple[jax.Array, Any]]
-  transport: Callable[[Any, Any, Any], tuple[Any, Any, Any]]
+  step: Callable[[optax.GradientTransformation], Callable[..., Any]]
   evaluate: Callable[[Any, Any], jax.Array]
   batch: Callable[[jax.Array], Any]
   stacked: Any = None
@@ -216,16 +219,29 @@ def linen_model_task(
     value = loss_of(forward, batch(batch_key))
     return value, {**state, **updated}
 
-  def transport(params, state, opt_state):
-    params, centering, opt_state = cbp.linen.transport(
-        params, state['centering'], training.RHO, opt_state=opt_state)
-    return params, {**state, 'centering': centering}, opt_state
+  def step(tx):
+    fused = cbp.linen.train_step(
+        lambda apply, index: loss_of(lambda x: apply(x, train=True), index),
+        mean_decay=training.RHO, donate=False)
+
+    def run(params, state, opt_state, batch_key, dropout_key):
+      del dropout_key  # no dropout in these models
+      centering = cbp.linen.COLLECTION
+      train_state = cbp.linen.TrainState(
+          step=0, apply_fn=model.apply, params=params, tx=tx,
+          opt_state=opt_state, centering=state.get(centering, {}),
+          model_state={k: v for k, v in state.items() if k != centering})
+      train_state, out = fused(train_state, batch(batch_key))
+      state = {k: train_state.centering if k == centering
+               else train_state.model_state[k] for k in state}
+      return (train_state.params, state, train_state.opt_state), out
+    return run
 
   def evaluate(params, state):
     return metric_of(lambda x: model.apply({'params': params, **state}, x,
                                            train=False))
 
-  return Task(init, loss, transport, evaluate, batch, muon_dims=muon_dims)
+  return Task(init, loss, step, evaluate, batch, muon_dims=muon_dims)
 
 
 def linen_task(model: nn.Module, data: training.Dataset, batch_size: int,
@@ -295,14 +311,24 @@ def nnx_task(make_model: Callable[[nnx.Rngs], nnx.Module], centered: bool,
     value = loss_fn(model, batch(batch_key), nnx.Rngs(dropout=dropout_key))
     return value, split(model)[1]
 
-  def transport(params, rest, opt_state):
-    model = nnx.merge(graphdef, params, rest)
-    opt_state = cbp.nnx.transport(model, training.RHO, opt_state=opt_state)
-    return *split(model), opt_state
+  def step(tx):
+    fused = cbp.nnx.train_step(
+        lambda model, index, dropout_key: loss_fn(
+            model, index, nnx.Rngs(dropout=dropout_key)),
+        mean_decay=training.RHO, donate=False)
+
+    def run(params, rest, opt_state, batch_key, dropout_key):
+      model = nnx.merge(graphdef, params, rest)
+      # The carried state in an optimizer (its own init is dead code).
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      nnx.update(optimizer.opt_state, nnx.state(opt_state))
+      out = fused(model, optimizer, batch(batch_key), dropout_key)
+      return (*split(model), nnx.as_pure(optimizer.opt_state)), out
+    return run
 
   def evaluate(params, rest):
     model = nnx.merge(graphdef, params, rest)
     model.eval()
     return metric(model)
 
-  return Task(init, loss, transport, evaluate, batch, stacked, muon_dims)
+  return Task(init, loss, step, evaluate, batch, stacked, muon_dims)

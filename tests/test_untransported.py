@@ -1,0 +1,234 @@
+"""A centered model trained without a transport warns once, naming the fix."""
+
+import warnings
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import cbp_optax as cbp
+from cbp_optax import _untransported
+from cbp_optax.centering import UntransportedWarning
+
+CALLS = 5  # the threshold, lowered so that a test runs a few steps only
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+  monkeypatch.setattr(_untransported, 'CALLS', CALLS)
+  monkeypatch.setattr(_untransported, '_warned', set())
+
+
+def batch():
+  x = jax.random.normal(jax.random.key(1), (16, 6)) + 1.0
+  return x, jnp.arange(16) % 4
+
+
+def loss_of(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class NnxNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(6, 8, rngs=rngs)
+    self.out = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+class LinenNet(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.relu(nn.Dense(8)(x))
+    return nn.Dense(4)(x)
+
+
+def nnx_pair(tx=None):
+  model = NnxNet(nnx.Rngs(0))
+  cbp.nnx.center(model)
+  return model, nnx.Optimizer(model, tx or optax.adam(1e-2), wrt=nnx.Param)
+
+
+def nnx_user_loop(steps, *, transport):
+  model, optimizer = nnx_pair()
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
+    optimizer.update(model, grads)
+    if transport:
+      cbp.nnx.transport(model, optimizer=optimizer)
+    return loss
+
+  x, y = batch()
+  for _ in range(steps):
+    train_step(model, optimizer, x, y)
+  jax.effects_barrier()
+  return model
+
+
+def linen_user_loop(steps, *, transport):
+  model = cbp.linen.center(LinenNet())
+  x, y = batch()
+  variables = model.init(jax.random.key(0), x)
+  tx = optax.adam(1e-2)
+  params, centering = variables['params'], variables['centering']
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def train_step(params, centering, opt_state, x, y):
+    def loss_fn(p):
+      logits, changed = model.apply({'params': p, 'centering': centering}, x,
+                                    mutable=['centering'])
+      return loss_of(logits, y), changed['centering']
+    (loss, centering), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if transport:
+      params, centering, opt_state = cbp.linen.transport(
+          params, centering, opt_state=opt_state)
+    return params, centering, opt_state, loss
+
+  for _ in range(steps):
+    params, centering, opt_state, _ = train_step(
+        params, centering, opt_state, x, y)
+  jax.effects_barrier()
+  return params, centering
+
+
+def test_nnx_step_without_transport_warns_once_with_the_fix():
+  with pytest.warns(UntransportedWarning) as record:
+    nnx_user_loop(3 * CALLS, transport=False)
+  assert len(record) == 1
+  text = str(record[0].message)
+  assert 'cbp.nnx.transport(model, optimizer=optimizer)' in text
+  assert 'cbp.nnx.train_step' in text
+
+
+def test_nnx_warns_at_the_threshold_not_before():
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    nnx_user_loop(CALLS - 1, transport=False)
+  with pytest.warns(UntransportedWarning):
+    nnx_user_loop(CALLS, transport=False)
+
+
+def test_linen_step_without_transport_warns_once_with_the_fix():
+  with pytest.warns(UntransportedWarning) as record:
+    linen_user_loop(3 * CALLS, transport=False)
+  assert len(record) == 1
+  text = str(record[0].message)
+  assert 'cbp.linen.transport(' in text and 'cbp.linen.train_step' in text
+
+
+@pytest.mark.parametrize('loop', [nnx_user_loop, linen_user_loop])
+def test_loops_that_transport_never_warn(loop):
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    loop(3 * CALLS, transport=True)
+
+
+def test_fused_steps_never_warn():
+  x, y = batch()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    model, _ = nnx_pair()
+    optimizer = cbp.nnx.Optimizer(model, cbp.cbp(1e-2))
+    step = cbp.nnx.train_step(lambda m, x, y: loss_of(m(x), y))
+    for _ in range(3 * CALLS):
+      step(model, optimizer, x, y)
+    linen_model = cbp.linen.center(LinenNet())
+    variables = linen_model.init(jax.random.key(0), x)
+    state = cbp.linen.TrainState.create(
+        apply_fn=linen_model.apply, params=variables['params'],
+        centering=variables['centering'], tx=cbp.cbp(1e-2))
+    linen_step = cbp.linen.train_step(
+        lambda apply, x, y: loss_of(apply(x), y))
+    for _ in range(3 * CALLS):
+      state, _ = linen_step(state, x, y)
+    jax.effects_barrier()
+
+
+def test_evaluation_records_nothing_and_never_warns():
+  model, _ = nnx_pair()
+  model.eval()
+  forward = nnx.jit(lambda m, x: m(x))
+  x, _ = batch()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    for _ in range(3 * CALLS):
+      forward(model, x)
+    jax.effects_barrier()
+
+
+def test_the_check_changes_no_number(monkeypatch):
+  """The same loop with the check left out of the program: bit-equal."""
+  with pytest.warns(UntransportedWarning):
+    checked = nnx_user_loop(2 * CALLS, transport=False)
+  monkeypatch.setattr(_untransported, '_ignored', lambda framework: True)
+  unchecked = nnx_user_loop(2 * CALLS, transport=False)
+  chex.assert_trees_all_equal(nnx.state(checked), nnx.state(unchecked))
+
+
+def test_a_batched_count_warns_once_not_every_call(monkeypatch):
+  """Under ``vmap`` the predicate is batched; a plain ``cond`` would become
+  a select and call back at every step."""
+  calls = []
+  monkeypatch.setattr(_untransported, '_warn_once', calls.append)
+  _untransported._pass_through.cache_clear()
+
+  @jax.jit
+  def step(counts):
+    def one(count):
+      return _untransported.check(count, count + 16.0, 16, 'nnx')
+    return jax.vmap(jax.vmap(one))(counts)
+
+  counts = jnp.zeros((2, 3, 1))
+  for _ in range(3 * CALLS):
+    counts = step(counts)
+  chex.assert_trees_all_equal(counts, jnp.full((2, 3, 1), 48.0 * CALLS))
+  jax.effects_barrier()
+  _untransported._pass_through.cache_clear()
+  assert calls == ['nnx']
+
+
+def test_ignoring_the_warning_removes_the_check_so_export_works():
+  model, _ = nnx_pair()
+  graphdef, state = nnx.split(model)
+  x, _ = batch()
+
+  def forward(state, x):
+    m = nnx.merge(graphdef, state)
+    return m(x), nnx.state(m)
+
+  with pytest.raises(NotImplementedError, match='host_callbacks'):
+    jax.export.export(jax.jit(forward))(state, x)
+  # A new function: jit caches a trace, with or without the check, by it.
+  unchecked = lambda state, x: forward(state, x)  # pylint: disable=unnecessary-lambda
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', category=UntransportedWarning)
+    exported = jax.export.export(jax.jit(unchecked))(state, x)
+  chex.assert_trees_all_equal(exported.call(state, x), forward(state, x))
+
+
+def test_gradients_may_be_taken_with_respect_to_every_collection():
+  """A pure_callback has no JVP: the check is the identity to it."""
+  model = cbp.linen.center(LinenNet())
+  x, y = batch()
+  variables = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables):
+    logits, changed = model.apply(variables, x, mutable=['centering'])
+    return loss_of(logits, y), changed
+
+  grads, changed = jax.jit(jax.grad(loss_fn, has_aux=True))(variables)
+  chex.assert_trees_all_equal_structs(grads, variables)
+  assert float(changed['centering']['Dense_0']['batch_count'][0]) == 16.0
