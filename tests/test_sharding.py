@@ -343,8 +343,10 @@ def check_shardings_kept(run: Run, layout: str) -> None:
         jax.tree_util.keystr(path), after.sharding, before)
   # M1's state is one energy per block: small and replicated, whatever the
   # parameters' layout (one block per centered layer, each of which holds a
-  # mean and a recorded mean).
-  assert run.energy.shape == (len(jax.tree.leaves(run.means)) // 2,)
+  # mean, a recorded mean and the count of positions recorded).
+  layers = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+      run.means)[0] if 'batch_count' in jax.tree_util.keystr(path)]
+  assert run.energy.shape == (len(layers),)
   assert run.energy.sharding.is_fully_replicated
   if layout == 'fsdp8':
     # FSDP really sharded the kernels and both of their moments.
