@@ -63,17 +63,20 @@ def batch_for(arch: models.Arch, quick: bool) -> int:
 
 # ------------------------------------------------------------------ rows
 
-# name -> make(stacked) -> optax transform; ``stacked`` is the NNX stack
-# predicate of the model (M1's per-layer slices), None for other optimizers
-# and models without stacks.
-OPTIMIZERS: dict[str, Callable[[Any], optax.GradientTransformation]] = {
-    'adamw': lambda stacked: optax.adamw(LEARNING_RATE),
-    'cbp': lambda stacked: cbp.cbp(LEARNING_RATE, stacked=stacked),
-    'cbp_robust': lambda stacked: cbp.cbp_robust(LEARNING_RATE,
-                                                 stacked=stacked),
-    # The recommended recipe of issue 31 goes here when it lands, e.g.
-    # 'recommended': lambda stacked: cbp.recommended(LEARNING_RATE),
-    # with a Row below (centered=True, path 'direct' and 'nested').
+# name -> make(stacked, dims) -> optax transform; ``stacked`` is the NNX
+# stack predicate of the model (M1's per-layer slices), None for other
+# optimizers and models without stacks; ``dims`` is Muon's weight dimension
+# numbers for the model (``cbp.nnx.muon_dimension_numbers``, the Linen one),
+# None for optax's default (every 2-D leaf a matrix).
+OPTIMIZERS: dict[str, Callable[[Any, Any], optax.GradientTransformation]] = {
+    'adamw': lambda stacked, dims: optax.adamw(LEARNING_RATE),
+    'cbp': lambda stacked, dims: cbp.cbp(LEARNING_RATE, stacked=stacked),
+    'cbp_robust': lambda stacked, dims: cbp.cbp_robust(LEARNING_RATE,
+                                                       stacked=stacked),
+    # The recommended recipe (issue 31): Muon with consistent RMS, for the
+    # centered model.
+    'recommended': lambda stacked, dims: cbp.recommended(
+        LEARNING_RATE, dimension_numbers=dims),
 }
 
 
@@ -108,6 +111,8 @@ ROWS: tuple[Row, ...] = (
     Row('cbp fused, centered', 'cbp', True, 'direct'),
     Row('cbp_robust fused, centered', 'cbp_robust', True, 'direct'),
     Row('cbp_robust nested, centered', 'cbp_robust', True, 'nested'),
+    Row('recommended fused, centered', 'recommended', True, 'direct'),
+    Row('recommended nested, centered', 'recommended', True, 'nested'),
 )
 # Issue 32's targets, on the fused/baseline ratio of the optimizers below.
 TARGET_OPTIMIZERS = ('cbp', 'cbp_robust')
@@ -159,7 +164,8 @@ def nnx_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
   # inside their vmap, where center can tell the stack axis).
   model = models.nnx_model(arch, centered=row.centered)
   stacked = models.stacked_for(arch, model) if row.centered else None
-  tx = OPTIMIZERS[row.optimizer](stacked)
+  tx = OPTIMIZERS[row.optimizer](stacked,
+                                 cbp.nnx.muon_dimension_numbers(model))
 
   def loss_fn(model, x, y):
     return cross_entropy(model(x), y)
@@ -204,7 +210,8 @@ def linen_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
   if row.centered:
     module = cbp.linen.center(module)
   variables = module.init(jax.random.key(0), x)
-  tx = OPTIMIZERS[row.optimizer](None)
+  tx = OPTIMIZERS[row.optimizer](None, cbp.linen.muon_dimension_numbers(
+      variables['params'], variables.get('centering', {})))
   holder: dict[str, Any] = {}
 
   if row.path == 'user':
@@ -419,7 +426,8 @@ def run_compile(leaf_counts: Sequence[int], rounds: Optional[int] = None,
     for r in range(n_rounds):
       shift = r % len(optimizers)
       for name in list(optimizers[shift:]) + list(optimizers[:shift]):
-        seconds[name].append(compile_update(OPTIMIZERS[name](None), params))
+        seconds[name].append(compile_update(OPTIMIZERS[name](None, None),
+                                          params))
     row = {'leaves': n, 'rounds': n_rounds, 'optimizers': {}}
     for name, runs in seconds.items():
       entry = {}

@@ -147,39 +147,90 @@ def _group_scales(
     count: chex.Array,
     min_scale: chex.Numeric,
     max_scale: chex.Numeric,
-) -> tuple[chex.Array, ...]:
+) -> tuple[Optional[chex.Array], ...]:
   """:func:`block_scales`, split into one array per group of leaves.
 
-  Step 1 (``s_l = 1``) is a branch rather than a select, and the split happens
-  inside it. That matters for compile time: a slice of the scale vector fused
-  into a per-leaf kernel makes the kernel unique (it embeds the slice offset),
-  and XLA compiles every unique kernel separately, which took minutes for
-  thousands of leaves. Out of the branch each group's scale is its own small
-  buffer, so the parameter-sized kernels that read it are identical for
-  same-shaped leaves and XLA compiles each shape once.
+  The split is for compile time. XLA compiles every distinct kernel on its
+  own (about 10-20 ms each on a CPU), and identical kernels once. A slice of
+  the scale vector fused into a per-leaf kernel makes that kernel distinct
+  (it embeds the slice offset); so does a slice of its own. Here each group's
+  scale becomes its own small buffer, so the parameter-sized kernels that
+  read it are identical for same-shaped leaves, and the buffers come out of
+  a few multi-output reductions (:func:`_split`) rather than one distinct
+  slice kernel per block. The values are the scales, bit for bit.
+
+  Equal concrete bounds (``cbp_robust``'s ``min_scale=max_scale=1``) clip
+  every block to the same scale (``_equalizing_scales``), so all groups share
+  one scalar and nothing is split; a scale that is one at every step is None
+  (the leaves are left unmultiplied, which is exact).
   """
   if not layout.groups:
     return ()
+  low = _checks.concrete_float(min_scale)
+  if low is not None and low == _checks.concrete_float(max_scale):
+    if low == 1.0:
+      return (None,) * len(layout.groups)
+    shared = jnp.where(count > 0, jnp.asarray(min_scale, energy.dtype),
+                       jnp.ones((), energy.dtype))
+    return tuple(shared if stack is None else jnp.broadcast_to(shared, (stack,))
+                 for stack in layout.group_stacks)
+  scales = block_scales(energy, count, min_scale, max_scale)
+  return _split(scales, layout.group_starts, layout.group_stacks)
 
-  def split(scales):
-    return tuple(
-        scales[start] if stack is None else scales[start:start + stack]
-        for start, stack in zip(layout.group_starts, layout.group_stacks)
-    )
 
-  return jax.lax.cond(
-      count > 0,
-      lambda q: split(_equalizing_scales(q, min_scale, max_scale)),
-      lambda q: split(jnp.ones_like(q)),
-      energy,
-  )
+# Groups per multi-output reduction of _split: each reduction is one kernel
+# (distinct: it embeds its offsets); its compile time per output grows with
+# its number of outputs past a few dozen.
+_SPLIT_CHUNK = 32
+
+
+def _split(
+    vector: chex.Array,
+    starts: Sequence[int],
+    stacks: Sequence[Optional[int]],
+) -> tuple[chex.Array, ...]:
+  """``vector[start]`` (or ``vector[start:start + stack]``) for each group.
+
+  Written as variadic ``lax.reduce`` calls over up to :data:`_SPLIT_CHUNK`
+  groups of one stack size each: ``vector`` is paired with ``-0.0`` (a
+  ``(n, 2)`` array), and output ``k`` adds up the rows of its slice. ``x +
+  (-0.0)`` is ``x`` for every float (signed zeros, infinities and NaN
+  included), so each output is its slice exactly; XLA compiles a reduction
+  with many outputs as one kernel, where as many slices are as many kernels.
+  """
+  out: list[Optional[chex.Array]] = [None] * len(starts)
+  by_stack: dict[Optional[int], list[int]] = {}
+  for i, stack in enumerate(stacks):
+    by_stack.setdefault(stack, []).append(i)
+  minus_zero = jnp.asarray(-0.0, vector.dtype)
+  pairs = jnp.stack([vector, jnp.full_like(vector, minus_zero)], axis=1)
+
+  def add(xs, ys):
+    return tuple(x + y for x, y in zip(xs, ys))
+
+  for stack, members in by_stack.items():
+    width = 1 if stack is None else stack
+    for first in range(0, len(members), _SPLIT_CHUNK):
+      chunk = members[first:first + _SPLIT_CHUNK]
+      if stack is None:  # rows (2,) -> scalars
+        operands = tuple(pairs[starts[i]] for i in chunk)
+      else:  # (width, 2) -> (width,)
+        operands = tuple(
+            jax.lax.slice_in_dim(pairs, starts[i], starts[i] + width)
+            for i in chunk)
+      reduced = jax.lax.reduce(operands, (minus_zero,) * len(chunk), add,
+                               (operands[0].ndim - 1,))
+      for i, value in zip(chunk, reduced):
+        out[i] = value
+  return tuple(out)
 
 
 def _scale_leaves(
     layout: BlockLayout,
     leaves: Sequence[chex.Array],
-    group_scales: Sequence[chex.Array],
+    group_scales: Sequence[Optional[chex.Array]],
     out_dtypes: Sequence[Any],
+    stats_dtype: Any,
 ) -> list[chex.Array]:
   scaled: list[Optional[chex.Array]] = [None] * len(leaves)
   for leaf_ids, stack, scale in zip(
@@ -187,6 +238,9 @@ def _scale_leaves(
   ):
     for i in leaf_ids:
       leaf = leaves[i]
+      if scale is None:  # s = 1 at every step: x * 1 is x
+        scaled[i] = leaf.astype(stats_dtype).astype(out_dtypes[i])
+        continue
       leaf_scale = scale
       if stack is not None:
         leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
@@ -346,7 +400,8 @@ def equalize(
     )
     energies = block_energies(layout, leaves, state.energy.dtype)
     energy = decay * state.energy + (1 - decay) * energies
-    scaled = _scale_leaves(layout, leaves, scales, out_dtypes)
+    scaled = _scale_leaves(layout, leaves, scales, out_dtypes,
+                           state.energy.dtype)
     new_state = EqualizeState(
         count=optax.safe_increment(state.count),
         energy=energy.astype(state.energy.dtype),

@@ -228,6 +228,22 @@ class _Rules(NamedTuple):
   update_clip: Optional[float]  # deprecated: optax.clip after the transform
 
 
+def _same_kind(a: chex.Array, b: chex.Array) -> bool:
+  """Arrays of one shape and one (strong) dtype: no promotion between them."""
+  return (jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+          and not getattr(a, 'weak_type', False)
+          and not getattr(b, 'weak_type', False))
+
+
+def _where(pred: chex.Array, a: chex.Array, b: chex.Array) -> chex.Array:
+  """``jnp.where(pred, a, b)``; the same ``select_n`` without ``jnp.where``'s
+  nested jit (trace and lowering time, per leaf) where no promotion is due."""
+  if _same_kind(a, b) and (jnp.ndim(pred) == 0
+                           or jnp.shape(pred) == jnp.shape(a)):
+    return jax.lax.select_n(pred, b, a)
+  return jnp.where(pred, a, b)
+
+
 def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
                  g, m, v, p, is_stacked):
   """One leaf's direction and new moments (eqs. 11-12; steps 6-9)."""
@@ -237,10 +253,11 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
   m_new = b1 * m + (1.0 - b1) * g_stats
   m_hat = m_new / mu_correction.astype(m.dtype)
   v_hat = v / nu_correction.astype(v.dtype)
+  g_square = jnp.square(g_stats)
   normalized = rules.zero_moment == 'normalized'
   if normalized:
     # No history yet: the current gradient's own moment (Adam's step 1).
-    v_hat = jnp.where(v == 0, jnp.square(g_stats), v_hat)
+    v_hat = _where(v == 0, g_square, v_hat)
   denom = jnp.sqrt(v_hat) + damping
   if rules.relative_damping is not None:
     denom = denom + rules.relative_damping * _root_mean_square(v_hat,
@@ -248,13 +265,16 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
   if normalized:
     step = m_hat / denom
   else:
-    step = jnp.where(first_step, m_hat, m_hat / denom)
+    step = _where(first_step, m_hat, m_hat / denom)
   if rules.zero_moment == 'identity':
-    step = jnp.where(v == 0, m_hat, step)
+    step = _where(v == 0, m_hat, step)
   if rules.update_clip is not None:
     limit = jnp.asarray(rules.update_clip, step.dtype)
-    step = jnp.clip(step, -limit, limit)
-  v_new = b2 * v + (1.0 - b2) * jnp.square(g_stats)
+    if _same_kind(step, step):  # jnp.clip's max and min, without its jit
+      step = jax.lax.min(limit, jax.lax.max(-limit, step))
+    else:
+      step = jnp.clip(step, -limit, limit)
+  v_new = b2 * v + (1.0 - b2) * g_square
   return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
           v_new.astype(v.dtype))
 

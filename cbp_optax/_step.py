@@ -125,8 +125,12 @@ def conditioned_update(
 
 
 def select_leaves(ok: jax.Array, applied: Any, skipped: Any) -> Any:
-  """``applied`` where ``ok`` else ``skipped``, leaf by leaf (same structure)."""
-  return jax.tree.map(lambda a, b: jax.lax.select(ok, a, b), applied, skipped)
+  """``applied`` where ``ok`` else ``skipped``, leaf by leaf (same structure).
+
+  A leaf that is the same array on both sides is kept as it is.
+  """
+  return jax.tree.map(
+      lambda a, b: a if a is b else jax.lax.select(ok, a, b), applied, skipped)
 
 
 def select(ok: jax.Array, apply_step: Callable[..., Any],

@@ -179,9 +179,6 @@ def train_step(
       centering, model_state = changed
       updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      if centering:
-        params, centering, opt_state = transport(
-            params, centering, mean_decay, opt_state=opt_state)
       return state.replace(step=state.step + 1, params=params,
                            opt_state=opt_state, centering=centering,
                            model_state=model_state)
@@ -190,8 +187,24 @@ def train_step(
       del grads, changed
       return state.replace(skipped_steps=state.skipped_steps + 1)
 
-    return _step.conditioned_update(
+    state, out = _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, _step.select, state)
+    if not state.centering:
+      return state, out
+
+    # The transport reads the kernels after the skip select, which is where
+    # the update's pass over each kernel writes them: the updated kernel
+    # then has one consumer besides the transport and is not kept as a
+    # temporary of its own.
+    def transport_step(state):
+      params, centering, opt_state = transport(
+          state.params, state.centering, mean_decay,
+          opt_state=state.opt_state)
+      return state.replace(params=params, centering=centering,
+                           opt_state=opt_state)
+
+    return _step.select(jnp.logical_not(out.skipped), transport_step,
+                        lambda state: state, state), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
 

@@ -18,6 +18,7 @@ from cbp_optax import blocks
 from cbp_optax._step import StepOutput
 
 from cbp_optax.nnx._center import _path_str
+from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._transport import _CLASSIFIED
 from cbp_optax.nnx._transport import _check_optimizer_state
 from cbp_optax.nnx._transport import transport
@@ -312,7 +313,6 @@ def train_step(
     def apply_step(model, optimizer, nodes, grads, changed):
       nnx.update((model, nodes), changed)
       optimizer.update(model, grads)
-      transport(model, mean_decay, optimizer=optimizer)
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
@@ -322,6 +322,16 @@ def train_step(
     _, out = _step.conditioned_update(
         loss_of, params[0], apply_step, skip_step, _select,
         model, optimizer, nodes)
+    if centered_layers(model):
+      # The transport reads the kernels after the skip select, which is
+      # where the update's pass over each kernel writes them: the updated
+      # kernel then has one consumer besides the transport and is not kept
+      # as a temporary of its own (one kernel-sized write and two reads
+      # fewer per centered layer). A skipped step discards its transport.
+      _select(jnp.logical_not(out.skipped),
+              lambda model, optimizer: transport(
+                  model, mean_decay, optimizer=optimizer),
+              lambda model, optimizer: None, model, optimizer)
     return out
 
   def pure_step(graphdef, state, slotted_args):
