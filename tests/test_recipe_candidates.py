@@ -1,7 +1,6 @@
 """The recipe candidates of #31: schedule-free CBP M3 and M1 after the
 normalization (``arms.CANDIDATES``)."""
 
-import dataclasses
 import math
 
 import chex
