@@ -31,7 +31,7 @@ from cbp_optax.blocks import leaf_blocks
 from cbp_optax.blocks import no_blocks
 from cbp_optax._equalize import BlockStats
 from cbp_optax._equalize import equalize
-from cbp_optax._equalize import equalize_stats
+from cbp_optax._equalize_stats import equalize_stats
 from cbp_optax._equalize import EqualizeState
 from cbp_optax._precondition import precondition
 from cbp_optax._precondition import PreconditionState

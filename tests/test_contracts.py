@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from optax._src import test_utils
 
 import cbp_optax as cbp
-from cbp_optax._equalize import find_equalize_state
+from cbp_optax._equalize_stats import find_equalize_state
 from cbp_optax_experiments import configurations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -60,6 +60,27 @@ def _like(container: Any, tree: Any) -> Any:
   return flax.core.unfreeze(tree)
 
 
+def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
+                              mean_decay: Any) -> TrainState:
+  """The transport of a step that was not skipped (eq. 10).
+
+  It reads the kernels after the skip select, which is where the update's
+  pass over each kernel writes them: the updated kernel then has one consumer
+  besides the transport and is not kept as a temporary of its own.
+  """
+  if not state.centering:
+    return state
+
+  def transport_step(state):
+    params, centering, opt_state = transport(
+        state.params, state.centering, mean_decay, opt_state=state.opt_state)
+    return state.replace(params=params, centering=centering,
+                         opt_state=opt_state)
+
+  return _step.select(jnp.logical_not(skipped), transport_step,
+                      lambda state: state, state)
+
+
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
     donate: bool = True, decay: Any = None,
@@ -189,22 +210,7 @@ def train_step(
 
     state, out = _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, _step.select, state)
-    if not state.centering:
-      return state, out
-
-    # The transport reads the kernels after the skip select, which is where
-    # the update's pass over each kernel writes them: the updated kernel
-    # then has one consumer besides the transport and is not kept as a
-    # temporary of its own.
-    def transport_step(state):
-      params, centering, opt_state = transport(
-          state.params, state.centering, mean_decay,
-          opt_state=state.opt_state)
-      return state.replace(params=params, centering=centering,
-                           opt_state=opt_state)
-
-    return _step.select(jnp.logical_not(out.skipped), transport_step,
-                        lambda state: state, state), out
+    return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
 
