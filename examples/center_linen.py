@@ -1,6 +1,13 @@
-"""Center an unmodified Flax Linen model in one call and train it with full CBP.
+"""Center an unmodified Flax Linen model in one call; train it as the recipe says.
 
-  python examples/center_linen.py [--data-dir DIR] [--steps 250] [--optimizer cbp]
+  python examples/center_linen.py [--data-dir DIR] [--steps 250]
+  python examples/center_linen.py --optimizer cbp   # centered, Algorithm 1
+
+The default is the recommended recipe: ``cbp_optax.recommended`` (Muon, its
+dimension numbers from ``cbp_optax.linen.muon_dimension_numbers``) on a model
+that, having BatchNorm, the recipe leaves plain (``--center`` centers it
+anyway). Every other ``--optimizer`` centers the model unless
+``--no-center``; ``cbp`` is Algorithm 1 (full CBP).
 
 The model is a plain Linen CNN (conv -> BatchNorm -> relu, dropout) written
 without any knowledge of CBP. ``cbp_optax.linen.center(model)`` returns a
@@ -56,11 +63,18 @@ def main():
                       help='images per step')
   parser.add_argument('--learning-rate', type=float, default=1e-3,
                       help='learning rate')
-  parser.add_argument('--optimizer', choices=('cbp', 'adam', 'adamw'),
-                      default='cbp', help='cbp: full CBP; adam: Adam + '
-                      'Center; adamw: AdamW')
-  parser.add_argument('--no-center', action='store_true',
-                      help='leave the model as it is')
+  parser.add_argument('--optimizer',
+                      choices=('recommended', 'cbp', 'adam', 'adamw'),
+                      default='recommended', help='recommended: '
+                      'cbp.recommended (Muon; the recipe leaves this BatchNorm '
+                      'model plain, --center centers it); cbp: Algorithm 1 '
+                      '(full CBP); adam: Adam + Center; adamw: AdamW')
+  centering = parser.add_mutually_exclusive_group()
+  centering.add_argument('--no-center', action='store_true',
+                         help='leave the model as it is')
+  centering.add_argument('--center', action='store_true',
+                         help='center the model with --optimizer recommended '
+                         'too (the others center it unless --no-center)')
   parser.add_argument('--seed', type=int, default=0, help='random seed')
   args = parser.parse_args()
 
@@ -72,13 +86,18 @@ def main():
   images = data.train_images.reshape(-1, 28, 28, 1)
   test_images = data.test_images.reshape(-1, 28, 28, 1)
 
-  model = CNN() if args.no_center else cbp.linen.center(CNN())
+  center = args.center or (not args.no_center
+                           and args.optimizer != 'recommended')
+  model = cbp.linen.center(CNN()) if center else CNN()
   key = jax.random.key(args.seed)
   variables = model.init(key, images[:2], train=False)
-  if not args.no_center:
+  if center:
     centered, _ = model.report(key, images[:2], train=False)
     print(f'centered: {", ".join(centered)}')
   tx = {
+      'recommended': lambda: cbp.recommended(
+          args.learning_rate, dimension_numbers=cbp.linen.muon_dimension_numbers(
+              variables['params'], variables.get('centering', {}))),
       'cbp': lambda: cbp.cbp(args.learning_rate),
       'adam': lambda: optax.adam(args.learning_rate),
       'adamw': lambda: optax.adamw(args.learning_rate),
@@ -109,7 +128,7 @@ def main():
       bar.set_postfix(loss=f'{np.mean(losses[-10:]):.4f}')
   accuracy = np.mean(np.asarray(predict(state, test_images))
                      == data.test_labels)
-  print(f'{args.optimizer}{"" if args.no_center else " (centered)"}: mean '
+  print(f'{args.optimizer}{" (centered)" if center else " (plain)"}: mean '
         f'train loss of the last 50 steps {np.mean(losses[-50:]):.4f}, test '
         f'accuracy {accuracy:.4f} (BatchNorm running averages), skipped steps '
         f'{int(state.skipped_steps)}')

@@ -1,6 +1,13 @@
-"""Center an unmodified Flax NNX model in one call and train it with full CBP.
+"""Center an unmodified Flax NNX model in one call; train it as the recipe says.
 
-  python examples/center_nnx.py [--data-dir DIR] [--steps 250] [--optimizer cbp]
+  python examples/center_nnx.py [--data-dir DIR] [--steps 250]
+  python examples/center_nnx.py --optimizer cbp   # centered, Algorithm 1
+
+The default is the recommended recipe: ``cbp_optax.recommended`` (Muon, its
+dimension numbers from ``cbp_optax.nnx.muon_dimension_numbers(model)``) on a
+model that, having BatchNorm, the recipe leaves plain (``--center`` centers
+it anyway). Every other ``--optimizer`` centers the model unless
+``--no-center``; ``cbp`` is Algorithm 1 (full CBP).
 
 The model is the Flax NNX MNIST tutorial's CNN (conv -> BatchNorm -> relu,
 dropout), written without any knowledge of CBP. ``cbp_optax.nnx.center``
@@ -69,12 +76,17 @@ def main():
   parser.add_argument('--optimizer',
                       choices=('recommended', 'cbp', 'cbp_robust', 'adam',
                                'adamw'),
-                      default='cbp', help='recommended: cbp.recommended '
-                      '(Muon; the recipe leaves this BatchNorm model plain: '
-                      'add --no-center); cbp: full CBP; cbp_robust; adam: '
-                      'Adam + Center; adamw: the tutorial\'s AdamW')
-  parser.add_argument('--no-center', action='store_true',
-                      help='leave the model as it is')
+                      default='recommended', help='recommended: '
+                      'cbp.recommended (Muon; the recipe leaves this BatchNorm '
+                      'model plain, --center centers it); cbp: Algorithm 1 '
+                      '(full CBP); cbp_robust; adam: Adam + Center; adamw: '
+                      'the tutorial\'s AdamW')
+  centering = parser.add_mutually_exclusive_group()
+  centering.add_argument('--no-center', action='store_true',
+                         help='leave the model as it is')
+  centering.add_argument('--center', action='store_true',
+                         help='center the model with --optimizer recommended '
+                         'too (the others center it unless --no-center)')
   parser.add_argument('--batchnorm-momentum', type=float, default=0.99,
                       help='momentum of BatchNorm\'s running averages')
   parser.add_argument('--dropout', type=float, default=0.5,
@@ -97,7 +109,9 @@ def main():
 
   model = CNN(rngs=nnx.Rngs(args.seed), momentum=args.batchnorm_momentum,
               dropout=args.dropout)
-  if not args.no_center:
+  center = args.center or (not args.no_center
+                           and args.optimizer != 'recommended')
+  if center:
     report = cbp.nnx.center(model)
     print(f'centered: {", ".join(report.centered)}')
     for path, reason in report.skipped:
@@ -132,7 +146,7 @@ def main():
     norm.use_running_average = False
   batch_accuracy = np.mean(np.asarray(predict(model, test_images))
                            == data.test_labels)
-  print(f'{args.optimizer}{"" if args.no_center else " (centered)"}: mean '
+  print(f'{args.optimizer}{" (centered)" if center else " (plain)"}: mean '
         f'train loss of the last 50 steps {np.mean(losses[-50:]):.4f}, test '
         f'accuracy {accuracy:.4f} (BatchNorm running averages; '
         f'{batch_accuracy:.4f} with the test batch statistics), skipped '

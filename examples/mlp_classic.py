@@ -9,6 +9,8 @@ the same network with every Dense wrapped in ``cbp_optax.linen.Centered``
 (M2), trained with the fused ``cbp_optax.linen.train_step``. After training,
 ``cbp_optax.diagnostics`` reports how far each layer moved from its
 initialization and the top Hessian eigenvalue of the training loss.
+It keeps Algorithm 1 rather than the recommended recipe
+(``cbp_optax.recommended``): it reproduces the paper's comparison.
 """
 
 import argparse

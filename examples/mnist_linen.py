@@ -1,11 +1,15 @@
-"""Train a centered MLP on MNIST with full CBP, Flax Linen.
+"""Train a centered MLP on MNIST with the recommended recipe, Flax Linen.
 
   python examples/mnist_linen.py [--data-dir DIR] [--epochs 3]
+  python examples/mnist_linen.py --optimizer cbp   # Algorithm 1 (full CBP)
 
 Every Dense layer is wrapped in ``cbp_optax.linen.Centered`` (M2), whose means
-live in the ``'centering'`` collection; the optimizer is ``cbp_optax.cbp``
-(M1 + M3); ``cbp_optax.linen.train_step`` fuses the whole iteration into one
-``jax.jit`` step, including the pure ``cbp_optax.linen.transport``.
+live in the ``'centering'`` collection; the optimizer is the recommended
+recipe's, ``cbp_optax.recommended`` (Muon, its dimension numbers from
+``cbp_optax.linen.muon_dimension_numbers``), or with ``--optimizer cbp``
+Algorithm 1's ``cbp_optax.cbp`` (M1 + M3); ``cbp_optax.linen.train_step``
+fuses the whole iteration into one ``jax.jit`` step, including the pure
+``cbp_optax.linen.transport``.
 """
 
 import argparse
@@ -54,7 +58,11 @@ def main():
   parser.add_argument('--batch-size', type=int, default=256,
                       help='images per step')
   parser.add_argument('--learning-rate', type=float, default=3e-3,
-                      help='learning rate of CBP')
+                      help='learning rate')
+  parser.add_argument('--optimizer', choices=('recommended', 'cbp'),
+                      default='recommended', help='recommended: '
+                      'cbp.recommended (Muon on the centered model); cbp: '
+                      'Algorithm 1 (full CBP, M1 + M2 + M3)')
   parser.add_argument('--seed', type=int, default=0,
                       help='seed of the initialization and the batches')
   args = parser.parse_args()
@@ -66,9 +74,15 @@ def main():
                  f'{len(data.train_labels):,} training images')
   model = MLP()
   variables = model.init(jax.random.key(args.seed), data.train_images[:1])
+  if args.optimizer == 'recommended':
+    tx = cbp.recommended(
+        args.learning_rate, dimension_numbers=cbp.linen.muon_dimension_numbers(
+            variables['params'], variables['centering']))
+  else:
+    tx = cbp.cbp(args.learning_rate)
   state = cbp.linen.TrainState.create(
       apply_fn=model.apply, params=variables['params'],
-      centering=variables['centering'], tx=cbp.cbp(args.learning_rate))
+      centering=variables['centering'], tx=tx)
   step = cbp.linen.train_step(loss_fn)
 
   @jax.jit

@@ -1,10 +1,14 @@
-"""Train a centered MLP on MNIST with full CBP, Flax NNX.
+"""Train a centered MLP on MNIST with the recommended recipe, Flax NNX.
 
   python examples/mnist_nnx.py [--data-dir DIR] [--epochs 3] [--checkpoint-dir DIR]
+  python examples/mnist_nnx.py --optimizer cbp   # Algorithm 1 (full CBP)
 
 Every Dense layer is wrapped in ``cbp_optax.nnx.Centered`` (M2); the optimizer
-is ``cbp_optax.cbp`` (M1 + M3); ``cbp_optax.nnx.train_step`` fuses forward,
-backward, update, mean refresh and bias transport into one ``nnx.jit`` step.
+is the recommended recipe's, ``cbp_optax.recommended`` (Muon, its dimension
+numbers from ``cbp_optax.nnx.muon_dimension_numbers(model)``), or with
+``--optimizer cbp`` Algorithm 1's ``cbp_optax.cbp`` (M1 + M3);
+``cbp_optax.nnx.train_step`` fuses forward, backward, update, mean refresh and
+bias transport into one ``nnx.jit`` step.
 """
 
 import argparse
@@ -61,7 +65,11 @@ def main():
   parser.add_argument('--batch-size', type=int, default=256,
                       help='images per step')
   parser.add_argument('--learning-rate', type=float, default=3e-3,
-                      help='learning rate of CBP')
+                      help='learning rate')
+  parser.add_argument('--optimizer', choices=('recommended', 'cbp'),
+                      default='recommended', help='recommended: '
+                      'cbp.recommended (Muon on the centered model); cbp: '
+                      'Algorithm 1 (full CBP, M1 + M2 + M3)')
   parser.add_argument('--seed', type=int, default=0,
                       help='seed of the initialization and the batches')
   parser.add_argument('--checkpoint-dir', default=None,
@@ -74,7 +82,13 @@ def main():
     parser.error(f'--batch-size {args.batch_size} must be between 1 and the '
                  f'{len(data.train_labels):,} training images')
   model = MLP(nnx.Rngs(args.seed))
-  optimizer = cbp.nnx.Optimizer(model, cbp.cbp(args.learning_rate))
+  if args.optimizer == 'recommended':
+    tx = cbp.recommended(
+        args.learning_rate,
+        dimension_numbers=cbp.nnx.muon_dimension_numbers(model))
+  else:
+    tx = cbp.cbp(args.learning_rate)
+  optimizer = cbp.nnx.Optimizer(model, tx)
   step = cbp.nnx.train_step(loss_fn)
   first_epoch = 0
   checkpoints = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None

@@ -14,7 +14,9 @@ step is the library's ``cbp_optax.nnx.train_step``, unchanged: XLA inserts
 the cross-process collectives, so the centering means and M1's block
 energies are over the global batch. With the same total number of devices
 the run is the same computation whatever the number of processes, and the
-script prints the same final loss.
+script prints the same final loss. It keeps Algorithm 1 (``cbp_optax.cbp``)
+rather than the recommended recipe: what it shows is that Algorithm 1 across
+processes is the same computation as in one.
 
 Data: MNIST from ``--data-dir`` or the default directories
 (``cbp_optax_experiments.datasets.find_mnist``: ``$CBP_OPTAX_MNIST``, the
