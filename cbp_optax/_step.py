@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover
 import jax.numpy as jnp
 
 from cbp_optax import _checks
+from cbp_optax import _untransported
 
 
 class StepOutput(NamedTuple):
@@ -117,8 +118,11 @@ def conditioned_update(
   Returns:
     ``(select's result, StepOutput)``.
   """
-  (loss, (aux, changed)), grads = jax.value_and_grad(
-      loss_of, has_aux=True)(params)
+  # The step transports whatever it applies: its forward pass needs no
+  # untransported-model check, which its finiteness check would keep alive.
+  with _untransported.transported_in_same_step():
+    (loss, (aux, changed)), grads = jax.value_and_grad(
+        loss_of, has_aux=True)(params)
   ok = all_finite(loss, grads, changed)
   result = select(ok, apply_step, skip_step, *operands, grads, changed)
   return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))

@@ -24,6 +24,7 @@ Evaluation records nothing and so has no check either.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
@@ -70,6 +71,26 @@ def message(framework: str) -> str:
 
 _warned: set[str] = set()
 _lock = threading.Lock()
+_traced_by_transporting_step = threading.local()
+
+
+@contextlib.contextmanager
+def transported_in_same_step():
+  """Traces forward passes without the check, for a step that transports.
+
+  The fused train steps transport every step they apply, so no count of
+  theirs can cross the threshold. Their finiteness check reads every state
+  the forward pass wrote, the recorded count included, which keeps a checked
+  count (and its callback) alive in their program: one host callback per
+  centered layer and step, measured at 1.4-1.5x AdamW's step on a centered
+  784-512-512-10 MLP on CPU, against 1.0-1.1x without it.
+  """
+  before = getattr(_traced_by_transporting_step, 'active', False)
+  _traced_by_transporting_step.active = True
+  try:
+    yield
+  finally:
+    _traced_by_transporting_step.active = before
 
 
 def _warn_once(framework: str) -> None:
@@ -151,7 +172,8 @@ def check(before: jax.Array, after: jax.Array, positions: int,
     positions: the input positions this call pooled (static).
     framework: ``'nnx'`` or ``'linen'``, for the fix the warning names.
   """
-  if positions <= 0 or _ignored(framework):
+  if (positions <= 0 or _ignored(framework)
+      or getattr(_traced_by_transporting_step, 'active', False)):
     return after
   threshold = CALLS * positions
   return _pass_through(framework)(

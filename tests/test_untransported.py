@@ -157,6 +157,54 @@ def test_fused_steps_never_warn():
     jax.effects_barrier()
 
 
+def _host_callbacks(compiled_text):
+  return compiled_text.count('python_cpu_callback')
+
+
+def test_fused_steps_compile_without_the_check():
+  """The fused steps transport: their programs call back to the host never.
+
+  Their finiteness check reads the recorded count, so a checked count would
+  stay in the program (one callback per centered layer and step).
+  """
+  x, y = batch()
+  model, _ = nnx_pair()
+  optimizer = cbp.nnx.Optimizer(model, optax.adam(1e-2))
+  step = cbp.nnx.train_step(lambda m, x, y: loss_of(m(x), y))
+
+  @nnx.jit
+  def nested(model, optimizer, x, y):
+    return step(model, optimizer, x, y).loss
+
+  linen_model = cbp.linen.center(LinenNet())
+  variables = linen_model.init(jax.random.key(0), x)
+  state = cbp.linen.TrainState.create(
+      apply_fn=linen_model.apply, params=variables['params'],
+      centering=variables['centering'], tx=optax.adam(1e-2))
+  linen_step = cbp.linen.train_step(lambda apply, x, y: loss_of(apply(x), y))
+  programs = {
+      'nnx direct': step.lower(model, optimizer, x, y).compile(),
+      'nnx nested': nested.lower(model, optimizer, x, y).compile(),
+      'linen': jax.jit(linen_step).lower(state, x, y).compile(),
+  }
+  assert {name: _host_callbacks(p.as_text()) for name, p in programs.items()
+          } == dict.fromkeys(programs, 0)
+
+
+def test_a_user_step_without_transport_keeps_the_check():
+  model, optimizer = nnx_pair()
+  x, y = batch()
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  compiled = train_step.lower(model, optimizer, x, y).compile()
+  assert _host_callbacks(compiled.as_text()) == 2  # one per centered layer
+
+
 def test_evaluation_records_nothing_and_never_warns():
   model, _ = nnx_pair()
   model.eval()
