@@ -92,7 +92,11 @@ def block_energies(
   for leaf_ids, stack in zip(layout.groups, layout.group_stacks):
     total = 0.0
     for i in leaf_ids:
-      leaf = jnp.asarray(leaves[i]).astype(dtype)
+      # Behind a barrier, this square is not merged with the second moment's
+      # (eq. 11) where M1's scale is one (cbp_robust): merged, XLA writes the
+      # squared gradient out and reads it back (a parameter-sized buffer per
+      # step; 2.8x -> 2.3x AdamW's update on a 4096x4096 kernel, CPU).
+      leaf = jax.lax.optimization_barrier(jnp.asarray(leaves[i])).astype(dtype)
       axes = tuple(range(1, leaf.ndim)) if stack is not None else None
       total = total + jnp.sum(jnp.square(leaf), axis=axes)
     per_group.append(jnp.reshape(total, (-1,)))
