@@ -400,3 +400,52 @@ def test_steps_nested_in_an_undonated_user_jit_copy_no_parameter_buffer():
   users_jax_step = jax.jit(lambda state, x, y: linen_step(state, x, y))
   hlo = users_jax_step.lower(state, x, labels).compile().as_text()
   assert _parameter_sized_copies(hlo, state.params) == []
+
+
+class _LazyCounter(nnx.Module):
+  """Creates a statistic at its first call, as lazily built caches do."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x):
+    if not hasattr(self, 'calls'):
+      self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+    self.calls[...] += 1
+    return self.linear(x)
+
+
+@pytest.mark.parametrize('donate', [True, False])
+def test_nnx_step_keeps_state_the_forward_pass_creates(donate):
+  model = _LazyCounter(nnx.Rngs(0))
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, cbp.cbp(1e-2))
+  step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2), donate=donate)
+  x = jnp.ones((4, 3))
+  before = np.asarray(model.linear.kernel[...])
+  for expected_calls in (1, 2, 3):
+    out = step(model, optimizer, x)
+    assert not bool(out.skipped)
+    assert int(model.calls[...]) == expected_calls
+  assert int(optimizer.step[...]) == 3
+  assert not np.allclose(model.linear.kernel[...], before)
+
+
+@pytest.mark.parametrize('graph', [True, False])
+def test_nnx_step_writes_back_every_variable_in_place(graph):
+  """The flat write-back leaves the same Variable objects, with new values."""
+  with nnx.set_graph_mode(graph):
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+                           nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    cbp.nnx.center(model)
+    optimizer = cbp.nnx.Optimizer(model, optax.adam(1e-2))
+    kernel_variable = model.layers[0].kernel
+    mean_variable = model.layers[0].mean
+    step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+    x = jnp.ones((4, 3)) + 2.0
+    step(model, optimizer, x)
+    assert model.layers[0].kernel is kernel_variable
+    assert model.layers[0].mean is mean_variable
+    chex.assert_trees_all_close(mean_variable[...], jnp.full((3,), 0.03))
+    assert int(optimizer.step[...]) == 1
+    assert int(optimizer.skipped_steps[...]) == 0

@@ -160,6 +160,22 @@ def _select(ok: jax.Array, apply_step: Callable[..., None],
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
+def _write_back(args: Sequence[Any], variables: Sequence[Any],
+                new_values: Any) -> None:
+  """Stores a step's results in the graph of ``args`` (model, optimizer, ...).
+
+  ``new_values`` is the list of the values of ``variables`` (the graph's
+  Variables in flattening order), or an ``nnx.State`` where the step
+  changed the graph's structure.
+  """
+  if isinstance(new_values, nnx.State):
+    model, optimizer, *rest = args
+    nnx.update((model, optimizer, _graph_nodes(rest)), new_values)
+    return
+  for variable, value in zip(variables, new_values, strict=True):
+    variable.set_raw_value(value)
+
+
 class _CompiledStep:
   """A compiled fused step, called as the step is: ``(model, optimizer,
   *args) -> StepOutput``, updating the model and optimizer in place."""
@@ -169,10 +185,9 @@ class _CompiledStep:
     self._split_arguments = split_arguments
 
   def __call__(self, *args: Any) -> StepOutput:
-    (model, optimizer, nodes), (_, state, slotted) = self._split_arguments(
-        args)
-    new_state, out = self._compiled(state, slotted)
-    nnx.update((model, optimizer, nodes), new_state)
+    variables, (_, values, slotted) = self._split_arguments(args)
+    new_values, out = self._compiled(values, slotted)
+    _write_back(args, variables, new_values)
     return out
 
   def as_text(self, *args: Any, **kwargs: Any) -> str:
@@ -334,10 +349,16 @@ def train_step(
               lambda model, optimizer: None, model, optimizer)
     return out
 
-  def pure_step(graphdef, state, slotted_args):
-    model, optimizer, nodes = nnx.merge(graphdef, state)
+  def pure_step(graphdef, values, slotted_args):
+    model, optimizer, nodes = graphlib.unflatten(graphdef, values)
     out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
-    return nnx.state((model, optimizer, nodes)), out
+    new_graphdef, new_values = graphlib.flatten((model, optimizer, nodes),
+                                                with_paths=False)
+    if new_graphdef != graphdef:
+      # The forward pass created or replaced a variable (a lazily built
+      # cache): hand back the whole state, for nnx.update to add it.
+      return nnx.state((model, optimizer, nodes)), out
+    return new_values, out
 
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
@@ -353,23 +374,29 @@ def train_step(
         optimizer, (id(model), id(optimizer.tx)),
         lambda: _check_optimizer_state(model, optimizer, 'train_step'))
     nodes = _graph_nodes(args)
-    graphdef, state = nnx.split((model, optimizer, nodes))
+    # One traversal: the graph's Variables in flattening order, whose values
+    # go in and come back as flat lists (nnx.split and nnx.update walk the
+    # graph once each and build nested States: most of a small model's step).
+    graphdef, flat = graphlib.flatten((model, optimizer, nodes))
+    variables = flat.leaves
+    values = [variable.get_raw_value() for variable in variables]
     if donate:
-      state = _step.unaliased(state)
-    return (model, optimizer, nodes), (graphdef, state, _slots(args, nodes))
+      values = _step.unaliased(values)
+    return variables, (graphdef, values, _slots(args, nodes))
 
   def train(*args):
-    (model, optimizer, nodes), jitted_args = split_arguments(args)
+    variables, jitted_args = split_arguments(args)
     try:
-      new_state, out = jitted(*jitted_args)
+      new_values, out = jitted(*jitted_args)
     except (TypeError, ValueError) as error:
+      model, optimizer = args[:2]
       hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
                                         nnx.state(optimizer),
                                         **_LATE_CENTERING)
       if hint:
         raise ValueError(f'train_step: {hint}') from error
       raise
-    nnx.update((model, optimizer, nodes), new_state)
+    _write_back(args, variables, new_values)
     return out
 
   def lower(*args):
