@@ -160,6 +160,47 @@ def _select(ok: jax.Array, apply_step: Callable[..., None],
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
+def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
+  """``(variables, (graphdef, values, slotted args))`` of a step's arguments.
+
+  One traversal: the graph's Variables in flattening order, whose values go
+  into the step and come back as flat lists (``nnx.split`` and
+  ``nnx.update`` walk the graph once each and build nested States: most of a
+  small model's step).
+  """
+  if len(args) < 2:
+    raise TypeError(
+        'train_step: step(model, optimizer, *args) takes the model and the '
+        f'optimizer first, got {len(args)} argument(s).')
+  model, optimizer, *args = args
+  _check_step_arguments(model, optimizer)
+  _CLASSIFIED.check(
+      optimizer, (id(model), id(optimizer.tx)),
+      lambda: _check_optimizer_state(model, optimizer, 'train_step'))
+  nodes = _graph_nodes(args)
+  graphdef, flat = graphlib.flatten((model, optimizer, nodes))
+  variables = flat.leaves
+  values = [variable.get_raw_value() for variable in variables]
+  if donate:
+    values = _step.unaliased(values)
+  return variables, (graphdef, values, _slots(args, nodes))
+
+
+def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
+                    values: list[Any], slotted_args: Any) -> tuple[Any, Any]:
+  """``step`` as a function of :func:`_flat_arguments`' values: the new
+  values and the step's output."""
+  model, optimizer, nodes = graphlib.unflatten(graphdef, values)
+  out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
+  new_graphdef, new_values = graphlib.flatten((model, optimizer, nodes),
+                                              with_paths=False)
+  if new_graphdef != graphdef:
+    # The forward pass created or replaced a variable (a lazily built
+    # cache): hand back the whole state, for nnx.update to add it.
+    return nnx.state((model, optimizer, nodes)), out
+  return new_values, out
+
+
 def _write_back(args: Sequence[Any], variables: Sequence[Any],
                 new_values: Any) -> None:
   """Stores a step's results in the graph of ``args`` (model, optimizer, ...).
@@ -350,39 +391,13 @@ def train_step(
     return out
 
   def pure_step(graphdef, values, slotted_args):
-    model, optimizer, nodes = graphlib.unflatten(graphdef, values)
-    out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
-    new_graphdef, new_values = graphlib.flatten((model, optimizer, nodes),
-                                                with_paths=False)
-    if new_graphdef != graphdef:
-      # The forward pass created or replaced a variable (a lazily built
-      # cache): hand back the whole state, for nnx.update to add it.
-      return nnx.state((model, optimizer, nodes)), out
-    return new_values, out
+    return _on_flat_values(step, graphdef, values, slotted_args)
 
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
 
   def split_arguments(args):
-    if len(args) < 2:
-      raise TypeError(
-          'train_step: step(model, optimizer, *args) takes the model and the '
-          f'optimizer first, got {len(args)} argument(s).')
-    model, optimizer, *args = args
-    _check_step_arguments(model, optimizer)
-    _CLASSIFIED.check(
-        optimizer, (id(model), id(optimizer.tx)),
-        lambda: _check_optimizer_state(model, optimizer, 'train_step'))
-    nodes = _graph_nodes(args)
-    # One traversal: the graph's Variables in flattening order, whose values
-    # go in and come back as flat lists (nnx.split and nnx.update walk the
-    # graph once each and build nested States: most of a small model's step).
-    graphdef, flat = graphlib.flatten((model, optimizer, nodes))
-    variables = flat.leaves
-    values = [variable.get_raw_value() for variable in variables]
-    if donate:
-      values = _step.unaliased(values)
-    return variables, (graphdef, values, _slots(args, nodes))
+    return _flat_arguments(args, donate)
 
   def train(*args):
     variables, jitted_args = split_arguments(args)
