@@ -9,7 +9,10 @@ branch, once, in the call whose count crosses :data:`CALLS` calls' worth of
 positions without a transport, is a ``pure_callback`` that warns and returns
 the count as it was. No computed number changes; a step that transports
 every step (or every few steps) never crosses it, and a step that transports
-in the same program discards the count, so XLA removes the check.
+in the same program discards the count, so XLA removes the check. The
+fused train steps trace their forward pass without it
+(:func:`transported_in_same_step`): their finiteness check reads the count,
+which would keep it.
 
 The check works under ``jit``, ``vmap`` (a ``custom_vmap`` rule reduces the
 predicate over the mapped axes, so a batched predicate never turns the
