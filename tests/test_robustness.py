@@ -124,6 +124,31 @@ def test_nan_gradient_of_one_layer_with_finite_loss_skips_the_step():
   assert int(optimizer.skipped_steps[...]) == 1
 
 
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.float16,
+                                   jnp.complex64])
+@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
+def test_the_finiteness_check_finds_every_non_finite_entry(dtype, bad):
+  from cbp_optax import _step
+
+  check = jax.jit(_step.all_finite)
+  finite_max = float(jnp.finfo(dtype).max)
+  tree = {'w': jnp.full((37, 5), finite_max, dtype),
+          'b': jnp.full((5,), -finite_max, dtype), 'step': jnp.int32(3)}
+  assert bool(check(tree))
+  for name in ('w', 'b'):
+    size = tree[name].size
+    for position in (0, size // 2, size - 1):
+      values = np.array(tree[name]).ravel()
+      values[position] = bad
+      poisoned = dict(tree, **{name: jnp.asarray(values).reshape(
+          tree[name].shape)})
+      assert not bool(check(poisoned)), (name, position)
+  assert bool(check({})) and bool(check({'step': jnp.int32(1)}))
+  # A product with a constant overflowing to inf must not fold away.
+  overflowing = jax.jit(lambda x: _step.all_finite(x * jnp.float32(3e38)))
+  assert not bool(overflowing(jnp.float32(2.0)))
+
+
 def test_bfloat16_gradient_overflow_skips_the_step():
   x, y = spiral()
   model = Net(nnx.Rngs(0), dtype=jnp.bfloat16)
