@@ -13,6 +13,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import cbp_optax as cbp
+from cbp_optax import _step
 
 
 def spiral(n_per_arm=100, arms=6, noise=0.15, seed=0):
@@ -128,8 +129,6 @@ def test_nan_gradient_of_one_layer_with_finite_loss_skips_the_step():
                                    jnp.complex64])
 @pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
 def test_the_finiteness_check_finds_every_non_finite_entry(dtype, bad):
-  from cbp_optax import _step
-
   check = jax.jit(_step.all_finite)
   finite_max = float(jnp.finfo(dtype).max)
   tree = {'w': jnp.full((37, 5), finite_max, dtype),
