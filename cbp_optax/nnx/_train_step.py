@@ -415,8 +415,8 @@ def train_step(
     return out
 
   def lower(*args):
-    graphdef, state, slotted = split_arguments(args)[1]
-    return _LoweredStep(jitted.lower(graphdef, state, slotted),
+    graphdef, values, slotted = split_arguments(args)[1]
+    return _LoweredStep(jitted.lower(graphdef, values, slotted),
                         split_arguments)
 
   train.lower = lower
