@@ -329,7 +329,15 @@ def _chain(factory: str, learning_rate, *, b1, b2, damping, decay, min_scale, ma
   if weight_decay is not None:
     transforms.append(optax.add_decayed_weights(weight_decay, mask))
   transforms.append(optax.scale_by_learning_rate(learning_rate))
-  return _narrow_in_float32(optax.chain(*transforms))
+  # M1 comes first and sees the gradients as they are (float16 widened
+  # exactly): the fused steps read its energies as their finiteness check.
+  return equalize_lib.declare_raw_energies(
+      _narrow_in_float32(optax.chain(*transforms)),
+      equalize_lib.RawEnergies(_first_state, block_fn, stacked))
+
+
+def _first_state(chain_state: tuple[Any, ...]) -> Any:
+  return chain_state[0]
 
 
 # Where each departure from Algorithm 1 was chosen (all on the workload

@@ -24,7 +24,8 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+import weakref
 
 import chex
 import jax
@@ -281,6 +282,45 @@ def _check_scales(
         f'max_scale must be >= min_scale, got max_scale={max_scale!r} < '
         f'min_scale={min_scale!r}.'
     )
+
+
+class RawEnergies(NamedTuple):
+  """Where a transform's state holds M1's energies of its raw gradients.
+
+  Declared (:func:`declare_raw_energies`) for a transform whose first step
+  is :func:`equalize` on the gradients exactly as they come in: the finite
+  energies it stores then witness finite gradients (see
+  ``cbp_optax._step.gradients_finite``).
+
+  Attributes:
+    state_of: the :class:`EqualizeState` within the transform's state.
+    block_fn: the ``block_fn`` :func:`equalize` was built with.
+    stacked: its ``stacked``.
+  """
+
+  state_of: Callable[[Any], EqualizeState]
+  block_fn: Optional[BlockFn]
+  stacked: Optional[StackedFn]
+
+
+_RAW_ENERGIES: 'weakref.WeakKeyDictionary[Callable[..., Any], RawEnergies]' = (
+    weakref.WeakKeyDictionary())
+
+
+def declare_raw_energies(tx: optax.GradientTransformation,
+                         raw: RawEnergies) -> optax.GradientTransformation:
+  """Records that ``tx``'s state holds M1's energies of its raw gradients."""
+  _RAW_ENERGIES[tx.update] = raw
+  return tx
+
+
+def raw_energies(tx: Any) -> Optional[RawEnergies]:
+  """What :func:`declare_raw_energies` recorded for ``tx``, or None."""
+  update = getattr(tx, 'update', None)
+  try:
+    return _RAW_ENERGIES.get(update)
+  except TypeError:  # not weakly referenceable: never declared
+    return None
 
 
 def equalize(

@@ -449,3 +449,31 @@ def test_nnx_step_writes_back_every_variable_in_place(graph):
     chex.assert_trees_all_close(mean_variable[...], jnp.full((3,), 0.03))
     assert int(optimizer.step[...]) == 1
     assert int(optimizer.skipped_steps[...]) == 0
+
+
+@pytest.mark.parametrize('api', ['nnx', 'linen'])
+def test_cbp_steps_check_m1_energies_instead_of_every_gradient(api):
+  # One is-finite over M1's energy vector replaces one per gradient leaf
+  # (the pass over every entry was 6-9% of a step at width 512, CPU).
+  x, labels = data()
+
+  def finiteness_checks(tx):
+    if api == 'nnx':
+      model = NnxMLP(nnx.Rngs(0))
+      optimizer = cbp_nnx.Optimizer(model, tx, wrt=nnx.Param)
+      step = cbp_nnx.train_step(lambda m, x, y: cross_entropy(m(x), y))
+      lowered = step.lower(model, optimizer, x, labels)
+    else:
+      variables = LinenMLP().init(jax.random.key(0), jnp.asarray(x))
+      state = cbp_linen.TrainState.create(
+          apply_fn=LinenMLP().apply, params=variables['params'],
+          centering=variables['centering'], tx=tx)
+      step = cbp_linen.train_step(
+          lambda apply, x, y: cross_entropy(apply(x), y))
+      lowered = step.lower(state, x, labels)
+    return lowered.as_text().count('is_finite')
+
+  gradient_leaves = 2 * (len(WIDTHS) - 1)
+  adamw = finiteness_checks(optax.adamw(LR))
+  for tx in (cbp.cbp(LR), cbp.cbp_robust(LR)):
+    assert adamw - finiteness_checks(tx) == gradient_leaves - 1

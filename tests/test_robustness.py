@@ -160,6 +160,111 @@ def test_bfloat16_gradient_overflow_skips_the_step():
   chex.assert_trees_all_equal(after, before)
 
 
+@jax.custom_vjp
+def with_gradient(w, gradient):
+  return w
+
+
+with_gradient.defvjp(lambda w, gradient: (w, gradient),
+                     lambda gradient, _: (gradient, jnp.zeros_like(gradient)))
+
+
+def gradient_step(tx, leaf='kernel'):
+  """A fused step whose gradient of layer 1's ``leaf`` is an argument."""
+  model = Net(nnx.Rngs(0))
+  optimizer = cbp.nnx.Optimizer(model, tx)
+
+  def loss(model, x, y, gradient):
+    variable = getattr(model.layers[1].layer, leaf)
+    variable[...] = with_gradient(variable[...], gradient)
+    return loss_fn(model, x, y)
+
+  step = cbp.nnx.train_step(loss)
+  x, y = spiral()
+  shape = getattr(model.layers[1].layer, leaf).shape
+
+  def run(gradient):
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(
+        (model, optimizer), nnx.Not(nnx.PathContains('skipped_steps')))))
+    out = step(model, optimizer, x[:64], y[:64],
+               jnp.asarray(gradient, jnp.float32).reshape(shape))
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(
+        (model, optimizer), nnx.Not(nnx.PathContains('skipped_steps')))))
+    if bool(out.skipped):
+      chex.assert_trees_all_equal(after, before)
+    return bool(out.skipped)
+
+  return run, optimizer, int(np.prod(shape))
+
+
+OPTIMIZERS = {'cbp': lambda: cbp.cbp(3e-3),
+              'cbp_robust': lambda: cbp.cbp_robust(3e-3),
+              'adamw': lambda: optax.adamw(3e-3)}
+
+
+@pytest.mark.parametrize('leaf', ['kernel', 'bias'])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_every_non_finite_gradient_entry_skips_the_fused_step(name, leaf):
+  # cbp's chains read the check off M1's energies, the others entry by entry.
+  run, optimizer, size = gradient_step(OPTIMIZERS[name](), leaf)
+  assert not run(np.full(size, 0.5))
+  skips = 0
+  for bad in (np.nan, np.inf, -np.inf):
+    for position in (0, size // 2, size - 1):
+      gradient = np.full(size, 0.5)
+      gradient[position] = bad
+      assert run(gradient), (bad, position)
+      skips += 1
+  assert int(optimizer.skipped_steps[...]) == skips
+  assert not run(np.full(size, -0.5))  # and training goes on
+
+
+def test_a_leaf_in_no_m1_block_is_checked_entry_by_entry():
+  def kernels_only(path, leaf):
+    return None if 'bias' in jax.tree_util.keystr(path) else (
+        cbp.blocks.default_block_key(path, leaf))
+
+  run, _, size = gradient_step(cbp.cbp(3e-3, block_fn=kernels_only), 'bias')
+  assert not run(np.full(size, 0.5))
+  gradient = np.full(size, 0.5)
+  gradient[-1] = np.nan
+  assert run(gradient)
+
+
+def test_an_overflowing_block_norm_skips_a_cbp_step_only():
+  # Finite entries whose squared sum overflows float32: M1 would store an
+  # infinite energy and every later scale would be NaN (eq. 6).
+  huge = lambda size: np.full(size, 1e20)
+  run, optimizer, size = gradient_step(cbp.cbp(3e-3))
+  assert run(huge(size))
+  assert np.isfinite(np.asarray(optimizer.opt_state[0].energy[...])).all()
+  run, _, size = gradient_step(optax.adamw(3e-3))
+  assert not run(huge(size))
+
+
+def test_a_state_holding_a_non_finite_energy_skips_every_step():
+  run, optimizer, size = gradient_step(cbp.cbp_robust(3e-3))
+  assert not run(np.full(size, 0.5))
+  energy = optimizer.opt_state[0].energy
+  energy[...] = energy[...].at[1].set(jnp.inf)
+  assert run(np.full(size, 0.5)) and run(np.full(size, 0.5))
+  assert int(optimizer.skipped_steps[...]) == 2
+
+
+def test_cbp_chains_declare_their_energies_and_wrapped_ones_do_not():
+  from cbp_optax import _equalize  # pylint: disable=g-import-not-at-top
+  assert _equalize.raw_energies(cbp.cbp(1e-3)) is not None
+  assert _equalize.raw_energies(cbp.cbp_robust(1e-3)) is not None
+  # M1 no longer sees the raw gradients (a clip could hide an inf), or the
+  # state is not the chain's: entry by entry.
+  assert _equalize.raw_energies(
+      optax.chain(optax.clip(1.0), cbp.cbp(1e-3))) is None
+  assert _equalize.raw_energies(
+      optax.inject_hyperparams(cbp.cbp)(learning_rate=1e-3)) is None
+  assert _equalize.raw_energies(optax.adamw(1e-3)) is None
+  assert _equalize.raw_energies(None) is None
+
+
 @pytest.mark.slow
 def test_bfloat16_training_tracks_float32():
   """bf16 parameters and activations, float32 statistics (moments, energies,

@@ -95,7 +95,8 @@ def train_step(
   with the state donated. A non-finite loss, gradient or recorded statistic
   skips the step: the returned state equals the input state (parameters,
   optimizer state, centering, model state, step) but for ``skipped_steps``,
-  which grows by one, and ``StepOutput.skipped`` is True. Called directly on
+  which grows by one, and ``StepOutput.skipped`` is True (its docstring says
+  what else ``cbp.cbp``'s chains skip). Called directly on
   CPU, the step compiles with XLA's
   ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized
   copies). Called inside your own ``jax.jit`` it is traced into your
@@ -208,8 +209,11 @@ def train_step(
       del grads, changed
       return state.replace(skipped_steps=state.skipped_steps + 1)
 
+    check = _step.gradients_finite(state.tx)
     state, out = _step.conditioned_update(
-        loss_of, state.params, apply_step, skip_step, _step.select, state)
+        loss_of, state.params, apply_step, skip_step, _step.select, state,
+        grads_finite=check and (
+            lambda grads, applied: check(grads, applied.opt_state)))
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())

@@ -142,7 +142,7 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
     )
 
 
-def _select(ok: jax.Array, apply_step: Callable[..., None],
+def _select(ok: Any, apply_step: Callable[..., None],
             skip_step: Callable[..., None], *operands: Any) -> None:
   """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a select.
 
@@ -154,6 +154,8 @@ def _select(ok: jax.Array, apply_step: Callable[..., None],
   start = nnx.as_pure(nnx.state(nodes))
   apply_step(*operands)
   applied = nnx.as_pure(nnx.state(nodes))
+  # A decision that reads the applied state reads it from the live nodes.
+  ok = _step.decide(ok, applied)
   nnx.update(nodes, start)
   skip_step(*operands)
   skipped = nnx.as_pure(nnx.state(nodes))
@@ -280,8 +282,9 @@ def train_step(
   ``nnx.jit`` step would. If the loss, any gradient or any recorded
   statistic is not finite the step is skipped: parameters, optimizer state,
   centering and batch statistics and RNG counts stay exactly as they were,
-  ``StepOutput.skipped`` is True, and a :class:`Optimizer` counts it in
-  ``skipped_steps``. With no centered layer it is an ordinary train step.
+  ``StepOutput.skipped`` is True (its docstring says what else ``cbp.cbp``'s
+  chains skip), and a :class:`Optimizer` counts it in ``skipped_steps``.
+  With no centered layer it is an ordinary train step.
   Called directly on CPU, the step compiles with XLA's
   ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized buffer
   copies); ``step.lower(model, optimizer, *args)`` lowers that same
@@ -375,9 +378,12 @@ def train_step(
       if isinstance(optimizer, Optimizer):
         optimizer.skipped_steps[...] += 1
 
+    check = _step.gradients_finite(optimizer.tx)
     _, out = _step.conditioned_update(
         loss_of, params[0], apply_step, skip_step, _select,
-        model, optimizer, nodes)
+        model, optimizer, nodes,
+        grads_finite=check and (lambda grads, applied: check(
+            grads, nnx.as_pure(optimizer.opt_state))))
     if centered_layers(model):
       # The transport reads the kernels after the skip select, which is
       # where the update's pass over each kernel writes them: the updated
