@@ -140,6 +140,20 @@ def gradients_finite(tx: Any) -> Optional[GradientsFinite]:
   return check
 
 
+def applied_state_check(
+    tx: Any, opt_state_of: Callable[[Any], Any]
+) -> Optional[Callable[[Any, Any], jax.Array]]:
+  """:func:`gradients_finite` as ``conditioned_update``'s ``grads_finite``.
+
+  ``opt_state_of(applied)`` finds the new optimizer state in what
+  ``apply_step`` produced.
+  """
+  check = gradients_finite(tx)
+  if check is None:
+    return None
+  return lambda grads, applied: check(grads, opt_state_of(applied))
+
+
 def conditioned_update(
     loss_of: Callable[[Any], tuple[jax.Array, tuple[Any, Any]]],
     params: Any,

@@ -209,11 +209,10 @@ def train_step(
       del grads, changed
       return state.replace(skipped_steps=state.skipped_steps + 1)
 
-    check = _step.gradients_finite(state.tx)
     state, out = _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, _step.select, state,
-        grads_finite=check and (
-            lambda grads, applied: check(grads, applied.opt_state)))
+        grads_finite=_step.applied_state_check(
+            state.tx, lambda applied: applied.opt_state))
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())

@@ -378,12 +378,11 @@ def train_step(
       if isinstance(optimizer, Optimizer):
         optimizer.skipped_steps[...] += 1
 
-    check = _step.gradients_finite(optimizer.tx)
     _, out = _step.conditioned_update(
         loss_of, params[0], apply_step, skip_step, _select,
         model, optimizer, nodes,
-        grads_finite=check and (lambda grads, applied: check(
-            grads, nnx.as_pure(optimizer.opt_state))))
+        grads_finite=_step.applied_state_check(
+            optimizer.tx, lambda _: nnx.as_pure(optimizer.opt_state)))
     if centered_layers(model):
       # The transport reads the kernels after the skip select, which is
       # where the update's pass over each kernel writes them: the updated
