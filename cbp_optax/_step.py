@@ -170,15 +170,15 @@ def conditioned_update(
   means, batch statistics), checks that the loss, ``changed`` and the
   gradients are finite (the gradients entry by entry, or through
   ``grads_finite(grads, applied)`` when given, which may read the state
-  ``apply_step`` produced: see :func:`gradients_finite`), and keeps ``apply_step(*operands, grads,
-  changed)`` (update, then transport) or ``skip_step(...)`` through
-  ``select`` (:func:`select` or its NNX twin): both are computed and every
-  state leaf is selected elementwise, which XLA fuses into the elementwise
-  update that produces it. A ``lax.cond`` instead makes XLA copy the state
-  it passes through: inside an outer, undonated ``jit`` (a user's
-  ``nnx.jit`` step) every parameter-sized buffer was copied each step (1.41x
-  AdamW's step against 1.17x with the select, NNX MLP of width 1024), and
-  small ones even when donated.
+  ``apply_step`` produced: see :func:`gradients_finite`), and keeps
+  ``apply_step(*operands, grads, changed)`` (update, then transport) or
+  ``skip_step(...)`` through ``select`` (:func:`select` or its NNX twin):
+  both are computed and every state leaf is selected elementwise, which XLA
+  fuses into the elementwise update that produces it. A ``lax.cond`` instead
+  makes XLA copy the state it passes through: inside an outer, undonated
+  ``jit`` (a user's ``nnx.jit`` step) every parameter-sized buffer was copied
+  each step (1.41x AdamW's step against 1.17x with the select, NNX MLP of
+  width 1024), and small ones even when donated.
 
   Returns:
     ``(select's result, StepOutput)``.
