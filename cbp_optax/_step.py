@@ -98,11 +98,13 @@ def all_finite(*trees: Any) -> jax.Array:
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
-GradientsFinite = Callable[[Any, Any], jax.Array]
+def gradients_finite(
+    tx: Any, opt_state_of: Callable[[Any], Any]
+) -> Optional[Callable[[Any, Any], jax.Array]]:
+  r"""``conditioned_update``'s ``grads_finite(grads, applied)`` for ``tx``.
 
-
-def gradients_finite(tx: Any) -> Optional[GradientsFinite]:
-  r"""``check(grads, new_opt_state)``: are ``grads`` all finite? (or None)
+  ``opt_state_of(applied)`` finds the new optimizer state in what
+  ``apply_step`` produced.
 
   For a transform whose first step is M1 on the raw gradients (``cbp.cbp``,
   ``cbp.cbp_robust``), the answer is read from the block energies that M1
@@ -128,30 +130,16 @@ def gradients_finite(tx: Any) -> Optional[GradientsFinite]:
   if raw is None:
     return None
 
-  def check(grads, new_opt_state):
+  def check(grads, applied):
     layout = blocks.block_layout(grads, block_fn=raw.block_fn,
                                  stacked=raw.stacked)
     in_blocks = {i for group in layout.groups for i in group}
     outside = [leaf for i, leaf in enumerate(jax.tree.leaves(grads))
                if i not in in_blocks]
-    energy = raw.state_of(new_opt_state).energy
+    energy = raw.state_of(opt_state_of(applied)).energy
     return jnp.logical_and(jnp.all(jnp.isfinite(energy)), all_finite(outside))
 
   return check
-
-
-def applied_state_check(
-    tx: Any, opt_state_of: Callable[[Any], Any]
-) -> Optional[Callable[[Any, Any], jax.Array]]:
-  """:func:`gradients_finite` as ``conditioned_update``'s ``grads_finite``.
-
-  ``opt_state_of(applied)`` finds the new optimizer state in what
-  ``apply_step`` produced.
-  """
-  check = gradients_finite(tx)
-  if check is None:
-    return None
-  return lambda grads, applied: check(grads, opt_state_of(applied))
 
 
 def conditioned_update(
@@ -189,6 +177,8 @@ def conditioned_update(
     (loss, (aux, changed)), grads = jax.value_and_grad(
         loss_of, has_aux=True)(params)
   if grads_finite is None:
+    # Decided before the update, as always: the same program, bit for bit
+    # (deciding after it moved a float32 rounding of AdamW's fused update).
     ok = all_finite(loss, grads, changed)
     result = select(ok, apply_step, skip_step, *operands, grads, changed)
     return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))

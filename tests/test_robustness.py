@@ -13,6 +13,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import cbp_optax as cbp
+from cbp_optax import _equalize
 from cbp_optax import _step
 
 
@@ -252,7 +253,6 @@ def test_a_state_holding_a_non_finite_energy_skips_every_step():
 
 
 def test_cbp_chains_declare_their_energies_and_wrapped_ones_do_not():
-  from cbp_optax import _equalize  # pylint: disable=g-import-not-at-top
   assert _equalize.raw_energies(cbp.cbp(1e-3)) is not None
   assert _equalize.raw_energies(cbp.cbp_robust(1e-3)) is not None
   # M1 no longer sees the raw gradients (a clip could hide an inf), or the

@@ -211,7 +211,7 @@ def train_step(
 
     state, out = _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, _step.select, state,
-        grads_finite=_step.applied_state_check(
+        grads_finite=_step.gradients_finite(
             state.tx, lambda applied: applied.opt_state))
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 

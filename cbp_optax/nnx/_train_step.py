@@ -381,7 +381,7 @@ def train_step(
     _, out = _step.conditioned_update(
         loss_of, params[0], apply_step, skip_step, _select,
         model, optimizer, nodes,
-        grads_finite=_step.applied_state_check(
+        grads_finite=_step.gradients_finite(
             optimizer.tx, lambda _: nnx.as_pure(optimizer.opt_state)))
     if centered_layers(model):
       # The transport reads the kernels after the skip select, which is
