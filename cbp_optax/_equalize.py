@@ -86,18 +86,33 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
 
 
 def block_energies(
-    layout: BlockLayout, leaves: Sequence[chex.Array], dtype: Any
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    dtype: Any,
+    unscaled: Sequence[bool],
 ) -> chex.Array:
-  """Squared Frobenius norm of every block, ``||g_l||_F^2``, shape (L,)."""
+  """Squared Frobenius norm of every block, ``||g_l||_F^2``, shape (L,).
+
+  ``unscaled[k]``: group ``k``'s leaves leave M1 unmultiplied (its scale is
+  one at every step, :func:`_group_scales`).
+  """
   per_group = []
-  for leaf_ids, stack in zip(layout.groups, layout.group_stacks):
+  for leaf_ids, stack, barrier in zip(
+      layout.groups, layout.group_stacks, unscaled):
     total = 0.0
     for i in leaf_ids:
-      # Behind a barrier, this square is not merged with the second moment's
-      # (eq. 11) where M1's scale is one (cbp_robust): merged, XLA writes the
-      # squared gradient out and reads it back (a parameter-sized buffer per
-      # step; 2.8x -> 2.3x AdamW's update on a 4096x4096 kernel, CPU).
-      leaf = jax.lax.optimization_barrier(jnp.asarray(leaves[i])).astype(dtype)
+      leaf = jnp.asarray(leaves[i])
+      if barrier:
+        # Behind a barrier, the square of an unmultiplied gradient is not
+        # merged with the second moment's (eq. 11) of the same gradient:
+        # merged, XLA writes the squared gradient out and reads it back (a
+        # parameter-sized buffer per step; 2.8x -> 2.3x AdamW's update on a
+        # 4096x4096 kernel, CPU). A multiplied leaf's square is another
+        # value and gets none: the barriers cost compile time (cbp's update
+        # of 200 leaves compiled in 1.52x AdamW's time with them, 1.42x
+        # without).
+        leaf = jax.lax.optimization_barrier(leaf)
+      leaf = leaf.astype(dtype)
       axes = tuple(range(1, leaf.ndim)) if stack is not None else None
       total = total + jnp.sum(jnp.square(leaf), axis=axes)
     per_group.append(jnp.reshape(total, (-1,)))
@@ -441,7 +456,8 @@ def equalize(
     scales = _group_scales(
         layout, state.energy, state.count, min_scale, max_scale
     )
-    energies = block_energies(layout, leaves, state.energy.dtype)
+    energies = block_energies(layout, leaves, state.energy.dtype,
+                              unscaled=[scale is None for scale in scales])
     energy = decay * state.energy + (1 - decay) * energies
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes,
                            state.energy.dtype)
