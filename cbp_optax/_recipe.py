@@ -40,6 +40,9 @@ def recommended(
   read. On the test split it is second in steps, behind schedule-free AdamW
   on the centered model, and its steps cost 1.1-7x AdamW's on CPU, so in
   wall-clock it falls further; the tables are in the docs page "Workloads".
+  On wider models Muon's orthogonalization (Newton-Schulz iterations, several
+  products of each kernel with itself) dominates the step: 14-69x AdamW's on
+  MLPs of width 512-4,096 at batch 128 on CPU (the benchmarks page).
   Algorithm 1 itself is :func:`cbp_optax.cbp`.
 
   Args:
