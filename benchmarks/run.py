@@ -13,6 +13,8 @@ Usage::
       --batches 32                         # scanned LM, also / AdamW
   python benchmarks/run.py --sections user  # the user's path / AdamW, and
       # the update's compile time (issue 32); rewrites its BENCHMARKS.md part
+  python benchmarks/run.py --sections traffic  # bytes those steps move, from
+      # their compiled HLO (no timing); rewrites its BENCHMARKS.md part
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default
 ``results/benchmarks``) and prints the markdown. XLA flags the suite sets are
@@ -40,7 +42,8 @@ if REPO not in sys.path:
 # default (~2.4x slower ResNet-8 steps); this flag keeps them on the
 # individual-convolution path. Same results to ~1e-7, not bitwise.
 YNN_CONV_FLAG = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
-SECTIONS = ('steps', 'user', 'optimizer', 'rss', 'torch', 'peer', 'mnist')
+SECTIONS = ('steps', 'user', 'traffic', 'optimizer', 'rss', 'torch', 'peer',
+            'mnist')
 QUICK_SECTIONS = ('steps', 'user', 'optimizer')
 FULL_ROUNDS, SLOW_ROUNDS, FULL_WARMUP = 60, 20, 5
 QUICK_ROUNDS, QUICK_WARMUP = 5, 1
@@ -90,7 +93,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help='rounds per leaf count (default 5 up to 500 leaves, '
                     '3 up to 5,000, else 1; quick 1)')
   user.add_argument('--benchmarks-md', default=None,
-                    help='file whose user-path section is rewritten (default '
+                    help='file whose user-path (and traffic) section is '
+                    'rewritten (default '
                     'BENCHMARKS.md at the repository root; quick runs write '
                     'none unless given)')
   user.add_argument('--no-benchmarks-md', action='store_true',
@@ -426,6 +430,27 @@ def run_user(args, argv, results: dict, save) -> None:
     log(f'wrote the user-path section of {path}')
 
 
+def run_traffic(args, argv, results: dict, save) -> None:
+  """Bytes the user-path rows move (``--user-archs``, ``--user-apis``);
+  rewrites its part of BENCHMARKS.md."""
+  from benchmarks import step_traffic, user_path
+
+  archs = (user_path.select_archs(args.user_archs) if args.user_archs
+           else user_path.default_archs(bool(args.quick)))
+  apis = (args.user_apis.split(',') if args.user_apis
+          else list(user_path.APIS))
+  results['traffic'] = step_traffic.run(archs, apis, bool(args.quick),
+                                        log=log)
+  save(results)
+  path = benchmarks_md_path(args)
+  if path:
+    section = step_traffic.render(results['traffic'], results['environment'],
+                                  command_line(argv))
+    user_path.write_section(path, section, step_traffic.BEGIN,
+                            step_traffic.END)
+    log(f'wrote the step-traffic section of {path}')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(argv)
   flags = configure_environment(args)
@@ -469,6 +494,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           region_analysis_identical())
   if 'user' in sections:
     run_user(args, argv, results, save)
+  if 'traffic' in sections:
+    run_traffic(args, argv, results, save)
   if 'optimizer' in sections:
     opt_archs = archs[:1] if args.quick else archs
     results['optimizer'], results['bandwidth'] = run_optimizer(

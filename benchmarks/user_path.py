@@ -139,6 +139,8 @@ class Runner:
     params: returns the current parameters as arrays (plain models: the
       trained ones; centered: the centered layers' stored ones).
     centered_layers: layers the model centers (0 for plain rows).
+    compiled_text: the optimized HLO of the program ``step`` runs
+      (``benchmarks.hlo_traffic`` reads the bytes it moves).
   """
 
   row: Row
@@ -148,6 +150,7 @@ class Runner:
   first_call_s: float
   params: Callable[[], Any]
   centered_layers: int
+  compiled_text: Callable[[], str]
 
 
 def _first_call(step: Callable[[], Any], sync: Callable[[], None]) -> float:
@@ -200,7 +203,9 @@ def nnx_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
   return Runner(
       row=row, api='nnx', step=step, sync=sync, first_call_s=first,
       params=lambda: nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-      centered_layers=len(cbp.nnx.centered_layers(model)))
+      centered_layers=len(cbp.nnx.centered_layers(model)),
+      compiled_text=lambda: jitted.lower(
+          model, optimizer, x, y).compile().as_text())
 
 
 def linen_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
@@ -237,6 +242,7 @@ def linen_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
 
     params = lambda: holder['params']  # noqa: E731
     n_centered = 0
+    arguments = lambda: (holder['params'], holder['opt_state'], x, y)  # noqa: E731
   else:
     holder['state'] = cbp.linen.TrainState.create(
         apply_fn=module.apply, params=variables['params'],
@@ -263,13 +269,16 @@ def linen_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
       jax.block_until_ready(holder['state'])
 
     params = lambda: holder['state'].params  # noqa: E731
+    arguments = lambda: (holder['state'], x, y)  # noqa: E731
     # One entry per centered layer: its mean and its recording state.
     n_centered = len(variables.get('centering', {}))
 
   first = _first_call(step, sync)
   return Runner(row=row, api='linen', step=step, sync=sync,
                 first_call_s=first, params=params,
-                centered_layers=n_centered)
+                centered_layers=n_centered,
+                compiled_text=lambda: jitted.lower(
+                    *arguments()).compile().as_text())
 
 
 def make_runner(api: str, arch: models.Arch, row: Row, batch: int) -> Runner:
@@ -661,26 +670,30 @@ def render(user: Mapping[str, Any], env: Mapping[str, Any],
   return '\n'.join(parts)
 
 
-def replace_section(text: str, section: str) -> str:
-  """``text`` with the part between BEGIN and END set to ``section``.
+def replace_section(text: str, section: str, begin_marker: str = BEGIN,
+                    end_marker: str = END) -> str:
+  """``text`` with the part between the markers set to ``section``.
 
-  Without markers the section goes on top: before the first ``## `` heading
-  (after the title and its introduction). Everything outside the markers is
-  kept byte for byte.
+  The markers default to this section's; another generated section
+  (``benchmarks.step_traffic``) passes its own. Without them the section
+  goes on top: before the first ``## `` heading (after the title and its
+  introduction). Everything outside the markers is kept byte for byte.
 
   Raises:
-    ValueError: only one marker, or END before BEGIN (a damaged file is not
-      rewritten).
+    ValueError: only one marker, or the end marker first (a damaged file
+      is not rewritten).
   """
-  block = f'{BEGIN}\n{section.strip()}\n{END}'
-  begin, end = text.find(BEGIN), text.find(END)
+  block = f'{begin_marker}\n{section.strip()}\n{end_marker}'
+  begin, end = text.find(begin_marker), text.find(end_marker)
   if begin >= 0 and end > begin:
-    if text.find(BEGIN, begin + 1) >= 0 or text.find(END, end + 1) >= 0:
-      raise ValueError(f'More than one {BEGIN} ... {END} section.')
-    return text[:begin] + block + text[end + len(END):]
+    if (text.find(begin_marker, begin + 1) >= 0
+        or text.find(end_marker, end + 1) >= 0):
+      raise ValueError(
+          f'More than one {begin_marker} ... {end_marker} section.')
+    return text[:begin] + block + text[end + len(end_marker):]
   if begin >= 0 or end >= 0:
-    raise ValueError(f'Found only one of {BEGIN} / {END}, or END first: '
-                     'fix the file by hand.')
+    raise ValueError(f'Found only one of {begin_marker} / {end_marker}, or '
+                     'the end first: fix the file by hand.')
   at = text.find('\n## ')
   if at < 0:
     return text + ('\n' if text and not text.endswith('\n') else '') + (
@@ -688,12 +701,12 @@ def replace_section(text: str, section: str) -> str:
   return text[:at + 1] + block + '\n\n' + text[at + 1:]
 
 
-def write_section(path: str, section: str) -> None:
+def write_section(path: str, section: str, begin_marker: str = BEGIN,
+                  end_marker: str = END) -> None:
   text = ''
   if os.path.exists(path):
     with open(path) as f:
       text = f.read()
-  updated = replace_section(text, section)
+  updated = replace_section(text, section, begin_marker, end_marker)
   with open(path, 'w') as f:
     f.write(updated)
-

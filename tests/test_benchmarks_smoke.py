@@ -426,3 +426,80 @@ def test_quick_user_section_runs_every_model_kind_and_writes_its_section(
   assert written.startswith('# Benchmarks\n\nIntro.\n\n<!-- user-path:begin')
   assert written.endswith('<!-- user-path:end -->\n\n## Kept\n\nkept\n')
   assert '| 50 | 1 |' in written  # the compile-time table
+
+
+_HAND_HLO = """HloModule m
+
+%fused (p0: f32[4,4], p1: f32[4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+}
+
+ENTRY %main (a: f32[4,4], b: f32[4], c: bf16[8]) -> (f32[4,4], f32[4]) {
+  %a = f32[4,4]{1,0} parameter(0), metadata={op_name="a"}
+  %b = f32[4]{0} parameter(1)
+  %c = bf16[8]{0} parameter(2)
+  %constant.1 = f32[] constant(0)
+  %multiply_fusion = (f32[4,4]{1,0}, f32[4]{0}) fusion(%a, %b), kind=kLoop, calls=%fused
+  %get-tuple-element.1 = f32[4,4]{1,0} get-tuple-element(%multiply_fusion), index=0
+  %bitcast.2 = f32[16]{0} bitcast(%get-tuple-element.1)
+  %dot.3 = f32[4]{0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %convert = f32[8]{0} convert(%c)
+  ROOT %tuple = (f32[4,4]{1,0}, f32[4]{0}) tuple(%get-tuple-element.1, %dot.3)
+}
+"""
+
+
+def test_hlo_traffic_counts_operands_and_results_of_the_entry_only():
+  from benchmarks import hlo_traffic
+  traffic = hlo_traffic.entry_traffic(_HAND_HLO)
+  # fusion: reads a (64) and b (16), writes 64 + 16; dot: reads 80, writes
+  # 16; convert: reads 16 (bf16[8]), writes 32. Views, tuples, parameters
+  # and the fused computation's own lines move nothing.
+  assert traffic.read_bytes == 80 + 80 + 16
+  assert traffic.written_bytes == 80 + 16 + 32
+  assert traffic.by_opcode == {'fusion': 1, 'dot': 1, 'convert': 1}
+  assert traffic.instructions == 3
+  assert traffic.total_bytes == traffic.read_bytes + traffic.written_bytes
+  assert hlo_traffic.array_bytes('(f32[2,3]{1,0}, pred[5], s32[])') == 33
+
+
+def test_hlo_traffic_of_a_compiled_elementwise_step_is_one_pass():
+  from benchmarks import hlo_traffic
+  x = jax.numpy.ones(1000, jax.numpy.float32)
+  text = jax.jit(lambda x, y: x * 2 + y).lower(x, x).compile().as_text()
+  traffic = hlo_traffic.entry_traffic(text)
+  assert (traffic.read_bytes, traffic.written_bytes) == (8000, 4000)
+
+
+def test_traffic_section_compiles_each_row_as_it_runs():
+  from benchmarks import step_traffic, user_path
+  names = ('AdamW, user jit', 'AdamW fused', 'cbp_robust nested, centered')
+  rows = [r for r in user_path.ROWS if r.name in names]
+  groups = step_traffic.run([TINY], ['nnx', 'linen'], quick=True, rows=rows)
+  assert [(g['api'], list(g['rows'])) for g in groups] == [
+      ('nnx', list(names)), ('linen', list(names))]
+  for group in groups:
+    params_bytes = 4 * group['params']
+    for name, row in group['rows'].items():
+      # Every step reads each parameter and writes its new value.
+      assert row['read_bytes'] > params_bytes, (group['api'], name)
+      assert row['written_bytes'] >= params_bytes, (group['api'], name)
+    # The fused AdamW step also checks every gradient entry for finiteness.
+    assert group['rows']['AdamW fused']['total_ratio'] > 1.0
+    assert group['rows'][user_path.BASELINE.name]['total_ratio'] == 1.0
+  table = step_traffic.table(groups)
+  assert f'| {TINY.name} | linen | 8 |' in table
+  assert 'cbp_robust nested, centered / baseline' in table
+
+
+def test_traffic_section_writes_between_its_own_markers(tmp_path):
+  from benchmarks import step_traffic, user_path
+  path = tmp_path / 'BENCHMARKS.md'
+  path.write_text('# B\n\n' + _marked('## User\n\nuser numbers') + '\n\n'
+                  f'{step_traffic.BEGIN}\nold\n{step_traffic.END}\n\n## Kept\n')
+  user_path.write_section(str(path), '## Traffic\n\nbytes',
+                          step_traffic.BEGIN, step_traffic.END)
+  assert path.read_text() == (
+      '# B\n\n' + _marked('## User\n\nuser numbers') + '\n\n'
+      f'{step_traffic.BEGIN}\n## Traffic\n\nbytes\n{step_traffic.END}\n\n'
+      '## Kept\n')
