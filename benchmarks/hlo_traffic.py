@@ -32,7 +32,8 @@ _INSTRUCTION = re.compile(
 _OPERAND = re.compile(r'%([\w.\-]+)')
 # Instructions that move no data: views, tuple plumbing, inputs.
 _FREE = frozenset({'parameter', 'constant', 'get-tuple-element', 'tuple',
-                   'bitcast', 'after-all', 'partition-id', 'replica-id'})
+                   'bitcast', 'after-all', 'partition-id', 'replica-id',
+                   'opt-barrier', 'add-dependency', 'domain'})
 
 
 class Traffic(NamedTuple):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import re
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -694,11 +695,26 @@ def replace_section(text: str, section: str, begin_marker: str = BEGIN,
   if begin >= 0 or end >= 0:
     raise ValueError(f'Found only one of {begin_marker} / {end_marker}, or '
                      'the end first: fix the file by hand.')
-  at = text.find('\n## ')
+  at = _first_free_heading(text)
   if at < 0:
     return text + ('\n' if text and not text.endswith('\n') else '') + (
         block + '\n')
   return text[:at + 1] + block + '\n\n' + text[at + 1:]
+
+
+_GENERATED = re.compile(r'<!-- ([\w-]+):begin -->.*?<!-- \1:end -->',
+                        re.DOTALL)
+
+
+def _first_free_heading(text: str) -> int:
+  """Where the first ``## `` heading outside every generated section
+  starts (its preceding newline), or -1: a new section never lands inside
+  another, whose next rewrite would delete it."""
+  taken = [m.span() for m in _GENERATED.finditer(text)]
+  at = text.find('\n## ')
+  while at >= 0 and any(start <= at < end for start, end in taken):
+    at = text.find('\n## ', at + 1)
+  return at
 
 
 def write_section(path: str, section: str, begin_marker: str = BEGIN,

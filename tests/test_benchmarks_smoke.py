@@ -503,3 +503,17 @@ def test_traffic_section_writes_between_its_own_markers(tmp_path):
       '# B\n\n' + _marked('## User\n\nuser numbers') + '\n\n'
       f'{step_traffic.BEGIN}\n## Traffic\n\nbytes\n{step_traffic.END}\n\n'
       '## Kept\n')
+
+
+def test_a_new_section_never_lands_inside_another_generated_one(tmp_path):
+  from benchmarks import step_traffic, user_path
+  path = tmp_path / 'BENCHMARKS.md'
+  user = _marked('## User\n\nuser numbers')
+  path.write_text('# B\n\n' + user + '\n\n## Kept\n')
+  user_path.write_section(str(path), '## Traffic\n\nbytes',
+                          step_traffic.BEGIN, step_traffic.END)
+  user_path.write_section(str(path), '## User\n\nnew numbers')
+  assert path.read_text() == (
+      '# B\n\n' + _marked('## User\n\nnew numbers') + '\n\n'
+      f'{step_traffic.BEGIN}\n## Traffic\n\nbytes\n{step_traffic.END}\n\n'
+      '## Kept\n')
