@@ -296,3 +296,26 @@ def test_framework_free_messages_name_no_framework_package(name):
   found = [text for text in _message_strings(tree)
            if any(word in text for word in FRAMEWORK_WORDS)]
   assert not found, f'{name} names a framework in {found}'
+
+
+def _toctree_entries(index: str) -> set[str]:
+  entries, inside = set(), False
+  for line in index.splitlines():
+    if line.startswith('```{toctree}'):
+      inside = True
+    elif line.startswith('```'):
+      inside = False
+    elif inside and line and not line.startswith(':'):
+      entries.add(line.strip())
+  return entries
+
+
+def test_every_docs_page_is_in_a_toctree():
+  # sphinx-build -W in .ci/run fails on a page no toctree lists; this says
+  # so in the default suite, before the docs are built.
+  docs = ROOT / 'docs'
+  pages = {str(p.relative_to(docs).with_suffix(''))
+           for p in docs.rglob('*.md') if '_build' not in p.parts}
+  listed = _toctree_entries((docs / 'index.md').read_text())
+  assert pages - listed - {'index'} == set()
+  assert listed - pages == set()
