@@ -2,18 +2,24 @@
 
 A train step's optimizer part is bound by memory traffic, not arithmetic:
 every elementwise update reads its operands and writes its results once per
-top-level instruction (a fusion, a dot, a copy). Summing, over the entry
-computation's instructions, the bytes of their operands and of their
+top-level instruction (a fusion, a dot, a copy). Summing, over the
+instructions the program executes, the bytes of their operands and of their
 results gives a count that does not depend on the machine's load, so two
 compiled steps can be compared without timing noise: an extra pass over
 every kernel shows up as that kernel's bytes, a fused one does not.
 
-It is an estimate, and says what it counts: an instruction that reads only
-a slice of an operand is charged the whole operand; the bodies of ``while``
-loops and conditionals are not entered (their operands and results are
-counted once); in-place updates count a read and a write; arithmetic (the
-matrix products of the forward and backward passes, which dominate a wide
-model's step time) costs nothing here.
+It is an estimate, and says what it counts: a fusion that reads an
+operand only through slices (a scanned layer's weights out of the stack) is
+charged those slices, one that updates a slice of an operand in place is
+charged the update (any other instruction that reads part of an operand is
+charged the whole operand); a ``while`` loop is
+charged its body and condition once per iteration (its known trip count;
+once, and counted in ``unknown_trip_counts``, where XLA does not know it), a
+conditional its largest branch, a ``call`` its callee; in-place updates
+count a read and a write; arithmetic (the matrix products of the forward
+and backward passes, which dominate a wide model's step time) costs
+nothing here. A fusion is one kernel: its operands and results, never the
+instructions inside it.
 """
 
 from __future__ import annotations
@@ -22,34 +28,51 @@ import collections
 import re
 from typing import NamedTuple
 
-_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'bf16': 2, 'f16': 2, 's16': 2,
-          'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8,
-          'u64': 8, 'c64': 8, 'c128': 16}
-_ARRAY = re.compile(r'\b(' + '|'.join(_BYTES) + r')\[([\d,]*)\]')
+_BITS = {'pred': 8, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8,
+         'f4e2m1fn': 4, 'f8e3m4': 8, 'f8e4m3': 8, 'f8e4m3fn': 8,
+         'f8e4m3fnuz': 8, 'f8e4m3b11fnuz': 8, 'f8e5m2': 8, 'f8e5m2fnuz': 8,
+         'f8e8m0fnu': 8, 'bf16': 16, 'f16': 16, 's16': 16, 'u16': 16,
+         'f32': 32, 's32': 32, 'u32': 32, 'f64': 64, 's64': 64, 'u64': 64,
+         'c64': 64, 'c128': 128, 'token': 0}
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([\d,]*)\]')
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%([\w.\-]+) .*\{$')
+_INSTRUCTION_START = re.compile(r'^\s*(?:ROOT )?%[\w.\-]+ = ')
 _INSTRUCTION = re.compile(
     r'^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[\w\[\],{}:#*()]+?) '
     r'([\w\-]+)\((.*)$')
 _OPERAND = re.compile(r'%([\w.\-]+)')
+_CALLEE = re.compile(r'\b(condition|body|to_apply|true_computation|'
+                     r'false_computation)=%([\w.\-]+)')
+_BRANCHES = re.compile(r'\bbranch_computations=\{([^}]*)\}')
+_FUSED = re.compile(r'\bcalls=%([\w.\-]+)')
+_SLICES = frozenset({'slice', 'dynamic-slice'})
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # Instructions that move no data: views, tuple plumbing, inputs.
 _FREE = frozenset({'parameter', 'constant', 'get-tuple-element', 'tuple',
                    'bitcast', 'after-all', 'partition-id', 'replica-id',
                    'opt-barrier', 'add-dependency', 'domain'})
+# Instructions charged by the computations they run, not by their operands.
+_CONTROL = frozenset({'while', 'conditional', 'call'})
 
 
 class Traffic(NamedTuple):
-  """What the entry computation's instructions read and write.
+  """What the instructions a program executes read and write.
 
   Attributes:
     read_bytes: bytes of the operands of every counted instruction.
     written_bytes: bytes of their results.
-    instructions: how many instructions were counted.
+    instructions: how many instructions were counted (each loop iteration
+      counts its body's again).
     by_opcode: instructions counted, per opcode (``fusion``, ``dot``, ...).
+    unknown_trip_counts: ``while`` loops whose trip count XLA does not
+      know, charged one iteration.
   """
 
   read_bytes: int
   written_bytes: int
   instructions: int
   by_opcode: dict[str, int]
+  unknown_trip_counts: int = 0
 
   @property
   def total_bytes(self) -> int:
@@ -57,21 +80,42 @@ class Traffic(NamedTuple):
 
 
 def array_bytes(hlo_type: str) -> int:
-  """Bytes of every array in an HLO type (``f32[8,8]{1,0}``, or a tuple)."""
-  total = 0
+  """Bytes of every array in an HLO type (``f32[8,8]{1,0}``, or a tuple).
+
+  Raises:
+    ValueError: an element type this module does not know the width of.
+  """
+  bits = 0
   for dtype, dims in _ARRAY.findall(hlo_type):
+    if dtype not in _BITS:
+      raise ValueError(f'unknown HLO element type {dtype!r} in {hlo_type!r}')
     size = 1
     for d in dims.split(','):
       if d:
         size *= int(d)
-    total += size * _BYTES[dtype]
-  return total
+    bits += size * _BITS[dtype]
+  return (bits + 7) // 8
 
 
-def _entry_lines(text: str) -> list[str]:
-  start = text.index('\nENTRY')
-  body = text[start + 1:]
-  return body[:body.index('\n}')].splitlines()[1:]
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+  """Every computation's instruction lines, by name, and the entry's name."""
+  computations: dict[str, list[str]] = {}
+  entry = None
+  current: list[str] | None = None
+  for line in text.splitlines():
+    if current is None:
+      match = _COMPUTATION.match(line)
+      if match:
+        current = computations.setdefault(match.group(1), [])
+        if line.startswith('ENTRY '):
+          entry = match.group(1)
+    elif line.startswith('}'):
+      current = None
+    else:
+      current.append(line)
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text')
+  return computations, entry
 
 
 def _operand_list(rest: str) -> str:
@@ -84,21 +128,168 @@ def _operand_list(rest: str) -> str:
   return rest
 
 
-def entry_traffic(text: str) -> Traffic:
-  """The bytes the entry computation of ``text`` (optimized HLO) moves."""
-  sizes: dict[str, int] = {}
-  read = written = 0
-  opcodes: collections.Counter = collections.Counter()
-  for line in _entry_lines(text):
+class _Count(NamedTuple):
+  read: int
+  written: int
+  opcodes: collections.Counter
+  unknown_trip_counts: int
+
+  def __add__(self, other):  # type: ignore[override]
+    return _Count(self.read + other.read, self.written + other.written,
+                  self.opcodes + other.opcodes,
+                  self.unknown_trip_counts + other.unknown_trip_counts)
+
+  def times(self, n: int) -> '_Count':
+    return _Count(self.read * n, self.written * n,
+                  collections.Counter({k: v * n
+                                       for k, v in self.opcodes.items()}),
+                  self.unknown_trip_counts)
+
+
+_NOTHING = _Count(0, 0, collections.Counter(), 0)
+
+
+class _Instruction(NamedTuple):
+  name: str
+  nbytes: int
+  opcode: str
+  operand_text: str
+  attributes: str
+  root: bool
+
+  @property
+  def operands(self) -> list[str]:
+    return _OPERAND.findall(self.operand_text)
+
+
+def _instructions(lines: list[str]) -> list[_Instruction]:
+  """The instructions of a computation's lines, in order."""
+  out = []
+  for line in lines:
     match = _INSTRUCTION.match(line)
     if not match:
+      if _INSTRUCTION_START.match(line):
+        raise ValueError(f'cannot parse the HLO instruction {line.strip()!r}')
       continue
     name, hlo_type, opcode, rest = match.groups()
-    sizes[name] = array_bytes(hlo_type)
-    if opcode in _FREE:
+    operand_list = _operand_list(rest)
+    out.append(_Instruction(name, array_bytes(hlo_type), opcode,
+                            operand_list, rest[len(operand_list):],
+                            line.lstrip().startswith('ROOT ')))
+  return out
+
+
+class _FusionAccess(NamedTuple):
+  """How a fused computation touches its operands and its result.
+
+  Attributes:
+    reads: per operand index, the bytes it reads where that is only slices
+      of the operand (0 for the buffer a dynamic-update-slice writes in
+      place); an operand not listed is read whole.
+    written: the bytes the fusion writes where it updates a slice in place,
+      else None (its whole result).
+  """
+
+  reads: dict[int, int]
+  written: int | None
+
+
+def _fusion_access(lines: list[str]) -> _FusionAccess:
+  instructions = _instructions(lines)
+  by_name = {i.name: i for i in instructions}
+  users: dict[str, list[_Instruction]] = collections.defaultdict(list)
+  for inst in instructions:
+    for operand in inst.operands:
+      users[operand].append(inst)
+
+  def through_views(name: str) -> list[tuple[_Instruction, str]]:
+    """(user, operand name) pairs of ``name``, looking through bitcasts."""
+    found = []
+    for user in users[name]:
+      if user.opcode == 'bitcast':
+        found += through_views(user.name)
+      else:
+        found.append((user, name))
+    return found
+
+  reads: dict[int, int] = {}
+  for inst in instructions:
+    if inst.opcode != 'parameter':
       continue
-    operands = _OPERAND.findall(_operand_list(rest))
-    read += sum(sizes.get(o, 0) for o in operands)
-    written += sizes[name]
-    opcodes[opcode] += 1
-  return Traffic(read, written, sum(opcodes.values()), dict(opcodes))
+    index = int(inst.operand_text)
+    uses = through_views(inst.name)
+    if uses and all(u.opcode in _SLICES and u.operands[0] == via
+                    for u, via in uses):
+      reads[index] = sum(u.nbytes for u, _ in uses)
+    elif uses and all(u.opcode == 'dynamic-update-slice'
+                      and u.operands[0] == via for u, via in uses):
+      reads[index] = 0
+  root = next((i for i in instructions if i.root), None)
+  while root is not None and root.opcode == 'bitcast':
+    root = by_name.get(root.operands[0])
+  written = None
+  if root is not None and root.opcode == 'dynamic-update-slice':
+    update = by_name.get(root.operands[1])
+    written = update.nbytes if update is not None else None
+  return _FusionAccess(reads, written)
+
+
+def _control_traffic(opcode: str, attributes: str,
+                     count_of) -> _Count:
+  """What a ``while``, ``conditional`` or ``call`` runs."""
+  callees = dict(_CALLEE.findall(attributes))
+  if opcode == 'while':
+    trip = _TRIP_COUNT.search(attributes)
+    once = count_of(callees['body']) + count_of(callees['condition'])
+    if trip is None:
+      return once + _Count(0, 0, collections.Counter(), 1)
+    # The condition runs once more than the body, to exit.
+    return (once.times(int(trip.group(1)))
+            + count_of(callees['condition']))
+  if opcode == 'call':
+    return count_of(callees['to_apply'])
+  branches = _BRANCHES.search(attributes)
+  names = (_OPERAND.findall(branches.group(1)) if branches else
+           [callees['true_computation'], callees['false_computation']])
+  return max((count_of(n) for n in names),
+             key=lambda c: c.read + c.written)
+
+
+def _traffic_of(name: str, computations: dict[str, list[str]],
+                memo: dict[str, _Count]) -> _Count:
+  if name in memo:
+    return memo[name]
+  sizes: dict[str, int] = {}
+  total = _NOTHING
+  for inst in _instructions(computations[name]):
+    sizes[inst.name] = inst.nbytes
+    if inst.opcode in _FREE:
+      continue
+    if inst.opcode in _CONTROL:
+      total += _control_traffic(
+          inst.opcode, inst.attributes,
+          lambda callee: _traffic_of(callee, computations, memo))
+      continue
+    reads, written = {}, None
+    fused = _FUSED.search(inst.attributes)
+    if inst.opcode == 'fusion' and fused:
+      reads, written = _fusion_access(computations[fused.group(1)])
+    read = sum(reads.get(i, sizes.get(o, 0))
+               for i, o in enumerate(inst.operands))
+    total += _Count(read, inst.nbytes if written is None else written,
+                    collections.Counter([inst.opcode]), 0)
+  memo[name] = total
+  return total
+
+
+def entry_traffic(text: str) -> Traffic:
+  """The bytes the program of ``text`` (optimized HLO) moves in one run.
+
+  Raises:
+    ValueError: ``text`` has no entry computation, or an instruction line
+      or element type this module cannot read.
+  """
+  computations, entry = _computations(text)
+  count = _traffic_of(entry, computations, {})
+  return Traffic(count.read, count.written, sum(count.opcodes.values()),
+                 dict(count.opcodes), count.unknown_trip_counts)

@@ -27,7 +27,8 @@ def row_traffic(runner: user_path.Runner) -> dict[str, Any]:
   return {'read_bytes': traffic.read_bytes,
           'written_bytes': traffic.written_bytes,
           'instructions': traffic.instructions,
-          'by_opcode': traffic.by_opcode}
+          'by_opcode': traffic.by_opcode,
+          'unknown_trip_counts': traffic.unknown_trip_counts}
 
 
 def group_traffic(api: str, arch: models.Arch, batch: int,
@@ -87,6 +88,9 @@ def table(groups: Sequence[Mapping[str, Any]]) -> str:
 def render(groups: Sequence[Mapping[str, Any]], env: Mapping[str, Any],
            command: str) -> str:
   revision = env.get('revision', {})
+  unknown = sorted(
+      f"{g['api']} {g['arch']}: {name}" for g in groups
+      for name, row in g['rows'].items() if row.get('unknown_trip_counts'))
   return '\n'.join([
       "## Bytes the user's-path steps move, from their compiled HLO "
       '(issue 32)', '',
@@ -100,12 +104,15 @@ def render(groups: Sequence[Mapping[str, Any]], env: Mapping[str, Any],
       '',
       "**What it counts.** The rows of the user's-path section, compiled "
       'as they run there. For each, the bytes of the operands and results '
-      'of every instruction of the optimized entry computation (fusions, '
-      'dots, copies; not views or tuples), summed: the memory traffic of '
-      'one step if every instruction streams its operands once. A cell is '
-      "that total over the user's AdamW step's. It does not depend on the "
-      "machine's load; it charges a matrix product only its operands and "
-      'result, so on a model whose step is dominated by them the time '
-      'ratio is nearer 1 than this one, and a loop or conditional is '
-      'counted by its operands and results only.', '',
-      table(groups), ''])
+      'of every instruction the optimized program executes (fusions, '
+      'dots, copies; not views or tuples; a loop body once per iteration, '
+      'a conditional its larger branch; a fusion that reads or updates '
+      'only slices of an operand, those slices), summed: the memory '
+      'traffic of one step if every instruction streams its operands '
+      "once. A cell is that total over the user's AdamW step's. It does "
+      "not depend on the machine's load; it charges a matrix product only "
+      'its operands and result, so on a model whose step is dominated by '
+      'them the time ratio is nearer 1 than this one.', '',
+      table(groups), '',
+      *([f"Loops of unknown trip count, charged one iteration: "
+         f"{'; '.join(unknown)}.", ''] if unknown else [])])

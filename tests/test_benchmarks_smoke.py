@@ -471,6 +471,118 @@ def test_hlo_traffic_of_a_compiled_elementwise_step_is_one_pass():
   assert (traffic.read_bytes, traffic.written_bytes) == (8000, 4000)
 
 
+_LOOP_HLO = """HloModule m
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %x2 = f32[8]{0} add(%x, %x)
+  %i2 = s32[] add(%i, %i)
+  ROOT %out = (s32[], f32[8]{0}) tuple(%i2, %x2)
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %lt = pred[] compare(%i, %i), direction=LT
+}
+
+%small (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%x)
+}
+
+%large (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %e = f32[8]{0} exponential(%x)
+  ROOT %n = f32[8]{0} negate(%e)
+}
+
+%row (stack: f32[4,8], i: s32[]) -> f32[8] {
+  %stack = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,8]{1,0} dynamic-slice(%stack, %i, %z), dynamic_slice_sizes={1,8}
+  ROOT %b = f32[8]{0} bitcast(%ds)
+}
+
+%put (stack: f32[4,8], i: s32[], v: f32[1,8]) -> f32[4,8] {
+  %stack = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %v = f32[1,8]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[4,8]{1,0} dynamic-update-slice(%stack, %v, %i, %z)
+}
+
+ENTRY %main (x: f32[8], p: pred[], s: f32[4,8], i: s32[], v: f32[1,8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %p = pred[] parameter(1)
+  %s = f32[4,8]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %v = f32[1,8]{1,0} parameter(4)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %x)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %w2 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  %c = f32[8]{0} conditional(%p, %x, %x), branch_computations={%small, %large}
+  %r = f32[8]{0} fusion(%s, %i), kind=kLoop, calls=%row
+  %u = f32[4,8]{1,0} fusion(%s, %i, %v), kind=kLoop, calls=%put
+  ROOT %y = f32[8]{0} call(%x), to_apply=%small
+}
+"""
+
+
+def test_hlo_traffic_enters_loops_branches_and_calls():
+  from benchmarks import hlo_traffic
+  traffic = hlo_traffic.entry_traffic(_LOOP_HLO)
+  body = (2 * 32 + 2 * 4, 32 + 4)  # the two adds: read, written
+  cond = (4 + 4, 1)
+  # w: 3 bodies and 4 conditions (the last one exits); w2: its trip count
+  # unknown, one of each; c: the larger branch (exp then negate); r: the one
+  # row it slices; u: the row it writes in place; y: the callee.
+  read = (3 * body[0] + 4 * cond[0]) + (body[0] + cond[0]) + 2 * 32 \
+      + (32 + 4) + (0 + 4 + 32) + 32
+  written = (3 * body[1] + 4 * cond[1]) + (body[1] + cond[1]) + 2 * 32 \
+      + 32 + 32 + 32
+  assert (traffic.read_bytes, traffic.written_bytes) == (read, written)
+  assert traffic.unknown_trip_counts == 1
+  assert traffic.by_opcode == {'add': 8, 'compare': 5, 'exponential': 1,
+                               'negate': 2, 'fusion': 2}
+
+
+def test_hlo_traffic_refuses_what_it_cannot_read():
+  from benchmarks import hlo_traffic
+  with pytest.raises(ValueError, match="element type 'q7'"):
+    hlo_traffic.array_bytes('q7[4]')
+  assert hlo_traffic.array_bytes('(s4[3], token[])') == 2
+  with pytest.raises(ValueError, match='cannot parse'):
+    hlo_traffic.entry_traffic(_HAND_HLO.replace(
+        '%convert = f32[8]{0} convert(%c)', '%convert = f32[8]{0} convert'))
+  with pytest.raises(ValueError, match='no ENTRY'):
+    hlo_traffic.entry_traffic('HloModule m\n')
+
+
+def test_hlo_traffic_of_a_compiled_scan_reads_each_layer_once():
+  from benchmarks import hlo_traffic
+  layers, width = 6, 1000
+  stack = jax.numpy.ones((layers, width), jax.numpy.float32)
+
+  def scanned(stack):
+    return jax.lax.scan(lambda c, w: (c * w + 1.0, None), stack[0], stack)[0]
+
+  text = jax.jit(scanned).lower(stack).compile().as_text()
+  traffic = hlo_traffic.entry_traffic(text)
+  row = 4 * width
+  # Every iteration reads its row of the stack and the carry and writes the
+  # carry: at least layers * 2 rows read; were each iteration charged the
+  # whole stack, over layers * layers rows.
+  assert traffic.read_bytes >= layers * 2 * row
+  assert traffic.read_bytes < layers * (layers + 1) * row // 2
+  assert traffic.written_bytes >= layers * row
+  assert traffic.unknown_trip_counts == 0
+
+
 def test_traffic_section_compiles_each_row_as_it_runs():
   from benchmarks import step_traffic, user_path
   names = ('AdamW, user jit', 'AdamW fused', 'cbp_robust nested, centered')
