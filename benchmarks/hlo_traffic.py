@@ -10,13 +10,15 @@ every kernel shows up as that kernel's bytes, a fused one does not.
 
 It is an estimate, and says what it counts: a fusion that reads an
 operand only through slices (a scanned layer's weights out of the stack) is
-charged those slices, one that updates a slice of an operand in place is
-charged the update (any other instruction that reads part of an operand is
-charged the whole operand); a ``while`` loop is
+charged those slices (at most the operand); one whose result is an operand
+updated in place by dynamic-update-slices is charged the updates written
+and that operand's slices read (any other instruction that reads part of
+an operand is charged the whole operand); a ``while`` loop is
 charged its body and condition once per iteration (its known trip count;
 once, and counted in ``unknown_trip_counts``, where XLA does not know it), a
-conditional its largest branch, a ``call`` its callee; in-place updates
-count a read and a write; arithmetic (the matrix products of the forward
+conditional its largest branch (and every branch's unknown trip counts), a
+``call`` its callee; other in-place updates count a read and a write;
+arithmetic (the matrix products of the forward
 and backward passes, which dominate a wide model's step time) costs
 nothing here. A fusion is one kernel: its operands and results, never the
 instructions inside it.
@@ -34,11 +36,14 @@ _BITS = {'pred': 8, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8,
          'f8e8m0fnu': 8, 'bf16': 16, 'f16': 16, 's16': 16, 'u16': 16,
          'f32': 32, 's32': 32, 'u32': 32, 'f64': 64, 's64': 64, 'u64': 64,
          'c64': 64, 'c128': 128, 'token': 0}
-_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([\d,]*)\]')
+# A bounded dynamic dimension (``<=8``) is charged its bound; an unbounded
+# one (``?``) has no size to charge.
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([\d,<=?]*)\]')
 _COMPUTATION = re.compile(r'^(?:ENTRY )?%([\w.\-]+) .*\{$')
-_INSTRUCTION_START = re.compile(r'^\s*(?:ROOT )?%[\w.\-]+ = ')
+# Without the ``%``: HLO printed in another style, which is refused.
+_INSTRUCTION_START = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = ')
 _INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[\w\[\],{}:#*()]+?) '
+    r'^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[\w\[\],{}:#*()<=]+?) '
     r'([\w\-]+)\((.*)$')
 _OPERAND = re.compile(r'%([\w.\-]+)')
 _CALLEE = re.compile(r'\b(condition|body|to_apply|true_computation|'
@@ -82,19 +87,24 @@ class Traffic(NamedTuple):
 def array_bytes(hlo_type: str) -> int:
   """Bytes of every array in an HLO type (``f32[8,8]{1,0}``, or a tuple).
 
+  Each array takes whole bytes (sub-byte elements are packed within one).
+
   Raises:
-    ValueError: an element type this module does not know the width of.
+    ValueError: an element type this module does not know the width of,
+      or an unbounded dynamic dimension.
   """
-  bits = 0
+  total = 0
   for dtype, dims in _ARRAY.findall(hlo_type):
     if dtype not in _BITS:
       raise ValueError(f'unknown HLO element type {dtype!r} in {hlo_type!r}')
+    if '?' in dims:
+      raise ValueError(f'unbounded dynamic dimension in {hlo_type!r}')
     size = 1
     for d in dims.split(','):
       if d:
-        size *= int(d)
-    bits += size * _BITS[dtype]
-  return (bits + 7) // 8
+        size *= int(d.removeprefix('<='))
+    total += (size * _BITS[dtype] + 7) // 8
+  return total
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str]:
@@ -184,10 +194,10 @@ class _FusionAccess(NamedTuple):
 
   Attributes:
     reads: per operand index, the bytes it reads where that is only slices
-      of the operand (0 for the buffer a dynamic-update-slice writes in
-      place); an operand not listed is read whole.
-    written: the bytes the fusion writes where it updates a slice in place,
-      else None (its whole result).
+      of the operand, or the buffer that dynamic-update-slices at the root
+      update in place (0 for that use); an operand not listed is read whole.
+    written: the bytes the fusion writes where (an element of) its root
+      updates an operand in place, else None (its whole result).
   """
 
   reads: dict[int, int]
@@ -212,26 +222,52 @@ def _fusion_access(lines: list[str]) -> _FusionAccess:
         found.append((user, name))
     return found
 
+  def source(name: str) -> _Instruction | None:
+    inst = by_name.get(name)
+    while inst is not None and inst.opcode == 'bitcast':
+      inst = by_name.get(inst.operands[0])
+    return inst
+
+  # The root's elements (a tuple's, looked through); each that is a chain
+  # of dynamic-update-slices into a parameter writes only its updates, and
+  # its links' reads of the buffer they update are free.
+  root = source(next((i.name for i in instructions if i.root), ''))
+  elements = ([source(o) for o in root.operands] if root is not None
+              and root.opcode == 'tuple' else [root])
+  in_place: set[str] = set()  # the chains' dynamic-update-slices
+  written, any_in_place = 0, False
+  for element in elements:
+    chain, link = [], element
+    while link is not None and link.opcode == 'dynamic-update-slice':
+      chain.append(link)
+      link = source(link.operands[0])
+    if chain and link is not None and link.opcode == 'parameter':
+      in_place.update(c.name for c in chain)
+      any_in_place = True
+      written += sum(by_name[c.operands[1]].nbytes
+                     if c.operands[1] in by_name else c.nbytes
+                     for c in chain)
+    elif element is not None:
+      written += element.nbytes
+
   reads: dict[int, int] = {}
   for inst in instructions:
     if inst.opcode != 'parameter':
       continue
-    index = int(inst.operand_text)
     uses = through_views(inst.name)
-    if uses and all(u.opcode in _SLICES and u.operands[0] == via
-                    for u, via in uses):
-      reads[index] = sum(u.nbytes for u, _ in uses)
-    elif uses and all(u.opcode == 'dynamic-update-slice'
-                      and u.operands[0] == via for u, via in uses):
-      reads[index] = 0
-  root = next((i for i in instructions if i.root), None)
-  while root is not None and root.opcode == 'bitcast':
-    root = by_name.get(root.operands[0])
-  written = None
-  if root is not None and root.opcode == 'dynamic-update-slice':
-    update = by_name.get(root.operands[1])
-    written = update.nbytes if update is not None else None
-  return _FusionAccess(reads, written)
+    # No use seen (a fused computation this module cannot see into): whole.
+    sliced, whole = 0, not uses
+    for user, via in uses:
+      if user.operands and user.operands[0] == via:
+        if user.opcode in _SLICES:
+          sliced += user.nbytes
+          continue
+        if user.name in in_place:
+          continue
+      whole = True
+    if not whole:
+      reads[int(inst.operand_text)] = min(sliced, inst.nbytes)
+  return _FusionAccess(reads, written if any_in_place else None)
 
 
 def _control_traffic(opcode: str, attributes: str,
@@ -251,8 +287,17 @@ def _control_traffic(opcode: str, attributes: str,
   branches = _BRANCHES.search(attributes)
   names = (_OPERAND.findall(branches.group(1)) if branches else
            [callees['true_computation'], callees['false_computation']])
-  return max((count_of(n) for n in names),
-             key=lambda c: c.read + c.written)
+  counts = [count_of(n) for n in names]
+  largest = max(counts, key=lambda c: c.read + c.written)
+  # A loop of unknown length in any branch may be the one that runs.
+  return largest._replace(
+      unknown_trip_counts=sum(c.unknown_trip_counts for c in counts))
+
+
+def _lines(computations: dict[str, list[str]], name: str) -> list[str]:
+  if name not in computations:
+    raise ValueError(f'the HLO text calls %{name}, which it does not define')
+  return computations[name]
 
 
 def _traffic_of(name: str, computations: dict[str, list[str]],
@@ -261,7 +306,7 @@ def _traffic_of(name: str, computations: dict[str, list[str]],
     return memo[name]
   sizes: dict[str, int] = {}
   total = _NOTHING
-  for inst in _instructions(computations[name]):
+  for inst in _instructions(_lines(computations, name)):
     sizes[inst.name] = inst.nbytes
     if inst.opcode in _FREE:
       continue
@@ -273,7 +318,7 @@ def _traffic_of(name: str, computations: dict[str, list[str]],
     reads, written = {}, None
     fused = _FUSED.search(inst.attributes)
     if inst.opcode == 'fusion' and fused:
-      reads, written = _fusion_access(computations[fused.group(1)])
+      reads, written = _fusion_access(_lines(computations, fused.group(1)))
     read = sum(reads.get(i, sizes.get(o, 0))
                for i, o in enumerate(inst.operands))
     total += _Count(read, inst.nbytes if written is None else written,
