@@ -37,8 +37,9 @@ def recommended(
 
   It was chosen on the workload suite's dev split only, by its headline
   score (time to target in steps; first there), before the test split was
-  read. On the test split it is second in steps, behind schedule-free AdamW
-  on the centered model, and its steps cost 1.1-7x AdamW's on CPU, so in
+  read. On the test split it was second in steps, behind schedule-free AdamW
+  on the centered model, and fourth in a rerun (also behind plain Muon);
+  its steps cost 1.1-7x AdamW's on CPU, so in
   wall-clock it falls further; the tables are in the docs page "Workloads".
   On wider models Muon's orthogonalization (Newton-Schulz iterations, several
   products of each kernel with itself) dominates the step: 14-69x AdamW's on
