@@ -498,8 +498,8 @@ def test_results_that_cannot_be_read_name_the_file(
 
 
 def test_the_committed_suite_results_pass_the_check():
-  path = (pathlib.Path(__file__).parent.parent / 'docs' / 'reproduction'
-          / 'workloads_results.json')
+  path = (pathlib.Path(__file__).parent.parent / 'results' / 'workloads'
+          / 'seven-workload-2026-12-01' / 'results.json')
   report.validate(json.loads(path.read_text()))
 
 
