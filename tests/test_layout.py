@@ -10,6 +10,7 @@ import ast
 import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -319,3 +320,32 @@ def test_every_docs_page_is_in_a_toctree():
   listed = _toctree_entries((docs / 'index.md').read_text())
   assert pages - listed - {'index'} == set()
   assert listed - pages == set()
+
+
+def test_docs_hold_pages_not_result_files():
+  # Run results (JSON) live under results/ at the repository root; docs/
+  # holds the pages that report them.
+  docs = ROOT / 'docs'
+  found = [str(p.relative_to(ROOT)) for p in docs.rglob('*.json')
+           if '_build' not in p.parts]
+  assert not found, found
+
+
+TOP_LEVEL_PAGES = ('README.md', 'BENCHMARKS.md', 'CONTRIBUTING.md',
+                   'REPRODUCTION.md')
+
+
+@pytest.mark.parametrize('name', TOP_LEVEL_PAGES)
+def test_top_level_pages_link_to_files_that_exist(name):
+  # The Sphinx build checks the pages under docs/; these four are also read
+  # on their own (on a forge, in an editor), where a broken link is silent.
+  text = (ROOT / name).read_text()
+  targets = re.findall(r'\]\(([^)\s]+)\)', text)
+  missing = []
+  for target in targets:
+    path = target.split('#', 1)[0]
+    if not path or '://' in path or path.startswith('mailto:'):
+      continue
+    if not (ROOT / path).exists():
+      missing.append(target)
+  assert not missing, missing
