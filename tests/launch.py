@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Mapping, Optional, Sequence
+from typing import IO, Mapping, Optional, Sequence
 
 from cbp_optax import _checks
 from tests._workers import Worker

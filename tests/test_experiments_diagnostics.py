@@ -12,7 +12,6 @@ import jax
 from jax import flatten_util
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import cbp_optax as cbp

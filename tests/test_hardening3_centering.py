@@ -423,8 +423,8 @@ def test_a_linen_collection_without_a_count_records_the_last_call():
   assert set(centering_['Dense_0']) == {'mean', 'batch_mean'}
 
 
-# --- items 2 and 3: recalibrate_batch_stats pools every call and weighs by
-# what each call normalized ----------------------------------------------------
+# --- items 2 and 3: cbp_optax_experiments.recalibrate pools every call and
+# weighs by what each call normalized ----------------------------------------------------
 
 
 class NnxNormTwice(nnx.Module):

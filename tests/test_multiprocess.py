@@ -176,8 +176,8 @@ def test_two_processes_equal_one_process_more_layouts(runs, framework, layout):
 @pytest.mark.slow
 def test_data_axis_within_each_process(runs):
   # Mesh (model=2, data=2) with 'model' across the processes: each process
-  # holds the whole data axis, so process_batch_slice gives it the whole
-  # batch and shard_batch keeps the local size as the global one.
+  # holds the whole data axis, so process_rows gives it the whole
+  # batch and shard_process_batch keeps the local size as the global one.
   two = runs.get(2, 2, mesh='model_data')
   one = runs.get(1, 4, mesh='model_data')
   check_real_work(one)
