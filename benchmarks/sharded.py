@@ -67,6 +67,47 @@ def configure_environment(args: argparse.Namespace) -> str:
   return flags
 
 
+def optimizer_sharding(tx: Any, params: Any) -> Any:
+  """The sharding of ``tx.init(params)``: each moment like its parameter,
+  the rest (counters, M1's per-block energies) replicated (plain JAX and
+  optax, as in docs/sharding.md)."""
+  import jax
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  param_sharding = jax.tree.map(lambda p: p.sharding, params)
+  replicated = NamedSharding(jax.tree.leaves(param_sharding)[0].mesh,
+                             PartitionSpec())
+
+  def is_masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+  return optax.tree_map_params(
+      tx, lambda leaf, sharding: leaf if is_masked(leaf) else sharding,
+      jax.eval_shape(tx.init, params), param_sharding,
+      transform_non_params=lambda _: replicated, is_leaf=is_masked)
+
+
+def fsdp_sharding(tree: Any, mesh: Any, axis: str = 'data') -> Any:
+  """Each array split over ``axis`` along its largest dimension the axis
+  size divides (the last on ties), replicated when none does."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  size = mesh.shape[axis]
+
+  def rule(leaf):
+    shape = np.shape(leaf)
+    dims = [d for d in range(len(shape)) if shape[d] % size == 0]
+    spec = [None] * len(shape)
+    if dims:
+      spec[max(dims, key=lambda d: (shape[d], d))] = axis
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+  return jax.tree.map(rule, tree)
+
+
 def make_runner(devices: int, layout: str, width: int,
                 batch: int) -> Callable[[], None]:
   """A compiled sharded step bound to its own state; each call runs one."""
@@ -76,7 +117,6 @@ def make_runner(devices: int, layout: str, width: int,
   import cbp_optax as cbp
   from benchmarks import models
   from benchmarks import steps as steps_lib
-  from cbp_optax import sharding
 
   arch = models.mlp(width)
   mesh = jax.make_mesh((devices,), ('data',), axis_types=(AxisType.Auto,),
@@ -86,20 +126,20 @@ def make_runner(devices: int, layout: str, width: int,
   variables = model.init(jax.random.key(0), images)
   params, centering = variables['params'], variables['centering']
   if layout == 'fsdp':
-    params = jax.device_put(params, sharding.fsdp_sharding(params, mesh))
-    centering = jax.device_put(
-        centering, sharding.fsdp_sharding(centering, mesh))
+    params = jax.device_put(params, fsdp_sharding(params, mesh))
+    centering = jax.device_put(centering, fsdp_sharding(centering, mesh))
   else:
     replicated = NamedSharding(mesh, PartitionSpec())
     params, centering = jax.device_put((params, centering), replicated)
   tx = cbp.cbp(steps_lib.LEARNING_RATE)
   opt_state = jax.jit(
-      tx.init, out_shardings=sharding.optimizer_sharding(tx, params))(params)
+      tx.init, out_shardings=optimizer_sharding(tx, params))(params)
   state = cbp.linen.TrainState(
       step=0, apply_fn=model.apply, params=params, tx=tx,
       opt_state=opt_state, centering=centering)
-  batch_arrays = sharding.shard_batch(
-      (jax.device_get(images), jax.device_get(labels)), mesh, 'data')
+  batch_arrays = jax.device_put(
+      (jax.device_get(images), jax.device_get(labels)),
+      NamedSharding(mesh, PartitionSpec('data')))
 
   def loss_fn(apply, images, labels):
     return steps_lib.cross_entropy(apply(images), labels)

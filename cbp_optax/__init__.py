@@ -12,14 +12,10 @@ Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
 ``cbp_optax.linen``.
 """
 
-import importlib
-
 from cbp_optax import blocks
 from cbp_optax import centering
-from cbp_optax import diagnostics
 from cbp_optax import linen
 from cbp_optax import nnx
-from cbp_optax import sharding
 from cbp_optax._alias import cbp
 from cbp_optax._alias import cbp_robust
 from cbp_optax._alias import cbp_transformer
@@ -48,12 +44,9 @@ __all__ = (
     'cbp_robust',
     'cbp_transformer',
     'centering',
-    'checkpoint',
-    'diagnostics',
     'equalize',
     'equalize_stats',
     'kernel_blocks',
-    'launch',
     'layer_blocks',
     'leaf_blocks',
     'linen',
@@ -61,14 +54,4 @@ __all__ = (
     'no_blocks',
     'precondition',
     'recommended',
-    'sharding',
 )
-
-# Imported on first use: checkpoint pulls in orbax, launch subprocess helpers.
-_LAZY_MODULES = ('checkpoint', 'launch')
-
-
-def __getattr__(name: str):
-  if name in _LAZY_MODULES:
-    return importlib.import_module(f'cbp_optax.{name}')
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import cbp_optax as cbp
 from cbp_optax_experiments import datasets
+from cbp_optax_experiments import recalibrate
 
 
 class CNN(nnx.Module):
@@ -94,8 +95,8 @@ def main():
   parser.add_argument('--recalibrate', type=int, default=0,
                       help='after training, recompute BatchNorm\'s running '
                       'averages over this many training batches '
-                      '(cbp.nnx.recalibrate_batch_stats) and evaluate again; '
-                      '0: off')
+                      '(cbp_optax_experiments.recalibrate.nnx_batch_stats) '
+                      'and evaluate again; 0: off')
   parser.add_argument('--seed', type=int, default=0, help='random seed')
   args = parser.parse_args()
 
@@ -155,7 +156,7 @@ def main():
     # Precise BatchNorm: population statistics over training batches.
     starts = [(i % per_epoch) * args.batch_size
               for i in range(args.steps, args.steps + args.recalibrate)]
-    cbp.nnx.recalibrate_batch_stats(
+    recalibrate.nnx_batch_stats(
         model, (images[order[s:s + args.batch_size]] for s in starts))
     model.eval()
     recalibrated = np.mean(np.asarray(predict(model, test_images))

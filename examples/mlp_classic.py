@@ -7,7 +7,7 @@ standardized by the training split's per-pixel mean and standard deviation;
 6,000 training and 2,000 test images. CBP is ``cbp_optax.cbp`` (M1 + M3) on
 the same network with every Dense wrapped in ``cbp_optax.linen.Centered``
 (M2), trained with the fused ``cbp_optax.linen.train_step``. After training,
-``cbp_optax.diagnostics`` reports how far each layer moved from its
+``cbp_optax_experiments.diagnostics`` reports how far each layer moved from its
 initialization and the top Hessian eigenvalue of the training loss.
 It keeps Algorithm 1 rather than the recommended recipe
 (``cbp_optax.recommended``): it reproduces the paper's comparison.
@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 import cbp_optax as cbp
-from cbp_optax import diagnostics
+from cbp_optax_experiments import diagnostics
 from cbp_optax_experiments import datasets
 
 N_TRAIN, N_TEST, HIDDEN = 6000, 2000, 128

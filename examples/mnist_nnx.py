@@ -8,20 +8,23 @@ is the recommended recipe's, ``cbp_optax.recommended`` (Muon, its dimension
 numbers from ``cbp_optax.nnx.muon_dimension_numbers(model)``), or with
 ``--optimizer cbp`` Algorithm 1's ``cbp_optax.cbp`` (M1 + M3);
 ``cbp_optax.nnx.train_step`` fuses forward, backward, update, mean refresh and
-bias transport into one ``nnx.jit`` step.
+bias transport into one ``nnx.jit`` step. With ``--checkpoint-dir`` the state
+of the model and the optimizer is saved after every epoch with Orbax's
+``CheckpointManager`` and a rerun resumes from the latest epoch (see
+docs/checkpointing.md).
 """
 
 import argparse
-import pathlib
+import os
 
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
 import cbp_optax as cbp
-from cbp_optax import checkpoint
 from cbp_optax_experiments import datasets
 
 
@@ -81,23 +84,32 @@ def main():
   if not 1 <= args.batch_size <= len(data.train_labels):
     parser.error(f'--batch-size {args.batch_size} must be between 1 and the '
                  f'{len(data.train_labels):,} training images')
-  model = MLP(nnx.Rngs(args.seed))
-  if args.optimizer == 'recommended':
-    tx = cbp.recommended(
-        args.learning_rate,
-        dimension_numbers=cbp.nnx.muon_dimension_numbers(model))
-  else:
-    tx = cbp.cbp(args.learning_rate)
-  optimizer = cbp.nnx.Optimizer(model, tx)
+
+  def build():
+    model = MLP(nnx.Rngs(args.seed))
+    if args.optimizer == 'recommended':
+      tx = cbp.recommended(
+          args.learning_rate,
+          dimension_numbers=cbp.nnx.muon_dimension_numbers(model))
+    else:
+      tx = cbp.cbp(args.learning_rate)
+    return model, cbp.nnx.Optimizer(model, tx)
+
   step = cbp.nnx.train_step(loss_fn)
   first_epoch = 0
-  checkpoints = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
-  if checkpoints and any(checkpoints.glob('epoch_*')):
-    latest = max(checkpoints.glob('epoch_*'), key=lambda p: int(p.name[6:]))
-    nnx.update((model, optimizer), checkpoint.restore(
-        latest, nnx.state((model, optimizer))))
-    first_epoch = int(latest.name[6:])
-    print(f'resumed from {latest}')
+  manager = None
+  if args.checkpoint_dir:
+    manager = ocp.CheckpointManager(os.path.abspath(args.checkpoint_dir))
+    first_epoch = manager.latest_step() or 0
+  if first_epoch:
+    # Restore into the abstract state of a fresh pair (nothing initialized).
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    restored = manager.restore(first_epoch,
+                               args=ocp.args.StandardRestore(abstract))
+    model, optimizer = nnx.merge(graphdef, restored)
+    print(f'resumed from epoch {first_epoch} in {args.checkpoint_dir}')
+  else:
+    model, optimizer = build()
   steps_per_epoch = len(data.train_labels) // args.batch_size
   for epoch in range(first_epoch, args.epochs):
     # The data order depends on (seed, epoch) alone, so a resumed run sees
@@ -119,9 +131,12 @@ def main():
     print(f'epoch {epoch + 1}: train loss {float(out.loss):.4f}, '
           f'test accuracy {accuracy:.4f}, skipped steps '
           f'{int(optimizer.skipped_steps[...])}')
-    if checkpoints:
-      checkpoint.save(checkpoints / f'epoch_{epoch + 1}',
-                      nnx.state((model, optimizer)))
+    if manager:
+      manager.save(epoch + 1, args=ocp.args.StandardSave(
+          nnx.state((model, optimizer))))
+  if manager:
+    manager.wait_until_finished()
+    manager.close()
 
 
 if __name__ == '__main__':

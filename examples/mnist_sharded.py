@@ -10,7 +10,7 @@ your accelerators) on a one-axis mesh ``('data',)``:
   and centering means are replicated.
 * ``fsdp``: the batch is split the same way, and the parameters, both CBP
   moments and the centering means are split over the same axis too
-  (``cbp_optax.sharding.fsdp_sharding``); only M1's per-block energies and the
+  (``fsdp_sharding`` below, plain JAX); only M1's per-block energies and the
   counters stay replicated.
 
 The train step is the library's own ``cbp_optax.linen.train_step``, unchanged:
@@ -35,8 +35,43 @@ from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 import cbp_optax as cbp
-from cbp_optax import sharding
 from cbp_optax_experiments import datasets
+
+
+# Placement helpers, plain JAX and optax (docs/sharding.md gives and tests
+# the same code).
+
+
+def optimizer_sharding(tx, params):
+  """The sharding of ``tx.init(params)``: each moment like its parameter,
+  the rest (counters, M1's per-block energies) replicated."""
+  param_sharding = jax.tree.map(lambda p: p.sharding, params)
+  replicated = NamedSharding(jax.tree.leaves(param_sharding)[0].mesh,
+                             PartitionSpec())
+
+  def is_masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+  return optax.tree_map_params(
+      tx, lambda leaf, sharding: leaf if is_masked(leaf) else sharding,
+      jax.eval_shape(tx.init, params), param_sharding,
+      transform_non_params=lambda _: replicated, is_leaf=is_masked)
+
+
+def fsdp_sharding(tree, mesh, axis='data'):
+  """Each array split over ``axis`` along its largest dimension the axis
+  size divides (the last on ties), replicated when none does."""
+  size = mesh.shape[axis]
+
+  def rule(leaf):
+    shape = np.shape(leaf)
+    dims = [d for d in range(len(shape)) if shape[d] % size == 0]
+    spec = [None] * len(shape)
+    if dims:
+      spec[max(dims, key=lambda d: (shape[d], d))] = axis
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+  return jax.tree.map(rule, tree)
 
 
 class MLP(nn.Module):
@@ -62,15 +97,15 @@ def place(layout, mesh, model, variables, tx):
   """The train state with every array on ``mesh`` as ``layout`` wants it."""
   params, centering = variables['params'], variables['centering']
   if layout == 'fsdp':
-    params = jax.device_put(params, sharding.fsdp_sharding(params, mesh))
+    params = jax.device_put(params, fsdp_sharding(params, mesh))
     centering = jax.device_put(
-        centering, sharding.fsdp_sharding(centering, mesh))
+        centering, fsdp_sharding(centering, mesh))
   else:
     replicated = NamedSharding(mesh, PartitionSpec())
     params, centering = jax.device_put((params, centering), replicated)
   # The moments follow their parameters; M1's energies are replicated.
   opt_state = jax.jit(
-      tx.init, out_shardings=sharding.optimizer_sharding(tx, params)
+      tx.init, out_shardings=optimizer_sharding(tx, params)
   )(params)
   return cbp.linen.TrainState(
       step=0, apply_fn=model.apply, params=params, tx=tx,
@@ -99,8 +134,10 @@ def train(layout, mesh, data, args):
     for i in bar:
       idx = order[i * args.batch_size:(i + 1) * args.batch_size]
       # Refuses a batch the data axis does not divide, with the reason.
-      images, labels = sharding.shard_batch(
-          (data.train_images[idx], data.train_labels[idx]), mesh, 'data')
+      # The batch split over 'data' along its first dimension.
+      images, labels = jax.device_put(
+          (data.train_images[idx], data.train_labels[idx]),
+          NamedSharding(mesh, PartitionSpec('data')))
       state, out = step(state, images, labels)
       if i % 10 == 0:
         bar.set_postfix(loss=f'{float(out.loss):.4f}')

@@ -3,13 +3,12 @@
   python examples/multiprocess_mnist.py --processes 2
   python examples/multiprocess_mnist.py --processes 1   # same final loss
 
-Starts ``--processes`` worker processes on this machine (127.0.0.1 only,
-through ``cbp_optax.launch``) that together hold ``--devices`` simulated CPU
-devices, exactly as the hosts of a cluster would: every worker calls
-``jax.distributed.initialize`` (``launch.initialize_from_env``), builds the
-same model, places it on one mesh over the devices of *all* processes, and
-feeds only its own rows of every global batch
-(``sharding.process_batch_slice`` + ``sharding.shard_batch``). The train
+Starts ``--processes`` worker processes on this machine (the coordinator on
+127.0.0.1) that together hold ``--devices`` simulated CPU devices, exactly as
+the hosts of a cluster would: every worker calls
+``jax.distributed.initialize``, builds the same model, places it on one mesh
+over the devices of *all* processes, and feeds only its own rows of every
+global batch (``jax.make_array_from_process_local_data``). The train
 step is the library's ``cbp_optax.nnx.train_step``, unchanged: XLA inserts
 the cross-process collectives, so the centering means and M1's block
 energies are over the global batch. With the same total number of devices
@@ -31,12 +30,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
+import subprocess
 import sys
 import time
 
-from cbp_optax import launch
-
 _WORKER_FLAG = '--worker'
+# What the launching process tells each worker (environment variables).
+_ENV_COORDINATOR = 'MULTIPROCESS_MNIST_COORDINATOR'
+_ENV_PROCESSES = 'MULTIPROCESS_MNIST_PROCESSES'
+_ENV_PROCESS_ID = 'MULTIPROCESS_MNIST_PROCESS_ID'
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,24 +86,77 @@ def main(argv=None) -> int:
     sys.exit(f'--devices {args.devices} must be a positive multiple of '
              f'--processes {args.processes}.')
   argv = list(sys.argv[1:] if argv is None else argv)
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)
   start = time.perf_counter()
-  try:
-    launch.launch([os.path.abspath(__file__), *argv, _WORKER_FLAG],
-                  args.processes, cpu_devices=args.devices // args.processes,
-                  timeout=args.timeout, env=env, stream=sys.stdout)
-  except launch.LaunchError as e:
-    print(f'multiprocess_mnist: {e}', file=sys.stderr)
+  code = launch_workers([os.path.abspath(__file__), *argv, _WORKER_FLAG],
+                        args.processes, args.devices // args.processes,
+                        args.timeout)
+  if code:
+    print(f'multiprocess_mnist: a worker failed (exit status {code})',
+          file=sys.stderr)
     return 1
   print(f'{args.processes} process(es) finished in '
         f'{time.perf_counter() - start:.1f} s')
   return 0
 
 
+def launch_workers(command: list[str], processes: int, devices: int,
+                   timeout: float) -> int:
+  """Runs ``command`` as ``processes`` workers; the first failure's status.
+
+  Each worker gets ``devices`` simulated CPU devices and, in environment
+  variables, the coordinator's address (a free port on 127.0.0.1), the
+  number of processes and its index. A worker that fails, or the timeout,
+  stops all of them.
+  """
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  flags = re.sub(r'--xla_force_host_platform_device_count=\S+', '',
+                 os.environ.get('XLA_FLAGS', ''))
+  workers = []
+  for index in range(processes):
+    env = dict(os.environ, JAX_PLATFORMS='cpu', **{
+        _ENV_COORDINATOR: f'127.0.0.1:{port}',
+        _ENV_PROCESSES: str(processes), _ENV_PROCESS_ID: str(index),
+        'XLA_FLAGS': f'{flags} --xla_force_host_platform_device_count='
+                     f'{devices}'.strip()})
+    workers.append(subprocess.Popen([sys.executable, *command], env=env))
+  deadline = time.monotonic() + timeout
+  code = 0
+  try:
+    while any(w.poll() is None for w in workers):
+      failed = [w.returncode for w in workers if w.returncode]
+      if failed or time.monotonic() > deadline:
+        code = failed[0] if failed else 124
+        break
+      time.sleep(0.1)
+    code = code or next((w.returncode for w in workers if w.returncode), 0)
+  finally:
+    for w in workers:
+      if w.poll() is None:
+        w.kill()
+      w.wait()
+  return code
+
+
+def initialize() -> None:
+  """``jax.distributed.initialize`` with what the launching process passed;
+  on a cluster, plain ``jax.distributed.initialize()`` instead."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  address = os.environ[_ENV_COORDINATOR]
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(
+      coordinator_address=address,
+      num_processes=int(os.environ[_ENV_PROCESSES]),
+      process_id=int(os.environ[_ENV_PROCESS_ID]),
+      coordinator_bind_address=address,
+      cluster_detection_method='deactivate')
+
+
 def worker(args: argparse.Namespace) -> None:
   """One process of the run (what each host of a cluster would execute)."""
-  launch.initialize_from_env()  # before any other JAX call
+  initialize()  # before any other JAX call
 
   # pylint: disable=g-import-not-at-top
   import jax
@@ -113,7 +170,6 @@ def worker(args: argparse.Namespace) -> None:
 
   import cbp_optax as cbp
   from cbp_optax_experiments import datasets
-  from cbp_optax import sharding
 
   process = jax.process_index()
   log = (lambda *a: print(*a, flush=True)) if process == 0 else (
@@ -144,8 +200,24 @@ def worker(args: argparse.Namespace) -> None:
 
   mesh = jax.make_mesh((jax.device_count(),), ('data',),
                        axis_types=(AxisType.Auto,))
+  batch_sharding = NamedSharding(mesh, P('data'))
+
+  def process_rows(global_batch):
+    """The rows of a global batch that this process's devices hold."""
+    index = batch_sharding.addressable_devices_indices_map(
+        (global_batch,)).values()
+    return slice(min(i[0].start or 0 for i in index),
+                 max(global_batch if i[0].stop is None else i[0].stop
+                     for i in index))
+
+  def global_batch(local, size):
+    """The global batch, from each process's rows of it."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            batch_sharding, x, (size, *x.shape[1:])), local)
+
   # This process's rows of every global batch.
-  rows = sharding.process_batch_slice(args.batch_size, mesh, 'data')
+  rows = process_rows(args.batch_size)
   print(f'process {process} of {jax.process_count()}: '
         f'{jax.local_device_count()} of {jax.device_count()} devices, global '
         f'batch {args.batch_size}, rows '
@@ -175,9 +247,18 @@ def worker(args: argparse.Namespace) -> None:
   tx = cbp.cbp(args.learning_rate)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
+  def fsdp(leaf):
+    # Split along the largest dimension the devices divide, else replicate.
+    shape = np.shape(leaf)
+    dims = [d for d in range(len(shape)) if shape[d] % jax.device_count() == 0]
+    spec = [None] * len(shape)
+    if dims:
+      spec[max(dims, key=lambda d: (shape[d], d))] = 'data'
+    return NamedSharding(mesh, P(*spec))
+
   def rule(tree):
     if args.layout == 'fsdp':
-      return sharding.fsdp_sharding(tree, mesh, 'data')
+      return jax.tree.map(fsdp, tree)
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
 
   model_state = nnx.state(model)
@@ -187,7 +268,11 @@ def worker(args: argparse.Namespace) -> None:
       optimizer_state,
       jax.tree.map(lambda _: NamedSharding(mesh, P()), optimizer_state)))
   # The moments follow their parameters (M1's energies stay replicated).
-  derived = sharding.optimizer_sharding(tx, nnx.state(model, nnx.Param))
+  params = nnx.state(model, nnx.Param)
+  derived = optax.tree_map_params(
+      tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+      jax.tree.map(lambda p: p.sharding, params),
+      transform_non_params=lambda _: NamedSharding(mesh, P()))
   variables = jax.tree.leaves(
       optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   for variable, target in zip(variables, jax.tree.leaves(derived)):
@@ -204,8 +289,8 @@ def worker(args: argparse.Namespace) -> None:
       order, position = order_rng.permutation(len(train_y)), 0
     batch = order[position:position + args.batch_size][rows]
     position += args.batch_size
-    images, labels = sharding.shard_batch(
-        (train_x[batch], train_y[batch]), mesh, 'data')
+    images, labels = global_batch((train_x[batch], train_y[batch]),
+                                  args.batch_size)
     out = step(model, optimizer, images, labels)
     if i % 20 == 0 or i == args.steps - 1:
       log(f'step {i + 1:4d}  loss {float(out.loss):.6f}')
@@ -216,9 +301,9 @@ def worker(args: argparse.Namespace) -> None:
 
   # Evaluation on as many test images as the devices divide evenly.
   usable = len(test_y) - len(test_y) % jax.device_count()
-  test_rows = sharding.process_batch_slice(usable, mesh, 'data')
-  images, labels = sharding.shard_batch(
-      (test_x[:usable][test_rows], test_y[:usable][test_rows]), mesh, 'data')
+  test_rows = process_rows(usable)
+  images, labels = global_batch(
+      (test_x[:usable][test_rows], test_y[:usable][test_rows]), usable)
   model.eval()
   accuracy = float(correct(model, images, labels)) / usable
   log(f'{args.steps} steps in {time.perf_counter() - start:.1f} s; '

@@ -7,7 +7,7 @@ CPU time by about a quarter and changes no arithmetic a test checks (bit-exact
 comparisons are between two computations compiled the same way, and the float64
 reference comparisons hold at 1e-15 either way). It is set before JAX creates
 its CPU backend, and through the environment, so the processes tests start
-(examples, launches, resumes) inherit it. A value already in ``XLA_FLAGS`` wins:
+(examples, launched workers) inherit it. A value already in ``XLA_FLAGS`` wins:
 ``XLA_FLAGS=--xla_backend_optimization_level=2 pytest`` tests the optimized
 code.
 """

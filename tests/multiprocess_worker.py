@@ -1,14 +1,16 @@
 """One process of a multi-process CBP run; started by tests/test_multiprocess.py.
 
-  python -m cbp_optax.launch --processes 2 --cpu-devices 2 -- \\
+  python -m tests.launch --processes 2 --cpu-devices 2 -- \\
       tests/multiprocess_worker.py --framework nnx --out run.npz
 
 Every process builds the same centered MLP, places it on a mesh over the
 devices of *all* processes, and feeds only its own rows of every batch
-(``sharding.process_batch_slice`` + ``sharding.shard_batch``). Process 0
+(``process_rows`` + ``shard_process_batch`` of docs/sharding.md, plain
+JAX). Process 0
 writes the final parameters, optimizer state, centering means and losses,
 gathered from all processes, to ``--out`` (an ``.npz``). Optionally the run
-saves a checkpoint after ``--save-at`` steps, resumes from ``--restore``, or
+saves a checkpoint with Orbax after ``--save-at`` steps, resumes from
+``--restore``, or
 has process ``--die-process`` exit abruptly after ``--die-at`` steps.
 """
 
@@ -20,7 +22,7 @@ import os
 import sys
 from typing import Optional
 
-from cbp_optax import launch
+from tests import launch
 
 if __name__ == '__main__':
   # Before any other JAX call. Without the launcher: one ordinary process.
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType
@@ -39,8 +42,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cbp_optax as cbp
-from cbp_optax import checkpoint
-from cbp_optax import sharding
+from tests.doc_code import run_page
+
+# The placement helpers of docs/sharding.md (plain JAX and optax).
+sharding = run_page('sharding.md', definitions_only=True)
 
 WIDTHS = (16, 64, 32, 8)
 BATCH = 16
@@ -214,16 +219,27 @@ def listening_addresses() -> Optional[list[str]]:
     return None
 
 
-def check_loopback_only() -> None:
-  """Every TCP socket this process listens on is on the loopback address."""
+def check_coordinator_on_loopback() -> None:
+  """The coordinator's port, where this process listens on it, is bound to
+  the loopback address only (gloo's own sockets listen on the address the
+  host name resolves to: JAX has no public setting for it)."""
   addresses = listening_addresses()
   if addresses is None:
     print('listening sockets: not checked (no /proc)', flush=True)
     return
   print(f'listening on {sorted(addresses)}', flush=True)
+  port = os.environ.get(launch.ENV_COORDINATOR, '').rpartition(':')[2]
   for entry in addresses:
-    host = entry.rsplit(':', 1)[0]
-    assert ipaddress.ip_address(host).is_loopback, entry
+    host, _, entry_port = entry.rpartition(':')
+    if entry_port == port:
+      assert ipaddress.ip_address(host).is_loopback, entry
+
+
+def abstract(state):
+  """Orbax's restore target: every array's shape, dtype and sharding."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
 
 
 def flatten(tree, prefix: str) -> dict[str, np.ndarray]:
@@ -270,42 +286,37 @@ def main(argv=None) -> None:
   run = (NnxRun if args.framework == 'nnx' else LinenRun)(
       mesh, args.layout, dtype)
   if args.restore:
-    run.load(checkpoint.restore(args.restore, run.state()))
+    with ocp.StandardCheckpointer() as checkpointer:
+      run.load(checkpointer.restore(os.path.abspath(args.restore),
+                                    abstract(run.state())))
     print(f'restored {args.restore} (step {args.start})', flush=True)
 
   data = batches(args.steps, dtype)
-  rows = sharding.process_batch_slice(BATCH, mesh, 'data')
+  rows = sharding.process_rows(BATCH, mesh, 'data')
   # With jax.make_mesh, process p of N feeds the p-th of N equal parts.
   if args.mesh == 'data':
     part = BATCH // processes
     assert rows == slice(process * part, (process + 1) * part), rows
   else:
     assert rows == slice(0, BATCH), rows
-  if processes > 1 and args.mesh == 'data':
-    # A local batch this process's devices do not divide is refused, here,
-    # before any collective.
-    try:
-      sharding.shard_batch(np.zeros((3, WIDTHS[0]), dtype), mesh, 'data')
-    except ValueError as e:
-      assert 'Process-local batch size 3' in str(e), e
-    else:
-      raise AssertionError('a local batch of 3 rows was not refused')
   losses = []
   for i in range(args.start, args.steps):
     x, y = data[i]
     # Each process hands over only its own rows of the global batch.
-    x, y = sharding.shard_batch((x[rows], y[rows]), mesh, 'data')
+    x, y = sharding.shard_process_batch((x[rows], y[rows]), BATCH, mesh,
+                                        'data')
     losses.append(run.step(x, y))
     if i == args.start:
       # After a step, gloo's connections and the coordinator are all up.
-      check_loopback_only()
+      check_coordinator_on_loopback()
     if args.die_at is not None and i + 1 == args.die_at and (
         process == args.die_process):
       print(f'process {process}: dying on purpose after step {i + 1}',
             flush=True)
       os._exit(7)  # pylint: disable=protected-access
     if args.save_at is not None and i + 1 == args.save_at:
-      checkpoint.save(args.save_dir, run.state())
+      with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(args.save_dir), run.state())
       print(f'saved {args.save_dir} after step {i + 1}', flush=True)
 
   results = {}

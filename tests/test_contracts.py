@@ -379,7 +379,7 @@ def test_sharding_types_equal_at_init_and_after_update(name, axis_type):
     if axis_type == AxisType.Explicit:
       # With Auto axes the shardings jit picks for init's outputs are not
       # part of the type and differ from update's (Adam's too): there, init
-      # with out_shardings=cbp_optax.sharding.optimizer_sharding(...).
+      # with out_shardings=optimizer_sharding(...) of docs/sharding.md.
       with test_utils.log_compilations() as compilations:
         step(params, new_state, params)
       assert not compilations, 'the update recompiles for its own output'

@@ -21,14 +21,11 @@ CORE_MODULES = (
     'cbp_optax._alias',
     'cbp_optax.blocks',
     'cbp_optax.centering',
-    'cbp_optax.checkpoint',
-    # cbp_optax.diagnostics: its examples run in test_diagnostics.py.
     'cbp_optax._equalize',
     'cbp_optax.linen',
     'cbp_optax.nnx',
     'cbp_optax._precondition',
     'cbp_optax._recipe',
-    'cbp_optax.sharding',
 )
 
 # Modules whose public API must carry examples (issue 14): at least one.
@@ -83,22 +80,12 @@ DOCUMENTED = (
     ('cbp_optax.nnx.train_step', True),
     ('cbp_optax.nnx.stacked_blocks', True),
     ('cbp_optax.nnx.Optimizer', False),
-    ('cbp_optax.nnx.recalibrate_batch_stats', False),
     ('cbp_optax.linen.center', True),
     ('cbp_optax.linen.Centered', True),
     ('cbp_optax.linen.transport', True),
     ('cbp_optax.linen.train_step', True),
     ('cbp_optax.linen.TrainState', False),
     ('cbp_optax.linen.stacked_blocks', True),
-    ('cbp_optax.linen.recalibrate_batch_stats', False),
-    ('cbp_optax.checkpoint.save', False),
-    ('cbp_optax.checkpoint.restore', False),
-    ('cbp_optax.sharding.optimizer_sharding', False),
-    ('cbp_optax.sharding.fsdp_sharding', False),
-    ('cbp_optax.sharding.batch_sharding', False),
-    ('cbp_optax.sharding.check_batch_divisible', False),
-    ('cbp_optax.sharding.process_batch_slice', False),
-    ('cbp_optax.sharding.shard_batch', False),
 )
 
 

@@ -32,6 +32,24 @@ def test_example_trains_on_real_mnist(script):
   assert accuracy > 0.8, out
 
 
+@needs_mnist
+def test_mnist_nnx_resumes_from_its_orbax_checkpoint_exactly(tmp_path):
+  # --checkpoint-dir: Orbax's CheckpointManager saves after every epoch; a
+  # rerun resumes from the latest and prints what the run that never
+  # stopped printed for the next epoch.
+  args = ['examples/mnist_nnx.py', '--data-dir', str(MNIST_DIR),
+          '--batch-size', '4096']
+  through = run(*args, '--epochs', '2', '--checkpoint-dir',
+                str(tmp_path / 'a'))
+  run(*args, '--epochs', '1', '--checkpoint-dir', str(tmp_path / 'b'))
+  resumed = run(*args, '--epochs', '2', '--checkpoint-dir',
+                str(tmp_path / 'b'))
+  assert 'resumed from epoch 1' in resumed
+  epoch_2 = [re.findall(r'epoch 2: .*', out) for out in (through, resumed)]
+  assert len(epoch_2[0]) == 1 and epoch_2[0] == epoch_2[1], epoch_2
+  assert sorted(p.name for p in (tmp_path / 'b').iterdir()) == ['1', '2']
+
+
 # The default tier runs the compare job offline (tests/test_cli.py).
 @pytest.mark.slow
 @needs_mnist

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
+from cbp_optax_experiments import recalibrate
 from cbp_optax import centering
 
 
@@ -422,8 +423,8 @@ def test_a_linen_collection_without_a_count_records_the_last_call():
   assert set(centering_['Dense_0']) == {'mean', 'batch_mean'}
 
 
-# --- items 2 and 3: recalibrate_batch_stats pools every call and weighs by
-# what each call normalized ----------------------------------------------------
+# --- items 2 and 3: cbp_optax_experiments.recalibrate pools every call and
+# weighs by what each call normalized ----------------------------------------------------
 
 
 class NnxNormTwice(nnx.Module):
@@ -446,7 +447,7 @@ class LinenNormTwice(nn.Module):
 def linen_recalibrated(module, batches, sample=None):
   sample = batches[0] if sample is None else sample
   variables = module.init(jax.random.key(0), sample)
-  return cbp.linen.recalibrate_batch_stats(module.apply, variables, batches)
+  return recalibrate.linen_batch_stats(module.apply, variables, batches)
 
 
 def test_a_batchnorm_applied_twice_pools_both_calls():
@@ -454,7 +455,7 @@ def test_a_batchnorm_applied_twice_pools_both_calls():
   x = jnp.arange(6.0).reshape(6, 1)
   inputs = np.concatenate([np.asarray(x), np.asarray(x) + 10.0])
   model = NnxNormTwice()
-  assert cbp.nnx.recalibrate_batch_stats(model, [x]) == ['norm']
+  assert recalibrate.nnx_batch_stats(model, [x]) == ['norm']
   stats = linen_recalibrated(LinenNormTwice(), [x])['batch_stats']
   for mean, var in ((model.norm.mean[...], model.norm.var[...]),
                     (stats['BatchNorm_0']['mean'],
@@ -468,9 +469,9 @@ def test_a_zero_example_batch_weighs_nothing():
   full = shifted_inputs((8, 1))
   empty = jnp.zeros((0, 1))
   model = NnxNormTwice()
-  cbp.nnx.recalibrate_batch_stats(model, [full, empty])
+  recalibrate.nnx_batch_stats(model, [full, empty])
   reference = NnxNormTwice()
-  cbp.nnx.recalibrate_batch_stats(reference, [full])
+  recalibrate.nnx_batch_stats(reference, [full])
   chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
                               nnx.state(reference, nnx.BatchStat), rtol=1e-6)
   model.eval()
@@ -487,7 +488,7 @@ def test_only_empty_batches_are_refused_and_change_nothing():
   model = NnxNormTwice()
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
   with pytest.raises(ValueError, match="'norm' normalized no example"):
-    cbp.nnx.recalibrate_batch_stats(model, [jnp.zeros((0, 1))] * 2)
+    recalibrate.nnx_batch_stats(model, [jnp.zeros((0, 1))] * 2)
   chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), before)
   with pytest.raises(ValueError, match="'BatchNorm_0' normalized no example"):
     linen_recalibrated(LinenNormTwice(), [jnp.zeros((0, 1))],
@@ -498,7 +499,7 @@ def test_time_major_batches_weigh_the_examples_they_hold():
   # Both (T, B, F) batches weighed 5 (their leading axis): 0.5, not 0.99.
   few, many = jnp.zeros((5, 1, 1)), jnp.ones((5, 99, 1))
   model = nnx.Sequential(nnx.BatchNorm(1, rngs=nnx.Rngs(0)))
-  cbp.nnx.recalibrate_batch_stats(model, [few, many])
+  recalibrate.nnx_batch_stats(model, [few, many])
   np.testing.assert_allclose(model.layers[0].mean[...], [0.99], rtol=1e-6)
   np.testing.assert_allclose(model.layers[0].var[...], [0.99 * 0.01],
                              rtol=1e-5)
@@ -521,7 +522,7 @@ def test_masked_calls_weigh_the_positions_the_mask_keeps():
       return self.norm(x, mask=mask) + self.norm(x[2:3])
 
   model = Masked()
-  cbp.nnx.recalibrate_batch_stats(model, [x])
+  recalibrate.nnx_batch_stats(model, [x])
   kept = np.array([0.0, 4.0, 9.0])  # the mask's two positions and 9
   np.testing.assert_allclose(model.norm.mean[...], [kept.mean()], rtol=1e-6)
   np.testing.assert_allclose(model.norm.var[...], [kept.var()], rtol=1e-6)
@@ -539,7 +540,7 @@ def test_a_batchnorm_the_forward_pass_never_calls_keeps_its_statistics():
 
   model = Unused()
   # It became mean 0 and variance 0 (every later output was x / sqrt(eps)).
-  assert cbp.nnx.recalibrate_batch_stats(model, [jnp.ones((4, 1))]) == [
+  assert recalibrate.nnx_batch_stats(model, [jnp.ones((4, 1))]) == [
       'used']
   np.testing.assert_array_equal(model.unused.var[...], [1.0])
 
@@ -547,7 +548,7 @@ def test_a_batchnorm_the_forward_pass_never_calls_keeps_its_statistics():
 def test_non_finite_statistics_are_refused():
   model = NnxNormTwice()
   with pytest.raises(ValueError, match="'norm' are not finite"):
-    cbp.nnx.recalibrate_batch_stats(model, [jnp.full((2, 1), jnp.nan)])
+    recalibrate.nnx_batch_stats(model, [jnp.full((2, 1), jnp.nan)])
   np.testing.assert_array_equal(model.norm.var[...], [1.0])
 
 
@@ -578,7 +579,7 @@ def test_linen_layers_called_with_keyword_inputs_are_centered_and_recalibrated()
     y_new = model.apply(dict(variables, params=params, centering=centering_),
                         x)
     np.testing.assert_allclose(y_new, y, rtol=0, atol=1e-12)
-    new = cbp.linen.recalibrate_batch_stats(model.apply, variables, [x])
+    new = recalibrate.linen_batch_stats(model.apply, variables, [x])
     h = model.apply(variables, x, capture_intermediates=True,
                     mutable=['intermediates'])[1]['intermediates']
     conv_out = np.asarray(h['Conv_0']['__call__'][0]).reshape(-1, 2)

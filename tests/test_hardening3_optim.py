@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax import diagnostics
+from cbp_optax_experiments import diagnostics
 
 
 def two_layers():

@@ -1,9 +1,9 @@
 """CBP across processes with ``jax.distributed`` on this machine (issue 16).
 
 Each test starts real worker processes (``tests/multiprocess_worker.py``)
-through :func:`cbp_optax.launch.launch`: every process gets 2 simulated CPU
-devices, the coordinator and gloo's collectives listen on 127.0.0.1 only
-(each worker checks its listening sockets in /proc), and every run is
+through :func:`tests.launch.launch`: every process gets 2 simulated CPU
+devices, the coordinator listens on 127.0.0.1 only (each worker checks its
+listening sockets in /proc), and every run is
 bounded by the launcher's timeout. A run with 2 processes x
 2 devices is compared with 1 process x 4 devices (the same global mesh
 ``(data=4)``): final parameters, optimizer state (CBP's moments and M1's
@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from cbp_optax import launch
+from tests import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds per launched run; only reached if something hangs
@@ -176,8 +176,8 @@ def test_two_processes_equal_one_process_more_layouts(runs, framework, layout):
 @pytest.mark.slow
 def test_data_axis_within_each_process(runs):
   # Mesh (model=2, data=2) with 'model' across the processes: each process
-  # holds the whole data axis, so process_batch_slice gives it the whole
-  # batch and shard_batch keeps the local size as the global one.
+  # holds the whole data axis, so process_rows gives it the whole
+  # batch and shard_process_batch keeps the local size as the global one.
   two = runs.get(2, 2, mesh='model_data')
   one = runs.get(1, 4, mesh='model_data')
   check_real_work(one)

@@ -1,4 +1,4 @@
-"""``cbp_optax.sharding`` helpers in one process: masked optimizers, batch slices.
+"""The sharding helpers of docs/sharding.md in one process.
 
 ``optimizer_sharding`` of ``optax.masked`` / ``optax.partition`` (issue 13,
 item 15) and the process-local batch helpers (issue 16) on a one-device
@@ -18,7 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cbp_optax as cbp
-from cbp_optax import sharding
+from tests.doc_code import run_page
+
+sharding = run_page('sharding.md', definitions_only=True)
 
 
 def _mesh():
@@ -102,19 +104,20 @@ def test_optimizer_sharding_of_masked_optimizer_trains():
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
 
 
-def test_process_batch_slice_is_the_whole_batch_in_one_process():
+def test_process_rows_is_the_whole_batch_in_one_process():
   mesh = _mesh()
-  assert sharding.process_batch_slice(16, mesh) == slice(0, 16)
-  with pytest.raises(ValueError, match="'batch' is not in the mesh"):
-    sharding.process_batch_slice(16, mesh, 'batch')
+  assert sharding.process_rows(16, mesh) == slice(0, 16)
+  with pytest.raises((ValueError, KeyError)):
+    sharding.process_rows(16, mesh, 'batch')
 
 
 def test_shard_batch_of_process_local_rows_in_one_process():
   mesh = _mesh()
   images = np.arange(24.0).reshape(8, 3)
   labels = np.arange(8, dtype=np.int32)
-  rows = sharding.process_batch_slice(len(labels), mesh)
-  x, y = sharding.shard_batch((images[rows], labels[rows]), mesh)
+  rows = sharding.process_rows(len(labels), mesh)
+  x, y = sharding.shard_process_batch((images[rows], labels[rows]),
+                                      len(labels), mesh)
   assert x.shape == images.shape and y.shape == labels.shape
   assert x.sharding.spec == P('data')
   np.testing.assert_array_equal(np.asarray(x), images)

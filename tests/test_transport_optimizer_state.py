@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
+from cbp_optax_experiments import recalibrate
 from cbp_optax import centering as core
 
 F64_TOLERANCE = 1e-12
@@ -773,7 +774,7 @@ def test_nnx_recalibrate_the_eval_model_at_the_evaluation_point():
       step(model, optimizer, batch)
     trained_stats = np.asarray(model.norm.mean[...])
     evaluated = cbp.nnx.eval_model(model, optimizer)
-    cbp.nnx.recalibrate_batch_stats(evaluated, batches)
+    recalibrate.nnx_batch_stats(evaluated, batches)
     # The statistics are those of the BatchNorm's input at x, not at y.
     hidden = evaluated.hidden(jnp.concatenate(batches))
     # (BatchNorm keeps its statistics in float32.)
@@ -807,7 +808,7 @@ def test_linen_recalibrate_at_the_evaluation_point():
   for batch in batches:
     state, _ = step(state, batch)
   params = cbp.linen.eval_params(state.params, state.opt_state)
-  recalibrated = cbp.linen.recalibrate_batch_stats(
+  recalibrated = recalibrate.linen_batch_stats(
       model.apply, {'params': params, 'centering': state.centering,
                     **state.model_state}, batches, train=False)
   # The BatchNorm's input at x: the centered hidden layer's output.
@@ -822,7 +823,7 @@ def test_linen_recalibrate_at_the_evaluation_point():
 
 
 def test_nnx_checkpoint_resume_with_schedule_free_is_bit_exact(tmp_path):
-  from cbp_optax import checkpoint  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   loss = lambda m, x: jnp.mean((m(x) - 1.0) ** 2)
   step = cbp.nnx.train_step(loss, mean_decay=0.5)
@@ -836,12 +837,14 @@ def test_nnx_checkpoint_resume_with_schedule_free_is_bit_exact(tmp_path):
   model, optimizer = fresh()
   for batch in x[:2]:
     step(model, optimizer, batch)
-  checkpoint.save(tmp_path / 'c', nnx.state((model, optimizer)))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'c', nnx.state((model, optimizer)))
   for batch in x[2:]:
     step(model, optimizer, batch)
-  resumed, resumed_opt = fresh()
-  nnx.update((resumed, resumed_opt), checkpoint.restore(
-      tmp_path / 'c', nnx.state((resumed, resumed_opt))))
+  graphdef, abstract = nnx.split(nnx.eval_shape(fresh))
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / 'c', abstract)
+  resumed, resumed_opt = nnx.merge(graphdef, restored)
   for batch in x[2:]:
     step(resumed, resumed_opt, batch)
   chex.assert_trees_all_equal(nnx.as_pure(nnx.state((resumed, resumed_opt))),

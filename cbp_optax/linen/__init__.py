@@ -42,7 +42,6 @@ from cbp_optax.linen._transport import muon_dimension_numbers
 from cbp_optax.linen._transport import transport
 from cbp_optax.linen._train_step import train_step
 from cbp_optax.linen._train_step import TrainState
-from cbp_optax.linen._recalibrate import recalibrate_batch_stats
 
 __all__ = [
     'COLLECTION',
@@ -54,7 +53,6 @@ __all__ = [
     'center',
     'eval_params',
     'muon_dimension_numbers',
-    'recalibrate_batch_stats',
     'stacked_blocks',
     'train_step',
     'transport',

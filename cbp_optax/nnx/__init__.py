@@ -45,7 +45,6 @@ from cbp_optax.nnx._transport import muon_dimension_numbers
 from cbp_optax.nnx._transport import transport
 from cbp_optax.nnx._train_step import Optimizer
 from cbp_optax.nnx._train_step import train_step
-from cbp_optax.nnx._recalibrate import recalibrate_batch_stats
 
 __all__ = [
     'CenterReport',
@@ -60,7 +59,6 @@ __all__ = [
     'centered_layers',
     'eval_model',
     'muon_dimension_numbers',
-    'recalibrate_batch_stats',
     'stacked_blocks',
     'train_step',
     'transport',

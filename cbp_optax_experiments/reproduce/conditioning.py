@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cbp_optax import diagnostics
+from cbp_optax_experiments import diagnostics
 from cbp_optax_experiments.reproduce import plotting
 from cbp_optax_experiments.reproduce import training
 from cbp_optax_experiments.reproduce.context import StudyContext, StudyResult
@@ -42,7 +42,7 @@ PAPER_MEDIAN_RATIO = 3.4
 def factor_spectra(hidden: np.ndarray, zeta: float = ZETA) -> dict[str, float]:
   """Spectral diagnostics of ``E[aa^T]`` vs ``Cov(a)`` for activations (n, d).
 
-  ``cbp_optax.diagnostics.mean_alignment`` in float64: the factors are
+  ``cbp_optax_experiments.diagnostics.mean_alignment`` in float64: the factors are
   rank-deficient, and the eigenvalues near zero set the damped condition
   numbers.
   """

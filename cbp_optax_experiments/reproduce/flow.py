@@ -2,7 +2,7 @@
 
 Like ``training.make_trainer`` (one ``lax.scan`` per run, seeds and learning
 rates vmapped, M2 transport after every update), but each step also records
-``cbp_optax.diagnostics.gradient_profile`` of the raw gradient and
+``cbp_optax_experiments.diagnostics.gradient_profile`` of the raw gradient and
 ``update_profile`` of the update the optimizer applies, in depth order, and the
 run returns its initial and final parameters so that the studies can measure
 movement and curvature with the public diagnostics.
@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 import cbp_optax as cbp
-from cbp_optax import diagnostics
+from cbp_optax_experiments import diagnostics
 from cbp_optax_experiments.reproduce import training
 
 

@@ -9,7 +9,7 @@ SGD: M1 alone), Adam and full CBP (M2 centering and ``cbp.cbp``) for a fixed
 budget; the learning rate of each (initialization,
 method) cell is selected on the validation split from a three-point grid.
 
-Measured with ``cbp_optax.diagnostics``: the raw gradient profile (per-layer
+Measured with ``cbp_optax_experiments.diagnostics``: the raw gradient profile (per-layer
 Frobenius norm, the M1 blocks) at the first step, the profile of the update
 each method applies, and test accuracy after the budget.
 
@@ -130,7 +130,7 @@ def run(ctx: StudyContext) -> StudyResult:
            'seeds; per (initialization, method) the learning rate with the '
            'lowest mean final validation loss among those where every seed '
            f'stayed finite, from {grids}. CBP = cbp.cbp (M1 + M3) on a '
-           'centered network (M2). Profiles by cbp_optax.diagnostics: one '
+           'centered network (M2). Profiles by cbp_optax_experiments.diagnostics: one '
            'block per layer (kernel + bias), depth order input -> output; '
            'disparity = max/min block Frobenius norm, median over seeds. '
            '"—" lr: every rate diverged (the row shows the smallest rate).')

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cbp_optax as cbp
-from cbp_optax import diagnostics
+from cbp_optax_experiments import diagnostics
 from cbp_optax_experiments.reproduce import plotting
 from cbp_optax_experiments.reproduce import stats
 from cbp_optax_experiments.reproduce import training
@@ -47,7 +47,7 @@ def saturating_tanh_mlp(depth: int = DEPTH, width: int = WIDTH) -> training.MLP:
 def layer_norms(tree) -> jax.Array:
   """Frobenius norm of each layer block, in layer order (layer_0, layer_1...).
 
-  The M1 blocks of ``cbp_optax.diagnostics.gradient_profile``, which come in
+  The M1 blocks of ``cbp_optax_experiments.diagnostics.gradient_profile``, which come in
   tree order (layer_0, layer_1, layer_10, ...), put back in depth order.
   """
   profile = diagnostics.gradient_profile(tree)

@@ -5,7 +5,7 @@ ReLU MLPs (width 32, zero biases) whose Gaussian weights are
 the forward signal grows like ``(alpha / sqrt 2) ** depth``), at depths
 {5, 10, ..., 30}, trained on MNIST digits 0-4 vs 5-9 with SGD, AdamW and full
 CBP. Per (method, depth, alpha) the learning rate is selected on the validation
-loss from a three-point grid. Reported per run, with ``cbp_optax.diagnostics``:
+loss from a three-point grid. Reported per run, with ``cbp_optax_experiments.diagnostics``:
 test AUC, the Hutchinson trace of the final Hessian (``hessian_trace``) and the
 relative distance from initialization (``parameter_movement``).
 

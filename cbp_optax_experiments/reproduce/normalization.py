@@ -6,7 +6,7 @@ centering alone (Adam + Center: M2) and full CBP (M2 + ``cbp.cbp``), without
 normalization layers. Learning rate per arm selected on the validation loss
 from a three-point grid; reported: test accuracy, the final training loss
 (mean minibatch loss over the last 20 steps) and, with
-``cbp_optax.diagnostics``, the raw gradient and applied update disparities.
+``cbp_optax_experiments.diagnostics``, the raw gradient and applied update disparities.
 
 Reported in earlier notes (no normalization / LayerNorm / BatchNorm): 91.0 /
 90.0 / 89.1% test accuracy, BatchNorm the lowest training loss (0.025 vs
@@ -109,7 +109,7 @@ def run(ctx: StudyContext) -> StudyResult:
            f'{BATCH}, {steps} iterations, {len(seeds)} seeds; per arm the '
            f'learning rate from {list(grid)} with the lowest mean final '
            'validation loss. Train loss: mean minibatch loss of the last 20 '
-           'steps. Disparities (cbp_optax.diagnostics, one block per layer, '
+           'steps. Disparities (cbp_optax_experiments.diagnostics, one block per layer, '
            'its norm parameters included): medians over seeds.')
   mean = lambda k: {n: float(np.mean(cells[n][k])) for n in names}
   accuracy, train_loss = mean('test_accuracy'), mean('train_loss')

@@ -1,4 +1,4 @@
-"""Precise BatchNorm: recalibrate_batch_stats gives population statistics."""
+"""Precise BatchNorm: cbp_optax_experiments.recalibrate gives population statistics."""
 
 import flax.linen as nn
 import jax
@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
+from cbp_optax_experiments import recalibrate
 
 SIZES = (8, 8, 5)  # unequal: batches are weighted by their size
 EPS = 1e-5
@@ -85,7 +86,7 @@ def test_nnx_statistics_equal_the_pooled_inputs_in_float64(centered):
     batches = make_batches()
     before = snapshot(nnx.state(model, nnx.Not(nnx.Any(
         nnx.PathContains('bn1'), nnx.PathContains('bn2')))))
-    paths = cbp.nnx.recalibrate_batch_stats(
+    paths = recalibrate.nnx_batch_stats(
         model, [jnp.asarray(b) for b in batches])
     assert paths == ['bn1', 'bn2']
     h1 = [dense(x, *linear_of(model.l1)) for x in batches]
@@ -138,7 +139,7 @@ def test_nnx_stacked_blocks_get_per_slice_statistics():
     float64_statistics(model)
     cbp.nnx.center(model)
     batches = make_batches(4)
-    assert cbp.nnx.recalibrate_batch_stats(
+    assert recalibrate.nnx_batch_stats(
         model, [jnp.asarray(b) for b in batches]) == ['blocks/norm']
     norm = model.blocks.norm
     assert norm.mean.shape == (3, 4)
@@ -175,7 +176,7 @@ def test_linen_statistics_equal_the_pooled_inputs_in_float64(centered):
     batches = make_batches()
     variables = model.init(jax.random.key(0), jnp.asarray(batches[0]),
                            train=False)
-    new = cbp.linen.recalibrate_batch_stats(
+    new = recalibrate.linen_batch_stats(
         model.apply, variables, [jnp.asarray(b) for b in batches],
         train=False)
     params = variables['params']
@@ -224,7 +225,7 @@ def test_linen_scanned_stack_gets_per_slice_statistics():
     model = cbp.linen.center(LinenStack())
     batches = make_batches(4)
     variables = model.init(jax.random.key(0), jnp.asarray(batches[0]))
-    stats = cbp.linen.recalibrate_batch_stats(
+    stats = recalibrate.linen_batch_stats(
         model.apply, variables, [jnp.asarray(b) for b in batches]
     )['batch_stats']['layers']['BatchNorm_0']
     params = variables['params']['layers']
@@ -243,11 +244,20 @@ def test_linen_scanned_stack_gets_per_slice_statistics():
 
 def test_recalibration_refuses_what_it_cannot_do():
   with pytest.raises(ValueError, match='no nnx.BatchNorm'):
-    cbp.nnx.recalibrate_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+    recalibrate.nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
                                     [jnp.ones((2, 2))])
   model = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='batches is empty'):
-    cbp.nnx.recalibrate_batch_stats(model, [])
+    recalibrate.nnx_batch_stats(model, [])
   with pytest.raises(ValueError, match='no batch_stats'):
-    cbp.linen.recalibrate_batch_stats(nn.Dense(2).apply, {'params': {}},
+    recalibrate.linen_batch_stats(nn.Dense(2).apply, {'params': {}},
                                       [jnp.ones((2, 2))])
+
+
+def test_docstring_examples():
+  import doctest  # pylint: disable=g-import-not-at-top
+  from cbp_optax_experiments.recalibrate import linen as linen_module  # pylint: disable=g-import-not-at-top
+  from cbp_optax_experiments.recalibrate import nnx as nnx_module  # pylint: disable=g-import-not-at-top
+  for module in (nnx_module, linen_module):
+    failures, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert tried and not failures, module.__name__

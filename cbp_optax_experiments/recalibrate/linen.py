@@ -3,21 +3,52 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
+
+import inspect
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cbp_optax import _batch_stats
-
-from cbp_optax.linen._center import _call_input
+from cbp_optax_experiments.recalibrate import _batch_stats
 
 
 # Beside every BatchNorm's statistics during recalibration only: how many
 # positions, and in how many calls, it normalized so far in one batch.
 _POOL_COUNT, _POOL_CALLS = 'cbp_recalibration_count', 'cbp_recalibration_calls'
+
+
+def _input_name(module_type: type) -> Optional[str]:
+  """The name of the first argument of ``module_type.__call__`` after self."""
+  try:
+    parameters = list(
+        inspect.signature(module_type.__call__).parameters.values())[1:]
+  except (TypeError, ValueError):
+    return None
+  if parameters and parameters[0].kind in (
+      inspect.Parameter.POSITIONAL_ONLY,
+      inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    return parameters[0].name
+  return None
+
+
+def _call_input(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+) -> tuple[bool, Any, tuple[Any, ...], dict[str, Any]]:
+  """``(found, input, other args, other kwargs)`` of an intercepted call.
+
+  The input is the call's first argument, given by position or by its name
+  (``nn.BatchNorm()(x=h)``).
+  """
+  kwargs = dict(kwargs)
+  if args:
+    return True, args[0], tuple(args[1:]), kwargs
+  name = _input_name(type(module))
+  if name is not None and name in kwargs:
+    return True, kwargs.pop(name), (), kwargs
+  return False, None, tuple(args), kwargs
 
 
 def _is_norm_entry(tree: Any) -> bool:
@@ -59,7 +90,7 @@ def _replace_entries(stats: Any, new: Mapping[str, Any],
           for k, v in stats.items()}
 
 
-def recalibrate_batch_stats(
+def linen_batch_stats(
     apply_fn: Callable[..., Any], variables: Any, batches: Any,
     **apply_kwargs: Any,
 ) -> Any:
@@ -94,7 +125,7 @@ def recalibrate_batch_stats(
   Returns:
     ``variables`` with new ``batch_stats`` (same container type); a
     BatchNorm the forward pass never calls keeps its statistics. Functional,
-    as Linen is: ``cbp.nnx.recalibrate_batch_stats`` runs the same algorithm
+    as Linen is: ``cbp_optax_experiments.recalibrate.nnx_batch_stats`` runs the same algorithm
     but sets an NNX model's statistics in place and returns the paths of the
     layers it recalibrated instead.
 
@@ -106,7 +137,7 @@ def recalibrate_batch_stats(
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
-    >>> import cbp_optax as cbp
+    >>> from cbp_optax_experiments import recalibrate
     >>> class Net(nn.Module):
     ...   @nn.compact
     ...   def __call__(self, x, train: bool = True):
@@ -115,7 +146,7 @@ def recalibrate_batch_stats(
     >>> model = Net()
     >>> batches = [jnp.ones((4, 2)), jnp.zeros((4, 2))]
     >>> variables = model.init(jax.random.key(0), batches[0], train=False)
-    >>> variables = cbp.linen.recalibrate_batch_stats(
+    >>> variables = recalibrate.linen_batch_stats(
     ...     model.apply, variables, batches, train=False)
     >>> inputs = nn.Dense(3).apply(
     ...     {'params': variables['params']['dense']}, jnp.concatenate(batches))
@@ -127,7 +158,7 @@ def recalibrate_batch_stats(
   """
   if 'batch_stats' not in variables:
     raise ValueError(
-        'recalibrate_batch_stats: variables has no batch_stats collection '
+        'linen_batch_stats: variables has no batch_stats collection '
         '(no BatchNorm layer).')
 
   def interceptor(next_fun, args, kwargs, context):

@@ -7,7 +7,9 @@ loopback address, which exercises every multi-host code path (global arrays
 assembled from per-process data, cross-process collectives, multi-process
 checkpoints) without a cluster. On CPU the collectives are gloo's.
 
-* :func:`launch` (or ``python -m cbp_optax.launch``) starts the workers with
+A test helper, not part of the library: the multiprocess tests use it.
+
+* :func:`launch` (or ``python -m tests.launch``) starts the workers with
   a free port on 127.0.0.1, prefixes their output with ``[proc i]``, enforces
   a timeout and stops every worker as soon as one fails.
 * :func:`initialize_from_env`, called first thing in each worker, reads what
@@ -18,13 +20,13 @@ checkpoints) without a cluster. On CPU the collectives are gloo's.
 Example::
 
   # worker.py
-  from cbp_optax import launch
+  from tests import launch
   launch.initialize_from_env()   # before any other JAX call
   import jax
   print(jax.process_index(), jax.process_count(), jax.device_count())
 
   # on the command line: 2 processes with 2 simulated CPU devices each
-  python -m cbp_optax.launch --processes 2 --cpu-devices 2 -- worker.py
+  python -m tests.launch --processes 2 --cpu-devices 2 -- worker.py
 
 On a real cluster use the cluster's launcher (SLURM, Kubernetes, a TPU pod's
 own) and plain ``jax.distributed.initialize()``; see ``docs/multihost.md``.
@@ -41,12 +43,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Mapping, Optional, Sequence
+from typing import IO, Mapping, Optional, Sequence
 
 from cbp_optax import _checks
-from cbp_optax._workers import Worker
-from cbp_optax._workers import describe_exit
-from cbp_optax._workers import finish
+from tests._workers import Worker
+from tests._workers import describe_exit
+from tests._workers import finish
 
 __all__ = [
     'ENV_COORDINATOR',
@@ -116,51 +118,12 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def gloo_available() -> bool:
-  """Whether this jaxlib has gloo, the CPU collectives multi-process needs."""
-  return _gloo_cpu_client_factory(LOOPBACK) is not None
+  """Whether JAX's CPU backend offers gloo, the collectives multi-process needs.
 
-
-def _gloo_cpu_client_factory(
-    hostname: str,
-) -> Optional[Callable[[], Any]]:
-  """A factory of CPU clients whose gloo collectives listen on ``hostname``.
-
-  The one place this module uses JAX internals, because JAX has no public
-  API for either thing it needs: to ask whether jaxlib was built with gloo,
-  and to choose the address gloo's TCP transport listens on (JAX takes the
-  address the host name resolves to). The factory builds the CPU client as
-  ``jax._src.xla_bridge`` does by default, from jaxlib's
-  ``make_gloo_tcp_collectives`` and the ``jax.distributed`` client, with
-  ``hostname`` added. Where those names are missing (no gloo, or another
-  JAX version) it returns None, and the callers fall back:
-  :func:`gloo_available` says False, :func:`initialize_from_env` leaves
-  JAX's default address.
+  JAX has no public query for it; jaxlib's Linux and macOS wheels are built
+  with gloo, so this answers by platform.
   """
-  # pylint: disable=g-import-not-at-top
-  try:
-    from jax._src import distributed
-    from jax._src import xla_bridge
-  except ImportError:  # pragma: no cover
-    return None
-  try:
-    from jax._src.lib import _jax
-  except ImportError:  # pragma: no cover - older jaxlib layout
-    try:
-      from jax._src.lib import xla_extension as _jax  # type: ignore
-    except ImportError:
-      return None
-  # pylint: enable=g-import-not-at-top
-  make_collectives = getattr(_jax, 'make_gloo_tcp_collectives', None)
-  if make_collectives is None or not hasattr(xla_bridge, 'make_cpu_client'):
-    return None
-
-  def make_cpu_client():
-    return xla_bridge.make_cpu_client(collectives=make_collectives(
-        distributed_client=distributed.global_state.client,
-        hostname=hostname))
-
-  return make_cpu_client
-
+  return sys.platform.startswith(('linux', 'darwin'))
 
 
 _MAX_PROCESSES = 1024
@@ -393,30 +356,6 @@ def _supervise(workers: Sequence[Worker], start: float, timeout: float,
     time.sleep(0.05)
 
 
-def _bind_gloo_to_loopback() -> bool:
-  """Makes the CPU backend's gloo collectives listen on 127.0.0.1 only.
-
-  For a run that is all on this machine the loopback address is enough and
-  exposes nothing. Registers the factory of
-  :func:`_gloo_cpu_client_factory` for the CPU backend (public API); returns
-  False, changing nothing, where that factory is not available, the
-  collectives are not gloo's, or the CPU backend exists already.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.extend import backend  # pylint: disable=g-import-not-at-top
-
-  factory = _gloo_cpu_client_factory(LOOPBACK)
-  if (factory is None
-      or jax.config.jax_cpu_collectives_implementation != 'gloo'):
-    return False
-  try:
-    backend.register_backend_factory(
-        'cpu', factory, priority=0, fail_quietly=False)
-  except (RuntimeError, TypeError):  # the CPU backend is initialized
-    return False
-  return True
-
-
 def initialize_from_env(
     *, collectives: str = 'gloo', heartbeat_timeout_seconds: int = 30,
 ) -> bool:
@@ -425,7 +364,8 @@ def initialize_from_env(
   Call it first thing in a worker, before any other JAX computation. Without
   the launcher's environment variables it does nothing and returns False,
   so the same script runs as an ordinary single process. The coordinator
-  listens on 127.0.0.1 only, and on CPU gloo's collectives too.
+  listens on 127.0.0.1 only (gloo's collectives listen on the address the
+  host name resolves to: JAX has no public setting for it).
 
   Args:
     collectives: CPU collectives implementation (``'gloo'``; ``'mpi'`` needs
@@ -468,17 +408,15 @@ def initialize_from_env(
       # launcher has given everything.
       cluster_detection_method='deactivate',
   )
-  if collectives == 'gloo':
-    _bind_gloo_to_loopback()
   return True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m cbp_optax.launch --processes N [--cpu-devices D] -- prog``."""
+  """``python -m tests.launch --processes N [--cpu-devices D] -- prog``."""
   parser = argparse.ArgumentParser(
-      prog='python -m cbp_optax.launch',
+      prog='python -m tests.launch',
       description='Run a JAX program as N processes on 127.0.0.1. The program '
-      'calls cbp_optax.launch.initialize_from_env() first.')
+      'calls tests.launch.initialize_from_env() first.')
   parser.add_argument('--processes', '-n', type=int, required=True)
   parser.add_argument('--cpu-devices', type=int, default=None,
                       help='simulated CPU devices per process')
@@ -496,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (TypeError, ValueError) as e:  # an argument, before any start
     parser.error(str(e))
   except LaunchError as e:
-    print(f'cbp_optax.launch: {e}', file=sys.stderr)
+    print(f'tests.launch: {e}', file=sys.stderr)
     return 1
   return 0
 

@@ -3,7 +3,7 @@
 Every worker leads its own process group (``start_new_session=True``);
 :class:`Worker` forwards its output line by line and notes when it exited,
 and :func:`finish` ends what is left of the groups and collects the rest of
-the output (used by :mod:`cbp_optax.launch`).
+the output (used by :mod:`tests.launch`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def stop(workers: Sequence[Worker], grace: float) -> None:
     alive = _wait_gone(alive, wait)
   if alive:
     warnings.warn(
-        f'cbp_optax.launch: the process groups {[w.proc.pid for w in alive]} '
+        f'tests.launch: the process groups {[w.proc.pid for w in alive]} '
         f'still exist {_KILL_WAIT:g} s after SIGKILL (a process in '
         'uninterruptible sleep, or one its parent has not reaped).',
         RuntimeWarning, stacklevel=2)

@@ -1,6 +1,6 @@
 """Hessian-vector products, random probes and power iteration on any tree.
 
-The curvature half of :mod:`cbp_optax.diagnostics`: ``H v`` is
+The curvature half of :mod:`cbp_optax_experiments.diagnostics`: ``H v`` is
 forward-over-reverse (``jax.jvp`` of ``jax.grad``), and every function works
 on a parameter pytree in the floating dtype of its leaves.
 """

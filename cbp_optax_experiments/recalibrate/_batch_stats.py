@@ -1,4 +1,4 @@
-"""Precise BatchNorm statistics, shared by ``cbp_optax.nnx`` and ``.linen``.
+"""Precise BatchNorm statistics, one algorithm for NNX and Linen models.
 
 BatchNorm's running averages are an EMA of per-batch statistics taken while
 the network changed; after training (or after a run too short for the EMA
@@ -172,7 +172,7 @@ def pool(batches: Iterable[Mapping[str, Moments]]) -> dict[str, Moments]:
     else:
       pooled = {path: combine(pooled[path], batch[path]) for path in pooled}
   if pooled is None:
-    raise ValueError('recalibrate_batch_stats: batches is empty.')
+    raise ValueError('recalibration: batches is empty.')
   return pooled
 
 
@@ -202,7 +202,7 @@ def finish(pooled: Mapping[str, Moments]) -> dict[str, tuple[Any, Any]]:
   empty = sorted(p for p, m in pooled.items() if not jnp.all(m.count > 0))
   if empty:
     raise ValueError(
-        f'recalibrate_batch_stats: the BatchNorm layers {_listed(empty)} '
+        f'recalibration: the BatchNorm layers {_listed(empty)} '
         'normalized no example in any batch (every batch was empty), so '
         'there are no statistics to take; the running averages were left '
         'as they were. Pass batches with examples.'
@@ -212,7 +212,7 @@ def finish(pooled: Mapping[str, Moments]) -> dict[str, tuple[Any, Any]]:
                        and jnp.all(jnp.isfinite(m.var))))
   if bad:
     raise ValueError(
-        f'recalibrate_batch_stats: the statistics of the BatchNorm layers '
+        f'recalibration: the statistics of the BatchNorm layers '
         f'{_listed(bad)} are not finite (non-finite inputs: check the '
         'batches and the parameters); the running averages were left as '
         'they were.'

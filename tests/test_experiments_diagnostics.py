@@ -1,4 +1,4 @@
-"""cbp_optax.diagnostics against closed forms.
+"""cbp_optax_experiments.diagnostics against closed forms.
 
 Norms on hand-built trees, Hutchinson and power iteration on quadratics with a
 known Hessian, movement and alignment on hand-computable inputs, in float32 and
@@ -12,11 +12,10 @@ import jax
 from jax import flatten_util
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import cbp_optax as cbp
-from cbp_optax import diagnostics
+from cbp_optax_experiments import diagnostics
 
 
 def hand_tree(dtype=jnp.float32):

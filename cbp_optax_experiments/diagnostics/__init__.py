@@ -32,15 +32,15 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from cbp_optax import _per_block
-from cbp_optax import _checks
-from cbp_optax import _hessian
 from cbp_optax.blocks import block_layout
 from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
 from cbp_optax.blocks import StackedFn
-from cbp_optax._equalize import stats_dtype_for
-from cbp_optax._hessian import LossFn
+from cbp_optax_experiments.diagnostics import _checks
+from cbp_optax_experiments.diagnostics import _hessian
+from cbp_optax_experiments.diagnostics import _per_block
+from cbp_optax_experiments.diagnostics._checks import stats_dtype_for
+from cbp_optax_experiments.diagnostics._hessian import LossFn
 
 __all__ = (
     'GradientProfile',

@@ -8,9 +8,11 @@ from typing import Any, Callable, Iterable, Optional
 import jax
 from flax import nnx
 
-from cbp_optax import _batch_stats
+from cbp_optax_experiments.recalibrate import _batch_stats
 
-from cbp_optax.nnx._center import _path_str
+
+def _path_str(path: Any) -> str:
+  return '/'.join(str(p) for p in path)
 
 
 def _norm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
@@ -63,7 +65,7 @@ def _pooling_type(norm_type: type) -> type:
   return pooling
 
 
-def recalibrate_batch_stats(
+def nnx_batch_stats(
     model: nnx.Module, batches: Iterable[Any], *,
     forward: Optional[Callable[[nnx.Module, Any], Any]] = None,
 ) -> list[str]:
@@ -99,7 +101,7 @@ def recalibrate_batch_stats(
     The paths of the BatchNorm layers recalibrated: all those the forward
     pass calls (one it never calls keeps its statistics). The statistics
     themselves are set in the model, as NNX's own updates are;
-    ``cbp.linen.recalibrate_batch_stats`` runs the same algorithm but is
+    ``cbp_optax_experiments.recalibrate.linen_batch_stats`` runs the same algorithm but is
     functional, as Linen is, and returns the new variables instead.
 
   Raises:
@@ -110,11 +112,11 @@ def recalibrate_batch_stats(
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import cbp_optax as cbp
+    >>> from cbp_optax_experiments import recalibrate
     >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
     ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
     >>> batches = [jnp.ones((4, 2)), jnp.zeros((4, 2))]
-    >>> cbp.nnx.recalibrate_batch_stats(model, batches)
+    >>> recalibrate.nnx_batch_stats(model, batches)
     ['layers/1']
     >>> outputs = model.layers[0](jnp.concatenate(batches))  # the BN input
     >>> bool(jnp.allclose(model.layers[1].mean[...], outputs.mean(0)))
@@ -125,7 +127,7 @@ def recalibrate_batch_stats(
   norms = _norm_layers(model)
   if not norms:
     raise ValueError(
-        'recalibrate_batch_stats: the model has no nnx.BatchNorm layer.')
+        'nnx_batch_stats: the model has no nnx.BatchNorm layer.')
   forward = forward or _call_model
   graphdef, state = nnx.split(model)
 

@@ -5,7 +5,7 @@ A :class:`~cbp_optax.blocks.BlockLayout` (the blocks of
 block, shape ``(L,)``: :func:`norms`, :func:`sums`; :func:`whole_and_outside`
 gives the one-block layouts whose reductions are the totals over every
 parameter and over those in no block. Shared by the profile and the curvature
-functions of :mod:`cbp_optax.diagnostics`.
+functions of :mod:`cbp_optax_experiments.diagnostics`.
 """
 
 from __future__ import annotations
