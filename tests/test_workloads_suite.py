@@ -175,7 +175,7 @@ def test_arm_names_are_stable_and_ordered():
   names = list(arms_lib.builtin_arms())
   assert names[:3] == list(arms_lib.BASELINES)
   expected = {'adamw', 'nadamw', 'sgd_nesterov', 'muon',
-              'schedule_free_adamw', 'adopt', 'cbp', 'former_cbp_transformer',
+              'schedule_free_adamw', 'adopt', 'cbp',
               'cbp_robust'} | {f'{p}_centered' for p in arms_lib.PEERS}
   assert set(names) == expected | {
       a.name for a in arms_lib.RECOMMENDED + arms_lib.CANDIDATES}

@@ -64,6 +64,21 @@ _ARM_NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.+-]*')
 _WORKLOAD_IDENTITY = ('metric', 'higher_is_better', 'budget_steps',
                       'eval_every', 'grid')
 
+# Evaluation seeds of a full run: the paper's standard for a paired test
+# (statistics.py) is at least ten; every arm runs the same seeds.
+DEFAULT_SEEDS = 10
+# ``--quick`` without --workloads/--arms/--seeds: a smoke test of every stage
+# (tuning, seeds, targets, scores, intervals, paired tests) in about two
+# minutes on two CPU cores: the two cheapest scanned workloads, the
+# reference AdamW (a baseline: it sets the targets), its centered twin (a
+# centered-vs-plain pair) and the recommended recipe, on three seeds.
+QUICK_WORKLOADS = ('spiral', 'breast-cancer-raw')
+QUICK_ARMS = ('adamw', 'adamw_centered', 'recommended')
+QUICK_SEEDS = 3
+FULL_RUN_HINT = ('the full suite: cbp-optax workloads --split dev (then '
+                 '--split test), {seeds} paired seeds, every arm; see '
+                 'cbp-optax workloads --help')
+
 EPILOG_EXIT = (
     'exit status: 0 when every (workload, arm) ran and the results were '
     'written; 1 when some or all of them failed (those that ran are written, '
@@ -156,13 +171,17 @@ def make_parser() -> argparse.ArgumentParser:
                       help='run the split\'s workloads only (splits.py: '
                       'dev chooses the defaults, test only reports), into '
                       'its own --out; without it: every workload')
-  parser.add_argument('--workloads', default=ALL, metavar='NAMES',
+  parser.add_argument('--workloads', default=None, metavar='NAMES',
                       help="'all' (with --split: the split's) or "
                       'comma-separated workloads (listed below; with '
-                      '--split, of that split)')
-  parser.add_argument('--arms', default=ALL, metavar='NAMES',
+                      '--split, of that split); without it: all, or '
+                      f'{",".join(QUICK_WORKLOADS)} with --quick and no '
+                      '--split')
+  parser.add_argument('--arms', default=None, metavar='NAMES',
                       help="'all' (every built-in arm and every --arm) or "
-                      'comma-separated arms (listed below, or --arm names)')
+                      'comma-separated arms (listed below, or --arm names); '
+                      f'without it: all, or {",".join(QUICK_ARMS)} with '
+                      '--quick and no --arm')
   parser.add_argument('--arm', action='append', default=None,
                       metavar='NAME=module:function',
                       help='a user arm: function(schedule) returns an optax '
@@ -178,7 +197,8 @@ def make_parser() -> argparse.ArgumentParser:
                       'definition, e.g. adamw_centered)')
   parser.add_argument('--seeds', type=_seed_count, default=None, metavar='N',
                       help='evaluate on the seeds 0..N-1, N >= 1 (without '
-                      'it: 3, or 2 with --quick); an --out that holds '
+                      f'it: {DEFAULT_SEEDS}, or {QUICK_SEEDS} with --quick); '
+                      'seeds are paired across arms; an --out that holds '
                       'results must hold them on the same seeds')
   parser.add_argument('--out', type=pathlib.Path, metavar='DIR',
                       default=None,
@@ -217,6 +237,11 @@ def parse(argv: Optional[Sequence[str]],
   args = (parser or make_parser()).parse_args(argv)
   if args.out is None:
     args.out = default_out(args.split)
+  if args.workloads is None:
+    args.workloads = (','.join(QUICK_WORKLOADS)
+                      if args.quick and args.split is None else ALL)
+  if args.arms is None:
+    args.arms = ','.join(QUICK_ARMS) if args.quick and not args.arm else ALL
   return args
 
 
@@ -513,7 +538,8 @@ def plan(args: argparse.Namespace) -> Plan:
   outputs.check_out_dir(args.out / RUNS)
   arms = _chosen_arms(args)
   names = _chosen_workloads(args)
-  seeds = list(range(args.seeds or (2 if args.quick else 3)))
+  seeds = list(range(args.seeds or (QUICK_SEEDS if args.quick else
+                                    DEFAULT_SEEDS)))
   _check_seeds(seeds)
   _check_data_dir(args.data_dir)
   if args.data_dir is not None:
@@ -689,9 +715,13 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
       _write(args.out, results)  # saved after every arm and workload
       written += 1
   bar.close()
-  return _summary(args.out, results, written, failures,
-                  len(plan_.workloads) * len(plan_.arms),
-                  time.perf_counter() - start)
+  status = _summary(args.out, results, written, failures,
+                    len(plan_.workloads) * len(plan_.arms),
+                    time.perf_counter() - start)
+  if args.quick:
+    print('This was a smoke test (--quick); '
+          + FULL_RUN_HINT.format(seeds=DEFAULT_SEEDS))
+  return status
 
 
 def _summary(out: pathlib.Path, results: dict[str, Any], written: int,
