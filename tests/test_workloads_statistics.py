@@ -204,3 +204,99 @@ def test_stability_reports_disjoint_intervals_and_flips():
   # The recipe, 0-5% slower than fast, becomes 4x faster than it.
   assert any(line.startswith('recommended vs fast:')
              for line in report['flips'])
+
+
+# ---------------------------------------------------------------------------
+# The decision rule
+
+from cbp_optax_experiments.workloads import arms as arms_lib  # noqa: E402
+from cbp_optax_experiments.workloads import decision  # noqa: E402
+
+
+def _dev(arms_steps, n=10, workloads=3):
+  results = _results({f'w{i}': {name: _arm(steps(i, n))
+                                for name, steps in arms_steps.items()}
+                      for i in range(workloads)})
+  results['meta'] = {'split': 'dev'}
+  return results
+
+
+def _const(value):
+  return lambda i, n: [value] * n
+
+
+def _noisy(center, seed):
+  return lambda i, n: list(center + np.random.default_rng(
+      (seed, i)).integers(-10, 11, n))
+
+
+_TWO = (decision.Candidate('cheap', decision.ELEMENTWISE, ('lr',)),
+        decision.Candidate('costly', decision.MATRIX, ('lr', 'ns')))
+
+
+def test_candidates_are_built_in_arms_with_costs_and_hyperparameters():
+  builtin = arms_lib.builtin_arms()
+  names = [c.arm for c in decision.CANDIDATES]
+  for peer in ('schedule_free_adamw', 'muon', 'nadamw', 'adamw'):
+    assert f'{peer}_centered' in names
+  assert {'cbp_robust', 'recommended'} <= set(names)
+  for c in decision.CANDIDATES:
+    assert c.arm in builtin and builtin[c.arm].centered
+    assert c.cost_class in (decision.ELEMENTWISE, decision.MATRIX)
+    assert c.hyperparameters and 'learning_rate' in c.hyperparameters
+  costs = {c.arm: c.cost_class for c in decision.CANDIDATES}
+  assert costs['muon_centered'] == decision.MATRIX
+  assert costs['adamw_centered'] == decision.ELEMENTWISE
+
+
+def test_a_costlier_candidate_that_is_clearly_faster_wins():
+  results = _dev({'cheap': _noisy(200, 0), 'costly': _noisy(100, 1)})
+  rec = decision.recommend(results, _TWO, resamples=300)
+  assert rec.arm == 'costly' and rec.beaten_by['cheap'] == ('costly',)
+  assert rec.undominated == ('costly',) and 'only candidate' in rec.reason
+
+
+def test_without_a_significant_difference_the_cheaper_step_wins():
+  results = _dev({'cheap': _noisy(100, 0), 'costly': _noisy(98, 1)})
+  rec = decision.recommend(results, _TWO, resamples=300)
+  assert rec.arm == 'cheap' and set(rec.undominated) == {'cheap', 'costly'}
+  assert 'cheapest step' in rec.reason
+
+
+def test_same_cost_class_breaks_ties_by_fewer_hyperparameters():
+  candidates = (decision.Candidate('many', decision.ELEMENTWISE,
+                                   ('lr', 'b1', 'b2')),
+                decision.Candidate('few', decision.ELEMENTWISE, ('lr',)))
+  results = _dev({'many': _const(100), 'few': _const(100)})
+  assert decision.recommend(results, candidates, resamples=100).arm == 'few'
+
+
+def test_significant_pairs_need_the_score_interval_margin_too():
+  # costly is 1% faster on every seed: significant, and its score interval
+  # [1, 1] is above cheap's 0.997, but 1% is below the margin (1.1x).
+  steps = {'cheap': _const(100), 'costly': _const(99)}
+  rec = decision.recommend(_dev(steps), _TWO, resamples=100)
+  assert rec.arm == 'cheap' and rec.beaten_by['cheap'] == ()
+  assert decision.recommend(_dev(steps), _TWO, resamples=100,
+                            min_speedup=1.0).arm == 'costly'
+  # 2x faster on one workload of four, the same elsewhere: the pooled median
+  # speedup is 1, below the margin, whatever the test says.
+  steps = {'cheap': _const(100),
+           'costly': lambda i, n: [50 if i == 0 else 100] * n}
+  rec = decision.recommend(_dev(steps, workloads=4), _TWO, resamples=100)
+  assert rec.arm == 'cheap'
+
+
+def test_the_rule_refuses_test_results_and_too_few_seeds():
+  results = _dev({'cheap': _const(100), 'costly': _const(50)})
+  results['meta']['split'] = 'test'
+  with pytest.raises(ValueError, match='dev split only'):
+    decision.recommend(results, _TWO)
+  results = _dev({'cheap': _const(100), 'costly': _const(50)}, n=3)
+  with pytest.raises(ValueError, match='fewer than 10 seeds'):
+    decision.recommend(results, _TWO)
+  results = _dev({'cheap': _const(100), 'costly': _const(50)})
+  del results['workloads']['w1']['arms']['costly']
+  rec = decision.recommend(results, _TWO, resamples=100)
+  assert rec.arm == 'cheap' and 'did not run w1' in rec.left_out['costly']
+  assert decision.maybe_recommend({'workloads': {}}) is None
