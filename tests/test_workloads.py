@@ -208,3 +208,32 @@ def test_user_arm_spec_errors():
     arms_lib.user_arm('nonsense')
   with pytest.raises(ValueError, match='cannot load'):
     arms_lib.user_arm('x=no_such_module_xyz:f')
+
+
+@pytest.mark.parametrize('workload_name,arm_name', [
+    ('spiral', 'adamw'), ('breast-cancer-raw', 'recommended')])
+def test_vmapped_seeds_and_rates_equal_the_looped_runs(workload_name,
+                                                       arm_name):
+  workload = definitions.workload(workload_name, quick=True)
+  arm = arms_lib.builtin_arms()[arm_name]
+  assert protocol.batchable(workload)[0]
+  runner = protocol.make_runner(workload.build(arm.centers(workload)), arm,
+                                workload)
+  seeds, lrs = [0, 1, 2, 0], [3e-3, 3e-3, 3e-3, 1e-2]
+  batched = runner.run_many(seeds, lrs)
+  assert len(batched) == 4
+  for (seed, lr), (losses, metrics, initial) in zip(zip(seeds, lrs), batched):
+    want_losses, want_metrics, want_initial = runner.run(seed, lr)
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics, want_metrics, rtol=2e-5, atol=1e-6)
+    assert initial == pytest.approx(want_initial, rel=1e-6)
+  # Different seeds and rates are different runs.
+  assert not np.allclose(batched[0][0], batched[1][0])
+  assert not np.allclose(batched[0][0], batched[3][0])
+
+
+def test_convolutional_workloads_loop_and_say_why():
+  cnn = definitions.workload('tutorial-cnn', quick=True)
+  ok, why = protocol.batchable(cnn)
+  assert not ok and 'grouped convolution' in why
+  assert protocol.batchable(definitions.workload('spiral', quick=True))[0]

@@ -393,28 +393,29 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
   expected = _comparable(report.load(whole))
 
   resumed = tmp_path / 'resumed'
-  original = protocol.Runner.run
+  original = protocol.Runner.run_many
   calls = []
 
-  def interrupted(self, seed, lr):
-    if len(calls) == 3:  # inside the tuning grid
+  def interrupted(self, seeds, lrs):
+    if calls:  # after the tuning grid's batch: inside the edge extension
       raise _Interrupt
-    calls.append((seed, lr))
-    return original(self, seed, lr)
-  monkeypatch.setattr(protocol.Runner, 'run', interrupted)
+    calls.extend(zip(seeds, lrs))
+    return original(self, seeds, lrs)
+  monkeypatch.setattr(protocol.Runner, 'run_many', interrupted)
   with pytest.raises(_Interrupt):
     cli.main(_ARGS + ['--out', str(resumed)])
   stored = list((resumed / 'runs').rglob('run_*.json'))
-  assert len(stored) == 3
+  grid = len(definitions.workload('spiral', quick=True).grid)
+  assert len(stored) == len(calls) == grid
 
-  # Started again: the 3 stored runs are loaded, only the rest computed.
+  # Started again: the grid's stored runs are loaded, only the rest computed.
   calls.clear()
-  monkeypatch.setattr(protocol.Runner, 'run',
-                      lambda self, seed, lr: (calls.append((seed, lr)),
-                                              original(self, seed, lr))[1])
+  monkeypatch.setattr(protocol.Runner, 'run_many',
+                      lambda self, seeds, lrs: (calls.extend(zip(seeds, lrs)),
+                                                original(self, seeds, lrs))[1])
   cli.main(_ARGS + ['--out', str(resumed)])
   total = len(list((resumed / 'runs').rglob('run_*.json')))
-  assert len(calls) == total - 3 > 0
+  assert len(calls) == total - grid > 0
   assert _comparable(report.load(resumed)) == expected
 
 

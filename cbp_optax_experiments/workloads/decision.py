@@ -119,7 +119,7 @@ def _eligible(results: Mapping[str, Any], candidates: Sequence[Candidate],
       left_out[candidate.arm] = f'did not run {", ".join(missing)}'
       continue
     few = [w for w, entry in results['workloads'].items()
-           if len(entry['arms'][candidate.arm]['seeds']) < min_seeds]
+           if len(entry['arms'][candidate.arm]['steps_to_target']) < min_seeds]
     if few:
       left_out[candidate.arm] = (f'fewer than {min_seeds} seeds on '
                                  f'{", ".join(few)}')

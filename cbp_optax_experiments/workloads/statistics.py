@@ -146,6 +146,22 @@ def arm_intervals(entry: Mapping[str, Any], resamples: int = RESAMPLES,
 # The performance profile's score, resampled
 
 
+def _seeds(arm: Mapping[str, Any]) -> list[int]:
+  """The arm's evaluation seeds (their positions where none are stored)."""
+  seeds = arm.get('seeds')
+  return list(seeds) if seeds else list(range(len(arm['steps_to_target'])))
+
+
+def _budget(entry: Mapping[str, Any]) -> float:
+  """The workload's budget; where none is stored, the most steps any seed
+  took (a miss then counts as twice that)."""
+  if entry.get('budget_steps'):
+    return float(entry['budget_steps'])
+  steps = [s for arm in entry['arms'].values()
+           for s in arm['steps_to_target'] if s is not None]
+  return float(max(steps, default=1))
+
+
 def _seed_index(entry: Mapping[str, Any], rng: np.random.Generator,
                 resamples: int) -> dict[str, np.ndarray]:
   """Per arm, ``(resamples, n_seeds)`` indices into its seeds: one draw
@@ -154,7 +170,7 @@ def _seed_index(entry: Mapping[str, Any], rng: np.random.Generator,
   draws: dict[tuple[int, ...], np.ndarray] = {}
   out = {}
   for name, arm in entry['arms'].items():
-    seeds = tuple(arm['seeds'])
+    seeds = tuple(_seeds(arm))
     if seeds not in draws:
       draws[seeds] = rng.integers(0, len(seeds), (resamples, len(seeds)))
     out[name] = draws[seeds]
@@ -239,14 +255,14 @@ def paired_steps(entry: Mapping[str, Any], a: str, b: str
   arms = entry['arms']
   if a not in arms or b not in arms:
     return None
-  steps_b = dict(zip(arms[b]['seeds'], arms[b]['steps_to_target']))
-  shared = [(s, t) for s, t in zip(arms[a]['seeds'],
+  steps_b = dict(zip(_seeds(arms[b]), arms[b]['steps_to_target']))
+  shared = [(s, t) for s, t in zip(_seeds(arms[a]),
                                    arms[a]['steps_to_target'])
             if s in steps_b]
   if not shared:
     return None
   return log_ratios([t for _, t in shared], [steps_b[s] for s, _ in shared],
-                    entry['budget_steps'])
+                    _budget(entry))
 
 
 def wilcoxon_p(differences: np.ndarray) -> float:
