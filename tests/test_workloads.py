@@ -58,11 +58,25 @@ def test_results_schema(quick_run):
     assert isinstance(arm['learning_rate'], float)
     assert isinstance(arm['cost_vs_adamw'], float)
     for key in ('steps_to_target', 'diverged', 'final_metric'):
-      assert len(arm[key]) == 2, key
+      assert len(arm[key]) == cli.QUICK_SEEDS, key
     assert all(s is None or isinstance(s, int) for s in arm['steps_to_target'])
     assert all(isinstance(d, bool) for d in arm['diverged'])
   assert set(results['score']) == {'adamw', 'mine', 'boom'}
   assert all(0.0 <= s <= 1.0 for s in results['score'].values())
+  # Beside each score, its bootstrap interval, in both time profiles.
+  for profile in ('steps', 'wall_clock'):
+    stored = results['profiles'][profile]
+    assert set(stored['score_interval']) == set(stored['score'])
+    for arm, (low, high) in stored['score_interval'].items():
+      assert 0.0 <= low <= high <= 1.0
+  assert results['score_interval'] == results['profiles']['steps'][
+      'score_interval']
+  assert set(entry['statistics']) == {'adamw', 'mine', 'boom'}
+  assert entry['statistics']['boom']['steps_to_target'] == {
+      'median': None, 'interval': [None, None]}
+  # No centered pair and no recipe among these arms: no comparison; a quick
+  # run recommends nothing.
+  assert results['comparisons'] == [] and results['recommendation'] is None
   # AdamW sets the quick target and reaches it on at least half its seeds.
   assert any(s is not None
              for s in entry['arms']['adamw']['steps_to_target'])
@@ -74,11 +88,11 @@ def test_results_schema(quick_run):
 def test_diverging_user_arm_is_a_miss(quick_run):
   results = json.loads((quick_run / 'results.json').read_text())
   boom = results['workloads']['spiral']['arms']['boom']
-  assert boom['diverged'] == [True, True]
-  assert boom['steps_to_target'] == [None, None]
+  assert boom['diverged'] == [True] * cli.QUICK_SEEDS
+  assert boom['steps_to_target'] == [None] * cli.QUICK_SEEDS
   assert results['score']['boom'] == 0.0
   assert results['workloads']['spiral']['arms']['mine']['diverged'] == [
-      False, False]
+      False] * cli.QUICK_SEEDS
 
 
 def test_merge_keeps_other_arms_and_score_only(quick_run):
