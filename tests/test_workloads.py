@@ -241,6 +241,12 @@ def test_vmapped_seeds_and_rates_equal_the_looped_runs(workload_name,
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(metrics, want_metrics, rtol=2e-5, atol=1e-6)
     assert initial == pytest.approx(want_initial, rel=1e-6)
+  # Padded to a wider batch (one compiled program for every batch size):
+  # the same runs.
+  padded = runner.run_many(seeds[:2], lrs[:2], width=4)
+  assert len(padded) == 2
+  for got, want in zip(padded, batched[:2]):
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-5, atol=1e-6)
   # Different seeds and rates are different runs.
   assert not np.allclose(batched[0][0], batched[1][0])
   assert not np.allclose(batched[0][0], batched[3][0])

@@ -152,17 +152,24 @@ class Runner(NamedTuple):
     return (np.concatenate([np.asarray(x, np.float64) for x in losses]),
             np.asarray([float(m) for m in metrics], np.float64), initial)
 
-  def run_many(self, seeds: Sequence[int], lrs: Sequence[float]
+  def run_many(self, seeds: Sequence[int], lrs: Sequence[float],
+               width: Optional[int] = None
                ) -> list[tuple[np.ndarray, np.ndarray, float]]:
     """``run`` of every ``(seeds[i], lrs[i])``: as one vmapped program where
     the runner has one, else one run after the other. Each run's result is
-    its own: a run that diverges leaves the others as they are."""
+    its own: a run that diverges leaves the others as they are.
+
+    ``width``: pad a smaller batch to this many runs (repeats of its first
+    run, discarded), so that batches of different sizes share one compiled
+    program; compiling dominates a small workload's time on a CPU."""
     if len(seeds) != len(lrs):
       raise ValueError(f'{len(seeds)} seeds for {len(lrs)} rates')
-    if self.batch_chunk is None or len(seeds) < 2:
+    count = len(seeds)
+    if self.batch_chunk is None or count < 2:
       return [self.run(s, lr) for s, lr in zip(seeds, lrs)]
-    seeds = jnp.asarray(seeds, jnp.int32)
-    lrs = jnp.asarray(lrs, jnp.float32)
+    pad = max(0, (width or 0) - count)
+    seeds = jnp.asarray(list(seeds) + [seeds[0]] * pad, jnp.int32)
+    lrs = jnp.asarray(list(lrs) + [lrs[0]] * pad, jnp.float32)
     carry = self.batch_init(seeds, lrs)
     initial = np.asarray(self.batch_evaluate(carry), np.float64)
     losses, metrics = [], []
@@ -173,7 +180,7 @@ class Runner(NamedTuple):
     losses = np.concatenate(losses, axis=1)
     metrics = np.stack(metrics, axis=1)
     return [(losses[i], metrics[i], float(initial[i]))
-            for i in range(len(lrs))]
+            for i in range(count)]
 
 
 def make_runner(task: definitions.Task, arm: arms_lib.Arm,
@@ -534,6 +541,9 @@ def evaluate_arm(
       runner.append(make_runner(workload.build(centered), arm, workload))
     return runner[0]
 
+  # One batch width for the grid and the seeds: one compiled program.
+  width = max(len(seeds), len(arm.grid(workload)) * len(tuning_seeds))
+
   def many(pairs: Sequence[tuple[int, float]]) -> list[RunRecord]:
     """The runs ``(seed, lr)``: the stored ones loaded, the others computed
     together (``Runner.run_many``) and saved one by one."""
@@ -541,7 +551,7 @@ def evaluate_arm(
     missing = [i for i, r in enumerate(records) if r is None]
     if missing:
       outs = run().run_many([pairs[i][0] for i in missing],
-                            [pairs[i][1] for i in missing])
+                            [pairs[i][1] for i in missing], width)
       for i, (losses, metrics, initial) in zip(missing, outs):
         seed, lr = pairs[i]
         records[i] = RunRecord(int(seed), float(lr), losses, metrics,
