@@ -396,11 +396,11 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
   original = protocol.Runner.run_many
   calls = []
 
-  def interrupted(self, seeds, lrs):
+  def interrupted(self, seeds, lrs, width=None):
     if calls:  # after the tuning grid's batch: inside the edge extension
       raise _Interrupt
     calls.extend(zip(seeds, lrs))
-    return original(self, seeds, lrs)
+    return original(self, seeds, lrs, width)
   monkeypatch.setattr(protocol.Runner, 'run_many', interrupted)
   with pytest.raises(_Interrupt):
     cli.main(_ARGS + ['--out', str(resumed)])
@@ -411,8 +411,9 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
   # Started again: the grid's stored runs are loaded, only the rest computed.
   calls.clear()
   monkeypatch.setattr(protocol.Runner, 'run_many',
-                      lambda self, seeds, lrs: (calls.extend(zip(seeds, lrs)),
-                                                original(self, seeds, lrs))[1])
+                      lambda self, seeds, lrs, width=None: (
+                          calls.extend(zip(seeds, lrs)),
+                          original(self, seeds, lrs, width))[1])
   cli.main(_ARGS + ['--out', str(resumed)])
   total = len(list((resumed / 'runs').rglob('run_*.json')))
   assert len(calls) == total - grid > 0
@@ -628,3 +629,37 @@ def test_a_skipped_step_counts_the_run_as_diverged(offline):
       (params, state, tx.init(params)))
   assert np.isfinite(losses[0]) and np.isnan(losses[1:]).all()
   assert protocol.diverged(np.asarray(losses), np.array([0.5]))
+
+
+# ---------------------------------------------------------------------------
+# Defaults: ten seeds, a quick subset, the vmapped path
+
+
+def test_full_runs_default_to_ten_paired_seeds_and_quick_to_a_subset():
+  args = cli.parse(['--split', 'dev'])
+  assert args.workloads == cli.ALL and args.arms == cli.ALL
+  assert cli.DEFAULT_SEEDS >= 10
+  quick = cli.parse(['--quick'])
+  assert quick.workloads.split(',') == list(cli.QUICK_WORKLOADS)
+  assert quick.arms.split(',') == list(cli.QUICK_ARMS)
+  assert any(a in arms_lib.BASELINES for a in cli.QUICK_ARMS)
+  assert all(a in arms_lib.builtin_arms() for a in cli.QUICK_ARMS)
+  assert all(w in definitions.NAMES for w in cli.QUICK_WORKLOADS)
+  # Given flags win; --split keeps its workloads.
+  assert cli.parse(['--quick', '--workloads', 'spiral']).workloads == 'spiral'
+  assert cli.parse(['--quick', '--split', 'dev']).workloads == cli.ALL
+  assert cli.parse(['--quick', '--arm', 'x=m:f']).arms == cli.ALL
+  assert cli.parse([]).vmap == 'auto'
+
+
+def test_the_vmapped_path_gives_the_looped_results(tmp_path):
+  args = ['--quick', '--workloads', 'spiral', '--arms', 'adamw', '--seeds',
+          '3', '--no-progress']
+  assert cli.main(args + ['--vmap', 'on', '--out', str(tmp_path / 'v')]) == 0
+  assert cli.main(args + ['--vmap', 'off', '--out', str(tmp_path / 'l')]) == 0
+  on, off = (report.load(tmp_path / d) for d in ('v', 'l'))
+  assert on['meta']['vmap'] is True and off['meta']['vmap'] is False
+  a = on['workloads']['spiral']['arms']['adamw']
+  b = off['workloads']['spiral']['arms']['adamw']
+  assert a['learning_rate'] == b['learning_rate']
+  np.testing.assert_allclose(a['curves'], b['curves'], rtol=1e-5, atol=1e-6)

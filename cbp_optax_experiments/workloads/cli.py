@@ -218,6 +218,12 @@ def make_parser() -> argparse.ArgumentParser:
                       metavar='DIR',
                       help='folder with the MNIST IDX files (without it: '
                       '$CBP_OPTAX_MNIST, then the bundled subset)')
+  parser.add_argument('--vmap', choices=('auto', 'on', 'off'),
+                      default='auto',
+                      help='train the grid\'s runs and the seeds of each '
+                      '(workload, arm) as one vmapped program where the '
+                      'workload allows (protocol.batchable); auto: on an '
+                      'accelerator, off on a CPU (protocol.vmap_by_default)')
   parser.add_argument('--no-progress', action='store_true',
                       help='hide the progress bar')
   return parser
@@ -565,7 +571,8 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
       ('--arms', args.arms != ALL), ('--arm', args.arm),
       ('--centered', args.centered), ('--seeds', args.seeds is not None),
       ('--set-targets', args.set_targets),
-      ('--data-dir', args.data_dir is not None)) if value]
+      ('--data-dir', args.data_dir is not None),
+      ('--vmap', args.vmap != 'auto')) if value]
   if given:
     raise ValueError(f'--score-only rescores {args.out / report.RESULTS} as '
                      f'it stands: it takes no {", ".join(given)}')
@@ -625,9 +632,13 @@ def _new_entry(workload: definitions.Workload, old: dict[str, Any],
   return entry
 
 
+_VMAP = {'auto': None, 'on': True, 'off': False}
+
+
 def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
               plan_: Plan, target: Optional[float], bar,
-              store: protocol.RecordStore, window: float
+              store: protocol.RecordStore, window: float,
+              args_vmap: str = 'auto'
               ) -> tuple[Optional[protocol.ArmOutcome], Optional[str]]:
   """(outcome, None), or (None, what failed) when the arm raised; the runs
   in ``store`` are loaded, the others computed and saved there."""
@@ -642,7 +653,8 @@ def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
   try:
     return protocol.evaluate_arm(
         workload, arm, plan_.reference, target, list(plan_.seeds),
-        on_run=on_run, store=store, cost_window=window), None
+        on_run=on_run, store=store, cost_window=window,
+        vmap=_VMAP[args_vmap]), None
   except Exception as e:  # pylint: disable=broad-except
     # A broken arm (a user factory that raises, say) loses its own row,
     # not the run: divergence is recorded, errors are reported.
@@ -662,6 +674,8 @@ def _meta(args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
           'tuning_seeds': list(protocol.TUNING_SEEDS),
           'data': definitions.mnist_data(args.quick).description,
           'jax': jax.__version__, 'platform': jax.devices()[0].platform,
+          'vmap': (protocol.vmap_by_default() if args.vmap == 'auto'
+                   else args.vmap == 'on'),
           'started': datetime.datetime.now(datetime.timezone.utc).isoformat(
               timespec='seconds')}
 
@@ -693,7 +707,7 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
                        args, plan_)
     for i, arm in enumerate(plan_.arms):
       outcome, failure = _evaluate(workload, arm, plan_, entry['target'],
-                                   bar, store, window)
+                                   bar, store, window, args.vmap)
       if failure:
         failures.append(failure)
         rest = plan_.arms[i + 1:]
