@@ -2,14 +2,18 @@
 
 ``cbp-optax workloads [--quick] [--split dev|test] [--workloads all|a,b]
 [--arms all|a,b] [--seeds N] [--out DIR] [--arm NAME=module:function
-[--centered NAME]] [--set-targets] [--score-only]``
+[--centered NAME]] [--set-targets] [--score-only] [--vmap auto|on|off]``
 
 Each arm tunes its learning rate on the workload's grid (tuning seed), then
-runs on the evaluation seeds 0..N-1; the report compares the time to each
-workload's target (AlgoPerf's rule: the best median of the tuned baselines
-``arms.BASELINES``, which run first) over all workloads with AlgoPerf's
-performance profile, in steps (the headline) and in wall-clock, beside the
-normalized final metric. ``--split`` runs one split of ``splits.SPLITS``
+runs on the evaluation seeds 0..N-1 (``DEFAULT_SEEDS``, paired across arms;
+``--quick`` alone runs a small subset, ``QUICK_WORKLOADS`` x ``QUICK_ARMS``
+on ``QUICK_SEEDS`` seeds); the report gives each score its bootstrap
+interval and the paired comparisons (``statistics``), and on a dev run with
+enough seeds the decision rule's recommendation (``decision``). It compares
+the time to each workload's target (AlgoPerf's rule: the best median of the
+tuned baselines ``arms.BASELINES``, which run first) over all workloads with
+AlgoPerf's performance profile, in steps (the headline) and in wall-clock,
+beside the normalized final metric. ``--split`` runs one split of ``splits.SPLITS``
 (dev chooses the defaults, test only reports) into its own folder,
 ``workloads/<split>``: each split is scored on its own. Running into an
 ``--out`` that already holds results.json replaces the (workload, arm) pairs

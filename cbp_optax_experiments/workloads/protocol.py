@@ -11,9 +11,10 @@ tuning run diverged are discarded); a choice at an edge of the grid extends
 it once by a factor 3 in that direction. The chosen rate then runs on the
 evaluation seeds, which every arm shares: the seed alone fixes the
 initialization, the minibatches and the dropout masks (``seed_keys``).
-The grid's runs, then the evaluation seeds, train together as one
+The grid's runs, then the evaluation seeds, can train together as one
 ``jax.vmap``-ped program where the workload allows (``batchable``; the
-others loop), each run's result the looped run's to float rounding.
+others loop), each run's result the looped run's to float rounding; on a CPU
+they loop unless asked (``vmap_by_default``).
 
 A run diverged when a loss or metric is not finite or the smoothed training
 loss exceeds ``BLOWUP`` times the first step's loss; it is recorded per seed

@@ -10,6 +10,12 @@ steps (device-independent; the headline, ``HEADLINE``), the one in
 wall-clock (steps times the step cost relative to AdamW measured on this
 machine), and the final metric at the budget normalized per workload.
 
+Each score has its 95% bootstrap interval over the evaluation seeds, each
+(workload, arm) the median and interval of its steps to target and final
+metric, and the paired comparisons (centered vs plain, the recipe vs every
+arm) their Wilcoxon tests and verdicts (``statistics``); a dev run that the
+decision rule applies to gets its recommendation (``decision``).
+
 ``load`` checks what it reads back (a damaged file is a ``ResultsError``
 that names the file and the field), and ``write`` replaces results.json in
 one step (``protocol.write_atomically``), so that an interrupted write
