@@ -368,10 +368,15 @@ def test_plan_of_good_arguments(tmp_path):
   assert checked.arms[1].centered
   assert checked.seeds == (0, 1, 2, 3)
   assert checked.results is None
-  every = cli.plan(cli.parse(['--quick', '--out', str(tmp_path / 'o')]))
+  every = cli.plan(cli.parse(['--quick', '--workloads', 'all', '--arms',
+                              'all', '--out', str(tmp_path / 'o')]))
   assert [w.name for w in every.workloads] == list(definitions.NAMES)
   assert {a.name for a in every.arms} == set(arms_lib.builtin_arms())
-  assert every.seeds == (0, 1)
+  assert every.seeds == tuple(range(cli.QUICK_SEEDS))
+  quick = cli.plan(cli.parse(['--quick', '--out', str(tmp_path / 'q')]))
+  assert [w.name for w in quick.workloads] == list(cli.QUICK_WORKLOADS)
+  full = cli.plan(cli.parse(['--split', 'dev', '--out', str(tmp_path / 'f')]))
+  assert full.seeds == tuple(range(cli.DEFAULT_SEEDS))
   assert not (tmp_path / 'new').exists()  # planning writes nothing
 
 
@@ -379,7 +384,7 @@ def test_plan_of_good_arguments(tmp_path):
 # Item 10: damaged results.json, on every reading path.
 
 
-def valid_results(quick=True, seeds=(0, 1), split=None):
+def valid_results(quick=True, seeds=(0, 1, 2), split=None):
   """A results.json as a run writes it: spiral, AdamW, ``seeds``, of
   ``split`` (None: a run without --split)."""
   workload = definitions.workload('spiral', quick)
@@ -441,8 +446,8 @@ DAMAGES = {
     'nan_cost': (_set(ARM + ('cost_vs_adamw',), float('nan')),
                  'cost_vs_adamw must be a positive number, got nan'),
     'short_curves': (_set(ARM + ('curves',), [[0.5]]),
-                     'lengths seeds 2, steps_to_target 2, diverged 2, '
-                     'final_metric 2, best_metric 2, curves 1'),
+                     'lengths seeds 3, steps_to_target 3, diverged 3, '
+                     'final_metric 3, best_metric 3, curves 1'),
     'no_seeds': (lambda r: {**r, 'workloads': {'spiral': {
         **r['workloads']['spiral'], 'arms': {REFERENCE: {
             **r['workloads']['spiral']['arms'][REFERENCE],
@@ -466,7 +471,7 @@ DAMAGES = {
                             'arms.adamw.initial_metric must be a list of '
                             'numbers or nulls'),
     'short_initial_metric': (_set(ARM + ('initial_metric',), [0.1]),
-                             'curves 2, initial_metric 1'),
+                             'curves 3, initial_metric 1'),
 }
 
 
@@ -522,7 +527,7 @@ def test_score_only_of_valid_results_still_works(tmp_path, capsys):
      'on the evaluation seeds [0, 1], not [0, 1, 2]: give --seeds 2, or '
      'another --out'),
     (dict(quick=True, seeds=(5, 6)), [], 'on the evaluation seeds [5, 6], '
-     'not [0, 1]: give the same seeds'),
+     'not [0, 1, 2]: give the same seeds'),
 ])
 def test_merging_unpaired_results_is_an_error_and_keeps_them(
     tmp_path, capsys, no_training, old, extra, message):

@@ -58,11 +58,25 @@ def test_results_schema(quick_run):
     assert isinstance(arm['learning_rate'], float)
     assert isinstance(arm['cost_vs_adamw'], float)
     for key in ('steps_to_target', 'diverged', 'final_metric'):
-      assert len(arm[key]) == 2, key
+      assert len(arm[key]) == cli.QUICK_SEEDS, key
     assert all(s is None or isinstance(s, int) for s in arm['steps_to_target'])
     assert all(isinstance(d, bool) for d in arm['diverged'])
   assert set(results['score']) == {'adamw', 'mine', 'boom'}
   assert all(0.0 <= s <= 1.0 for s in results['score'].values())
+  # Beside each score, its bootstrap interval, in both time profiles.
+  for profile in ('steps', 'wall_clock'):
+    stored = results['profiles'][profile]
+    assert set(stored['score_interval']) == set(stored['score'])
+    for arm, (low, high) in stored['score_interval'].items():
+      assert 0.0 <= low <= high <= 1.0
+  assert results['score_interval'] == results['profiles']['steps'][
+      'score_interval']
+  assert set(entry['statistics']) == {'adamw', 'mine', 'boom'}
+  assert entry['statistics']['boom']['steps_to_target'] == {
+      'median': None, 'interval': [None, None]}
+  # No centered pair and no recipe among these arms: no comparison; a quick
+  # run recommends nothing.
+  assert results['comparisons'] == [] and results['recommendation'] is None
   # AdamW sets the quick target and reaches it on at least half its seeds.
   assert any(s is not None
              for s in entry['arms']['adamw']['steps_to_target'])
@@ -74,11 +88,11 @@ def test_results_schema(quick_run):
 def test_diverging_user_arm_is_a_miss(quick_run):
   results = json.loads((quick_run / 'results.json').read_text())
   boom = results['workloads']['spiral']['arms']['boom']
-  assert boom['diverged'] == [True, True]
-  assert boom['steps_to_target'] == [None, None]
+  assert boom['diverged'] == [True] * cli.QUICK_SEEDS
+  assert boom['steps_to_target'] == [None] * cli.QUICK_SEEDS
   assert results['score']['boom'] == 0.0
   assert results['workloads']['spiral']['arms']['mine']['diverged'] == [
-      False, False]
+      False] * cli.QUICK_SEEDS
 
 
 def test_merge_keeps_other_arms_and_score_only(quick_run):
@@ -208,3 +222,38 @@ def test_user_arm_spec_errors():
     arms_lib.user_arm('nonsense')
   with pytest.raises(ValueError, match='cannot load'):
     arms_lib.user_arm('x=no_such_module_xyz:f')
+
+
+@pytest.mark.parametrize('workload_name,arm_name', [
+    ('spiral', 'adamw'), ('breast-cancer-raw', 'recommended')])
+def test_vmapped_seeds_and_rates_equal_the_looped_runs(workload_name,
+                                                       arm_name):
+  workload = definitions.workload(workload_name, quick=True)
+  arm = arms_lib.builtin_arms()[arm_name]
+  assert protocol.batchable(workload)[0]
+  runner = protocol.make_runner(workload.build(arm.centers(workload)), arm,
+                                workload)
+  seeds, lrs = [0, 1, 2, 0], [3e-3, 3e-3, 3e-3, 1e-2]
+  batched = runner.run_many(seeds, lrs)
+  assert len(batched) == 4
+  for (seed, lr), (losses, metrics, initial) in zip(zip(seeds, lrs), batched):
+    want_losses, want_metrics, want_initial = runner.run(seed, lr)
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics, want_metrics, rtol=2e-5, atol=1e-6)
+    assert initial == pytest.approx(want_initial, rel=1e-6)
+  # Padded to a wider batch (one compiled program for every batch size):
+  # the same runs.
+  padded = runner.run_many(seeds[:2], lrs[:2], width=4)
+  assert len(padded) == 2
+  for got, want in zip(padded, batched[:2]):
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-5, atol=1e-6)
+  # Different seeds and rates are different runs.
+  assert not np.allclose(batched[0][0], batched[1][0])
+  assert not np.allclose(batched[0][0], batched[3][0])
+
+
+def test_convolutional_workloads_loop_and_say_why():
+  cnn = definitions.workload('tutorial-cnn', quick=True)
+  ok, why = protocol.batchable(cnn)
+  assert not ok and 'grouped convolution' in why
+  assert protocol.batchable(definitions.workload('spiral', quick=True))[0]

@@ -175,7 +175,7 @@ def test_arm_names_are_stable_and_ordered():
   names = list(arms_lib.builtin_arms())
   assert names[:3] == list(arms_lib.BASELINES)
   expected = {'adamw', 'nadamw', 'sgd_nesterov', 'muon',
-              'schedule_free_adamw', 'adopt', 'cbp', 'former_cbp_transformer',
+              'schedule_free_adamw', 'adopt', 'cbp',
               'cbp_robust'} | {f'{p}_centered' for p in arms_lib.PEERS}
   assert set(names) == expected | {
       a.name for a in arms_lib.RECOMMENDED + arms_lib.CANDIDATES}
@@ -393,28 +393,30 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
   expected = _comparable(report.load(whole))
 
   resumed = tmp_path / 'resumed'
-  original = protocol.Runner.run
+  original = protocol.Runner.run_many
   calls = []
 
-  def interrupted(self, seed, lr):
-    if len(calls) == 3:  # inside the tuning grid
+  def interrupted(self, seeds, lrs, width=None):
+    if calls:  # after the tuning grid's batch: inside the edge extension
       raise _Interrupt
-    calls.append((seed, lr))
-    return original(self, seed, lr)
-  monkeypatch.setattr(protocol.Runner, 'run', interrupted)
+    calls.extend(zip(seeds, lrs))
+    return original(self, seeds, lrs, width)
+  monkeypatch.setattr(protocol.Runner, 'run_many', interrupted)
   with pytest.raises(_Interrupt):
     cli.main(_ARGS + ['--out', str(resumed)])
   stored = list((resumed / 'runs').rglob('run_*.json'))
-  assert len(stored) == 3
+  grid = len(definitions.workload('spiral', quick=True).grid)
+  assert len(stored) == len(calls) == grid
 
-  # Started again: the 3 stored runs are loaded, only the rest computed.
+  # Started again: the grid's stored runs are loaded, only the rest computed.
   calls.clear()
-  monkeypatch.setattr(protocol.Runner, 'run',
-                      lambda self, seed, lr: (calls.append((seed, lr)),
-                                              original(self, seed, lr))[1])
+  monkeypatch.setattr(protocol.Runner, 'run_many',
+                      lambda self, seeds, lrs, width=None: (
+                          calls.extend(zip(seeds, lrs)),
+                          original(self, seeds, lrs, width))[1])
   cli.main(_ARGS + ['--out', str(resumed)])
   total = len(list((resumed / 'runs').rglob('run_*.json')))
-  assert len(calls) == total - 3 > 0
+  assert len(calls) == total - grid > 0
   assert _comparable(report.load(resumed)) == expected
 
 
@@ -627,3 +629,37 @@ def test_a_skipped_step_counts_the_run_as_diverged(offline):
       (params, state, tx.init(params)))
   assert np.isfinite(losses[0]) and np.isnan(losses[1:]).all()
   assert protocol.diverged(np.asarray(losses), np.array([0.5]))
+
+
+# ---------------------------------------------------------------------------
+# Defaults: ten seeds, a quick subset, the vmapped path
+
+
+def test_full_runs_default_to_ten_paired_seeds_and_quick_to_a_subset():
+  args = cli.parse(['--split', 'dev'])
+  assert args.workloads == cli.ALL and args.arms == cli.ALL
+  assert cli.DEFAULT_SEEDS >= 10
+  quick = cli.parse(['--quick'])
+  assert quick.workloads.split(',') == list(cli.QUICK_WORKLOADS)
+  assert quick.arms.split(',') == list(cli.QUICK_ARMS)
+  assert any(a in arms_lib.BASELINES for a in cli.QUICK_ARMS)
+  assert all(a in arms_lib.builtin_arms() for a in cli.QUICK_ARMS)
+  assert all(w in definitions.NAMES for w in cli.QUICK_WORKLOADS)
+  # Given flags win; --split keeps its workloads.
+  assert cli.parse(['--quick', '--workloads', 'spiral']).workloads == 'spiral'
+  assert cli.parse(['--quick', '--split', 'dev']).workloads == cli.ALL
+  assert cli.parse(['--quick', '--arm', 'x=m:f']).arms == cli.ALL
+  assert cli.parse([]).vmap == 'auto'
+
+
+def test_the_vmapped_path_gives_the_looped_results(tmp_path):
+  args = ['--quick', '--workloads', 'spiral', '--arms', 'adamw', '--seeds',
+          '3', '--no-progress']
+  assert cli.main(args + ['--vmap', 'on', '--out', str(tmp_path / 'v')]) == 0
+  assert cli.main(args + ['--vmap', 'off', '--out', str(tmp_path / 'l')]) == 0
+  on, off = (report.load(tmp_path / d) for d in ('v', 'l'))
+  assert on['meta']['vmap'] is True and off['meta']['vmap'] is False
+  a = on['workloads']['spiral']['arms']['adamw']
+  b = off['workloads']['spiral']['arms']['adamw']
+  assert a['learning_rate'] == b['learning_rate']
+  np.testing.assert_allclose(a['curves'], b['curves'], rtol=1e-5, atol=1e-6)

@@ -2,14 +2,18 @@
 
 ``cbp-optax workloads [--quick] [--split dev|test] [--workloads all|a,b]
 [--arms all|a,b] [--seeds N] [--out DIR] [--arm NAME=module:function
-[--centered NAME]] [--set-targets] [--score-only]``
+[--centered NAME]] [--set-targets] [--score-only] [--vmap auto|on|off]``
 
 Each arm tunes its learning rate on the workload's grid (tuning seed), then
-runs on the evaluation seeds 0..N-1; the report compares the time to each
-workload's target (AlgoPerf's rule: the best median of the tuned baselines
-``arms.BASELINES``, which run first) over all workloads with AlgoPerf's
-performance profile, in steps (the headline) and in wall-clock, beside the
-normalized final metric. ``--split`` runs one split of ``splits.SPLITS``
+runs on the evaluation seeds 0..N-1 (``DEFAULT_SEEDS``, paired across arms;
+``--quick`` alone runs a small subset, ``QUICK_WORKLOADS`` x ``QUICK_ARMS``
+on ``QUICK_SEEDS`` seeds); the report gives each score its bootstrap
+interval and the paired comparisons (``statistics``), and on a dev run with
+enough seeds the decision rule's recommendation (``decision``). It compares
+the time to each workload's target (AlgoPerf's rule: the best median of the
+tuned baselines ``arms.BASELINES``, which run first) over all workloads with
+AlgoPerf's performance profile, in steps (the headline) and in wall-clock,
+beside the normalized final metric. ``--split`` runs one split of ``splits.SPLITS``
 (dev chooses the defaults, test only reports) into its own folder,
 ``workloads/<split>``: each split is scored on its own. Running into an
 ``--out`` that already holds results.json replaces the (workload, arm) pairs
@@ -63,6 +67,21 @@ _ARM_NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.+-]*')
 # table (its budget, evaluation interval, grid and metric).
 _WORKLOAD_IDENTITY = ('metric', 'higher_is_better', 'budget_steps',
                       'eval_every', 'grid')
+
+# Evaluation seeds of a full run: the paper's standard for a paired test
+# (statistics.py) is at least ten; every arm runs the same seeds.
+DEFAULT_SEEDS = 10
+# ``--quick`` without --workloads/--arms/--seeds: a smoke test of every stage
+# (tuning, seeds, targets, scores, intervals, paired tests) in about two
+# minutes on two CPU cores: the two cheapest scanned workloads, the
+# reference AdamW (a baseline: it sets the targets), its centered twin (a
+# centered-vs-plain pair) and the recommended recipe, on three seeds.
+QUICK_WORKLOADS = ('spiral', 'breast-cancer-raw')
+QUICK_ARMS = ('adamw', 'adamw_centered', 'recommended')
+QUICK_SEEDS = 3
+FULL_RUN_HINT = ('the full suite: cbp-optax workloads --split dev (then '
+                 '--split test), {seeds} paired seeds, every arm; see '
+                 'cbp-optax workloads --help')
 
 EPILOG_EXIT = (
     'exit status: 0 when every (workload, arm) ran and the results were '
@@ -156,13 +175,17 @@ def make_parser() -> argparse.ArgumentParser:
                       help='run the split\'s workloads only (splits.py: '
                       'dev chooses the defaults, test only reports), into '
                       'its own --out; without it: every workload')
-  parser.add_argument('--workloads', default=ALL, metavar='NAMES',
+  parser.add_argument('--workloads', default=None, metavar='NAMES',
                       help="'all' (with --split: the split's) or "
                       'comma-separated workloads (listed below; with '
-                      '--split, of that split)')
-  parser.add_argument('--arms', default=ALL, metavar='NAMES',
+                      '--split, of that split); without it: all, or '
+                      f'{",".join(QUICK_WORKLOADS)} with --quick and no '
+                      '--split')
+  parser.add_argument('--arms', default=None, metavar='NAMES',
                       help="'all' (every built-in arm and every --arm) or "
-                      'comma-separated arms (listed below, or --arm names)')
+                      'comma-separated arms (listed below, or --arm names); '
+                      f'without it: all, or {",".join(QUICK_ARMS)} with '
+                      '--quick and no --arm')
   parser.add_argument('--arm', action='append', default=None,
                       metavar='NAME=module:function',
                       help='a user arm: function(schedule) returns an optax '
@@ -178,7 +201,8 @@ def make_parser() -> argparse.ArgumentParser:
                       'definition, e.g. adamw_centered)')
   parser.add_argument('--seeds', type=_seed_count, default=None, metavar='N',
                       help='evaluate on the seeds 0..N-1, N >= 1 (without '
-                      'it: 3, or 2 with --quick); an --out that holds '
+                      f'it: {DEFAULT_SEEDS}, or {QUICK_SEEDS} with --quick); '
+                      'seeds are paired across arms; an --out that holds '
                       'results must hold them on the same seeds')
   parser.add_argument('--out', type=pathlib.Path, metavar='DIR',
                       default=None,
@@ -198,6 +222,12 @@ def make_parser() -> argparse.ArgumentParser:
                       metavar='DIR',
                       help='folder with the MNIST IDX files (without it: '
                       '$CBP_OPTAX_MNIST, then the bundled subset)')
+  parser.add_argument('--vmap', choices=('auto', 'on', 'off'),
+                      default='auto',
+                      help='train the grid\'s runs and the seeds of each '
+                      '(workload, arm) as one vmapped program where the '
+                      'workload allows (protocol.batchable); auto: on an '
+                      'accelerator, off on a CPU (protocol.vmap_by_default)')
   parser.add_argument('--no-progress', action='store_true',
                       help='hide the progress bar')
   return parser
@@ -217,6 +247,11 @@ def parse(argv: Optional[Sequence[str]],
   args = (parser or make_parser()).parse_args(argv)
   if args.out is None:
     args.out = default_out(args.split)
+  if args.workloads is None:
+    args.workloads = (','.join(QUICK_WORKLOADS)
+                      if args.quick and args.split is None else ALL)
+  if args.arms is None:
+    args.arms = ','.join(QUICK_ARMS) if args.quick and not args.arm else ALL
   return args
 
 
@@ -513,7 +548,8 @@ def plan(args: argparse.Namespace) -> Plan:
   outputs.check_out_dir(args.out / RUNS)
   arms = _chosen_arms(args)
   names = _chosen_workloads(args)
-  seeds = list(range(args.seeds or (2 if args.quick else 3)))
+  seeds = list(range(args.seeds or (QUICK_SEEDS if args.quick else
+                                    DEFAULT_SEEDS)))
   _check_seeds(seeds)
   _check_data_dir(args.data_dir)
   if args.data_dir is not None:
@@ -539,7 +575,8 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
       ('--arms', args.arms != ALL), ('--arm', args.arm),
       ('--centered', args.centered), ('--seeds', args.seeds is not None),
       ('--set-targets', args.set_targets),
-      ('--data-dir', args.data_dir is not None)) if value]
+      ('--data-dir', args.data_dir is not None),
+      ('--vmap', args.vmap != 'auto')) if value]
   if given:
     raise ValueError(f'--score-only rescores {args.out / report.RESULTS} as '
                      f'it stands: it takes no {", ".join(given)}')
@@ -599,9 +636,13 @@ def _new_entry(workload: definitions.Workload, old: dict[str, Any],
   return entry
 
 
+_VMAP = {'auto': None, 'on': True, 'off': False}
+
+
 def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
               plan_: Plan, target: Optional[float], bar,
-              store: protocol.RecordStore, window: float
+              store: protocol.RecordStore, window: float,
+              args_vmap: str = 'auto'
               ) -> tuple[Optional[protocol.ArmOutcome], Optional[str]]:
   """(outcome, None), or (None, what failed) when the arm raised; the runs
   in ``store`` are loaded, the others computed and saved there."""
@@ -616,7 +657,8 @@ def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
   try:
     return protocol.evaluate_arm(
         workload, arm, plan_.reference, target, list(plan_.seeds),
-        on_run=on_run, store=store, cost_window=window), None
+        on_run=on_run, store=store, cost_window=window,
+        vmap=_VMAP[args_vmap]), None
   except Exception as e:  # pylint: disable=broad-except
     # A broken arm (a user factory that raises, say) loses its own row,
     # not the run: divergence is recorded, errors are reported.
@@ -636,6 +678,8 @@ def _meta(args: argparse.Namespace, plan_: Plan) -> dict[str, Any]:
           'tuning_seeds': list(protocol.TUNING_SEEDS),
           'data': definitions.mnist_data(args.quick).description,
           'jax': jax.__version__, 'platform': jax.devices()[0].platform,
+          'vmap': (protocol.vmap_by_default() if args.vmap == 'auto'
+                   else args.vmap == 'on'),
           'started': datetime.datetime.now(datetime.timezone.utc).isoformat(
               timespec='seconds')}
 
@@ -667,7 +711,7 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
                        args, plan_)
     for i, arm in enumerate(plan_.arms):
       outcome, failure = _evaluate(workload, arm, plan_, entry['target'],
-                                   bar, store, window)
+                                   bar, store, window, args.vmap)
       if failure:
         failures.append(failure)
         rest = plan_.arms[i + 1:]
@@ -689,9 +733,13 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
       _write(args.out, results)  # saved after every arm and workload
       written += 1
   bar.close()
-  return _summary(args.out, results, written, failures,
-                  len(plan_.workloads) * len(plan_.arms),
-                  time.perf_counter() - start)
+  status = _summary(args.out, results, written, failures,
+                    len(plan_.workloads) * len(plan_.arms),
+                    time.perf_counter() - start)
+  if args.quick:
+    print('This was a smoke test (--quick); '
+          + FULL_RUN_HINT.format(seeds=DEFAULT_SEEDS))
+  return status
 
 
 def _summary(out: pathlib.Path, results: dict[str, Any], written: int,

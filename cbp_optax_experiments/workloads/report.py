@@ -10,6 +10,12 @@ steps (device-independent; the headline, ``HEADLINE``), the one in
 wall-clock (steps times the step cost relative to AdamW measured on this
 machine), and the final metric at the budget normalized per workload.
 
+Each score has its 95% bootstrap interval over the evaluation seeds, each
+(workload, arm) the median and interval of its steps to target and final
+metric, and the paired comparisons (centered vs plain, the recipe vs every
+arm) their Wilcoxon tests and verdicts (``statistics``); a dev run that the
+decision rule applies to gets its recommendation (``decision``).
+
 ``load`` checks what it reads back (a damaged file is a ``ResultsError``
 that names the file and the field), and ``write`` replaces results.json in
 one step (``protocol.write_atomically``), so that an interrupted write
@@ -27,10 +33,12 @@ import numpy as np
 
 from cbp_optax_experiments.reproduce import plotting
 from cbp_optax_experiments.workloads import arms as arms_lib
+from cbp_optax_experiments.workloads import decision
 from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import scoring
 from cbp_optax_experiments.workloads import splits
+from cbp_optax_experiments.workloads import statistics
 
 RESULTS = 'results.json'
 STEPS, WALL_CLOCK, FINAL = 'steps', 'wall_clock', 'final_metric'
@@ -357,15 +365,22 @@ def resolution(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def rescore(results: dict[str, Any]) -> dict[str, Any]:
-  """Fills ``profiles`` (each of ``PROFILES``), ``score`` (the headline's),
-  ``speedup_vs_adamw``, ``reached``, ``ratios`` and, per workload,
-  ``resolution`` and ``normalized_final``."""
+  """Fills ``profiles`` (each of ``PROFILES``), ``score`` (the headline's)
+  and ``score_interval`` (its 95% bootstrap interval per arm,
+  ``statistics.score_intervals``), ``speedup_vs_adamw``, ``reached``,
+  ``ratios``, ``comparisons`` (``statistics.compare``), ``recommendation``
+  (``decision.recommend`` of a dev run that it applies to, else None) and,
+  per workload, ``resolution``, ``normalized_final`` and ``statistics``
+  (per arm: median and interval of the steps to target and of the final
+  metric)."""
   profiles = {}
   for profile in (STEPS, WALL_CLOCK):
     all_times = times(results, profile)
     found = scoring.scores(all_times, arms_lib.REFERENCE)
     profiles[profile] = {
         'score': {arm: s['score'] for arm, s in found.items()},
+        'score_interval': statistics.score_intervals(
+            results, wall_clock=profile == WALL_CLOCK),
         'speedup_vs_adamw': {arm: s['speedup_vs_reference']
                              for arm, s in found.items()},
         'reached': {arm: s['reached'] for arm, s in found.items()},
@@ -378,11 +393,18 @@ def rescore(results: dict[str, Any]) -> dict[str, Any]:
     normalized[name] = normalized_finals(entry)
     entry['normalized_final'] = normalized[name]
     entry['resolution'] = resolution(entry)
+    entry['statistics'] = statistics.arm_intervals(entry)
   profiles[FINAL] = {'score': scoring.final_scores(normalized)}
   results['profiles'] = profiles
   results['headline'] = HEADLINE
   headline = profiles[HEADLINE]
   results['score'] = headline['score']
+  results['score_interval'] = headline['score_interval']
+  results['comparisons'] = statistics.compare(results)
+  found = decision.maybe_recommend(results)
+  results['recommendation'] = None if found is None else {
+      'arm': found.arm, 'reason': found.reason,
+      'undominated': list(found.undominated)}
   results['speedup_vs_adamw'] = headline['speedup_vs_adamw']
   results['reached'] = headline['reached']
   results['ratios'] = headline['ratios']
@@ -425,20 +447,25 @@ def workload_table(name: str, entry: dict[str, Any]) -> str:
   wall = {a: arm_time(r, WALL_CLOCK) for a, r in entry['arms'].items()}
   best_steps, best_wall = _best(steps), _best(wall)
   normalized = entry.get('normalized_final') or normalized_finals(entry)
+  stats = entry.get('statistics') or statistics.arm_intervals(entry)
   rows = []
   for arm, r in entry['arms'].items():
     rows.append([
         arm, f'{r["learning_rate"]:g}', _steps_cell(r),
-        _time_cell(steps[arm]), _ratio_cell(steps[arm], best_steps),
+        _steps_interval_cell(stats.get(arm, {}).get('steps_to_target')),
+        _ratio_cell(steps[arm], best_steps),
         f'{r["cost_vs_adamw"]:.2f}', _time_cell(wall[arm]),
         _ratio_cell(wall[arm], best_wall),
         ', '.join(_fmt_metric(v, entry['metric']) for v in r['final_metric']),
+        _final_interval_cell(stats.get(arm, {}).get('final_metric')),
         f'{normalized.get(arm, 0.0):.2f}',
         f'{sum(r["diverged"])}/{len(r["diverged"])}',
     ])
-  header = ['arm', 'lr', 'steps to target (per seed)', 'median steps',
+  header = ['arm', 'lr', 'steps to target (per seed)',
+            'median steps [95% interval]',
             'ratio (steps)', 'cost vs AdamW', 'wall-clock (AdamW steps)',
             'ratio (wall-clock)', f'final {entry["metric"]} (per seed)',
+            'final, median [95% interval]',
             'final, normalized', 'diverged']
   target = entry['target']
   res = entry.get('resolution') or resolution(entry)
@@ -482,8 +509,7 @@ def verdict(name: str, entry: dict[str, Any]) -> str:
   parts = [f'**Verdict ({name}):** ' + _winner(steps, 'steps') + '; '
            + _winner(wall, 'wall-clock (AdamW steps)')]
   best = _best(steps)
-  for cbp_arm in ('cbp', 'former_cbp_transformer', 'cbp_robust',
-                  'recommended'):
+  for cbp_arm in ('cbp', 'cbp_robust', 'recommended'):
     if cbp_arm in steps and math.isfinite(best):
       t = steps[cbp_arm]
       parts.append(f'; {cbp_arm}: ' + (f'{t / best:.2f}x the best in steps'
@@ -508,18 +534,83 @@ def score_table(results: dict[str, Any]) -> str:
   final = profiles[FINAL]['score']
   rows = []
   fmt = lambda s: '—' if s is None else f'{s:.2f}x'
+  interval = lambda profile, arm: _interval_cell(
+      profile.get('score_interval', {}).get(arm))
   for arm, score in sorted(steps['score'].items(),
                            key=lambda kv: (-kv[1], kv[0])):
-    rows.append([arm, f'{score:.3f}', f'{wall["score"][arm]:.3f}',
+    rows.append([arm, f'{score:.3f}', interval(steps, arm),
+                 f'{wall["score"][arm]:.3f}', interval(wall, arm),
                  f'{final.get(arm, 0.0):.3f}',
                  f'{steps["reached"][arm]}/{n}',
                  fmt(steps['speedup_vs_adamw'].get(arm)),
                  fmt(wall['speedup_vs_adamw'].get(arm))])
   return plotting.markdown_table(
       ['arm', f'score, steps (r_max = {scoring.R_MAX:g}; headline)',
-       'score, wall-clock', 'final metric, normalized',
+       '95% interval', 'score, wall-clock', '95% interval',
+       'final metric, normalized',
        'workloads reached', 'speedup vs AdamW, steps (both reach)',
        'speedup vs AdamW, wall-clock'], rows)
+
+
+def _interval_cell(interval) -> str:
+  if not interval:
+    return '—'
+  fmt = lambda v: '∞' if v is None or not math.isfinite(v) else f'{v:.3f}'
+  return f'[{fmt(interval[0])}, {fmt(interval[1])}]'
+
+
+def _steps_interval_cell(stat: Optional[dict[str, Any]]) -> str:
+  if not stat:
+    return '—'
+  fmt = lambda v: 'missed' if v is None else f'{v:.0f}'
+  low, high = stat['interval']
+  return (f'{fmt(stat["median"])} [{fmt(low)}, '
+          f'{"∞" if high is None else fmt(high)}]')
+
+
+def _final_interval_cell(stat: Optional[dict[str, Any]]) -> str:
+  if not stat or stat['median'] is None:
+    return '—'
+  low, high = stat['interval']
+  return f'{stat["median"]:.3f} [{low:.3f}, {high:.3f}]'
+
+
+def comparison_table(results: dict[str, Any], pooled: bool = True) -> str:
+  """The paired comparisons (``statistics.compare``): pooled, or per
+  workload."""
+  comparisons = results.get('comparisons')
+  if comparisons is None:
+    comparisons = statistics.compare(results)
+  rows = []
+  for c in comparisons:
+    if (c['workload'] == 'pooled') != pooled:
+      continue
+    low, high = c['interval']
+    rows.append([c['a'], c['b']] + ([] if pooled else [c['workload']]) + [
+        str(c['n']), f'{2.0 ** c["median"]:.2f}x',
+        f'[{2.0 ** low:.2f}x, {2.0 ** high:.2f}x]', f'{c["p"]:.3g}',
+        f'{c["p_holm"]:.3g}', c['verdict']])
+  if not rows:
+    return '(no pairs: the family needs <peer>_centered with <peer>, or '\
+        f'{statistics.RECIPE} with another arm)'
+  return plotting.markdown_table(
+      ['arm A', 'vs arm B'] + ([] if pooled else ['workload']) + [
+          'pairs (workload, seed)', 'median speedup of A (steps)',
+          '95% paired bootstrap', 'Wilcoxon p', 'Holm p',
+          f'A is ... (alpha {statistics.ALPHA:g})'], rows)
+
+
+STATISTICS_NOTE = (
+    'Intervals: 95% percentile bootstrap ({resamples} resamples, fixed '
+    'seed) over the evaluation seeds; a seed that missed the target counts '
+    'as infinite (an interval ending in ∞: not reached in that share of '
+    'resamples). Score intervals resample the seeds of every workload (the '
+    'same draw for every arm: seeds are paired) and recompute the whole '
+    'profile. Paired comparisons: per (workload, seed), log2 of B\'s steps '
+    'to target over A\'s (a miss counted as {factor:g}x the budget; two '
+    'misses tie), shown as the median speedup of A; Wilcoxon signed-rank '
+    '(two-sided, zeros split), Holm-corrected within the pooled family and '
+    'within the per-workload family; verdict at alpha {alpha:g}.')
 
 
 def write(out: pathlib.Path, results: dict[str, Any]) -> None:
@@ -564,7 +655,17 @@ def write(out: pathlib.Path, results: dict[str, Any]) -> None:
               '![performance profile, steps](performance_profile.png)\n'
               '![performance profile, wall-clock]'
               '(performance_profile_wall_clock.png)',
+              '## Paired comparisons (steps to target)',
+              STATISTICS_NOTE.format(resamples=statistics.RESAMPLES,
+                                     factor=statistics.CENSORED_FACTOR,
+                                     alpha=statistics.ALPHA),
+              '### Pooled over workloads', comparison_table(results),
+              '### Per workload', comparison_table(results, pooled=False),
               '## Workloads']
+  recommendation = results.get('recommendation')
+  if recommendation:
+    sections.insert(3, f'**Decision rule (decision.py):** '
+                    f'{recommendation["reason"]}')
   for name, entry in results['workloads'].items():
     sections.append(workload_table(name, entry))
   title = 'Workloads: time to target' + (f' ({split} split)' if split else '')

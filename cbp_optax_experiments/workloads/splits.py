@@ -99,16 +99,8 @@ class Choice(NamedTuple):
 _SEVEN = tuple(definitions.ORIGINAL)
 
 CHOSEN_ON: tuple[Choice, ...] = (
-    Choice('cbp_optax.cbp_robust damping=1e-8 and relative_damping=0.0',
-           DEV, _SEVEN,
-           'suite run of 2026-12-01, 8 arms x 3 seeds (relative damping '
-           '0.03 slower on 5 of 7); commit 8283620'),
-    Choice('cbp_optax.cbp_robust update_clip=3.0', DEV,
-           ('deep-mlp', 'init-scale-4'),
-           'depth-40 gradient-flow study (0.56 vs 0.44 with clip 1) and the '
-           'init-scale grid (no divergence at depth 30): the studies of '
-           'which deep-mlp and init-scale-4 are the suite\'s copies; commit '
-           'bc058b0'),
+    Choice('cbp_optax.cbp_robust damping=1e-8', DEV, _SEVEN,
+           'suite run of 2026-12-01, 8 arms x 3 seeds; commit 8283620'),
     Choice("cbp_optax.cbp_robust zero_moment='normalized'", DEV,
            ('init-scale-4',),
            'init-scale grid: Algorithm 1 diverged in 20 of 30 cells; commit '
@@ -116,10 +108,6 @@ CHOSEN_ON: tuple[Choice, ...] = (
     Choice('cbp_optax.cbp_robust min_scale=max_scale=1.0 (M1 held at one)',
            DEV, ('transformer', 'init-scale-4'),
            'transformer ablation and init-scale grid; commit 22a60c6'),
-    Choice('cbp_optax.cbp_transformer = cbp_robust (alias)', DEV,
-           ('transformer',),
-           'transformer ablation, 3 seeds (3.335 vs 3.355 bits per byte); '
-           'commit 8283620'),
     Choice('cbp_optax.recommended = Muon (consistent_rms=0.2) on the '
            'centered model: the recommended recipe', DEV,
            tuple(SPLITS[DEV]),

@@ -1,0 +1,302 @@
+"""Seed statistics and the decision rule of the workload suite, on synthetic
+results with known answers."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from cbp_optax_experiments.workloads import scoring
+from cbp_optax_experiments.workloads import statistics as stats
+
+
+def _arm(steps, finals=None, cost=1.0, seeds=None):
+  n = len(steps)
+  return {'seeds': list(seeds if seeds is not None else range(n)),
+          'steps_to_target': list(steps),
+          'diverged': [False] * n,
+          'final_metric': list(finals if finals is not None else [0.9] * n),
+          'initial_metric': [0.1] * n, 'cost_vs_adamw': cost}
+
+
+def _results(per_workload, budget=1000):
+  return {'workloads': {
+      name: {'budget_steps': budget, 'higher_is_better': True,
+             'arms': arms} for name, arms in per_workload.items()}}
+
+
+# ---------------------------------------------------------------------------
+# Intervals
+
+
+def test_median_interval_of_constant_values_is_a_point():
+  assert stats.median_interval([7.0] * 10) == (7.0, 7.0, 7.0)
+
+
+def test_median_interval_brackets_the_median_and_is_reproducible():
+  values = np.arange(1.0, 12.0)
+  median, low, high = stats.median_interval(values)
+  assert median == 6.0 and low < 6.0 < high
+  assert 1.0 <= low and high <= 11.0
+  assert stats.median_interval(values) == (median, low, high)
+
+
+def test_censored_medians_are_infinite_never_nan():
+  # Six misses of ten: the median is a miss; the interval reaches infinity.
+  steps = stats.steps_values([100, 120, 140, 160, None, None, None, None,
+                              None, None])
+  median, low, high = stats.median_interval(steps)
+  assert median == math.inf and high == math.inf and not math.isnan(low)
+  # Two misses of ten: a finite median, a finite low bound.
+  steps = stats.steps_values([100] * 8 + [None] * 2)
+  assert stats.median_interval(steps)[:2] == (100.0, 100.0)
+  assert stats.median_interval(stats.steps_values([None] * 3)) == (
+      math.inf, math.inf, math.inf)
+
+
+def test_arm_intervals_write_infinity_as_null_and_diverged_finals_as_initial():
+  entry = _results({'w': {
+      'a': _arm([None] * 4, finals=[None, 0.5, 0.5, 0.5]),
+      'b': _arm([20] * 4)}})['workloads']['w']
+  entry['arms']['a']['diverged'] = [True, False, False, False]
+  out = stats.arm_intervals(entry)
+  assert out['a']['steps_to_target'] == {'median': None,
+                                         'interval': [None, None]}
+  assert out['b']['steps_to_target'] == {'median': 20.0,
+                                         'interval': [20.0, 20.0]}
+  # The diverged seed's final counts as the initial metric 0.1.
+  np.testing.assert_allclose(
+      stats.final_values(entry['arms']['a'], 0.1), [0.1, 0.5, 0.5, 0.5])
+  assert out['a']['final_metric']['median'] == 0.5
+
+
+def test_score_interval_of_seed_free_results_is_the_score():
+  results = _results({
+      'w1': {'a': _arm([100] * 5), 'b': _arm([200] * 5, cost=0.25)},
+      'w2': {'a': _arm([None] * 5), 'b': _arm([50] * 5, cost=0.25)}})
+  times = {w: {a: scoring.arm_time(r['steps_to_target'], 1.0)
+               for a, r in e['arms'].items()}
+           for w, e in results['workloads'].items()}
+  expected = scoring.scores(times, 'a')
+  got = stats.score_intervals(results)
+  for arm in ('a', 'b'):
+    assert got[arm] == pytest.approx([expected[arm]['score']] * 2)
+  # Wall clock: b's steps cost a quarter: best on both workloads.
+  assert stats.score_intervals(results, wall_clock=True)['b'] == [1.0, 1.0]
+
+
+def test_score_interval_widens_with_seed_noise_and_covers_the_score():
+  rng = np.random.default_rng(3)
+  results = _results({
+      f'w{i}': {'a': _arm(list(rng.integers(80, 130, 10))),
+                'b': _arm(list(rng.integers(90, 140, 10)))}
+      for i in range(4)})
+  times = {w: {a: scoring.arm_time(r['steps_to_target'], 1.0)
+               for a, r in e['arms'].items()}
+           for w, e in results['workloads'].items()}
+  score = scoring.scores(times, 'a')
+  got = stats.score_intervals(results)
+  for arm in ('a', 'b'):
+    low, high = got[arm]
+    assert low < high
+    assert low <= score[arm]['score'] <= high
+
+
+# ---------------------------------------------------------------------------
+# Paired comparisons
+
+
+def test_holm_known_values():
+  assert stats.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+  assert stats.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+  assert stats.holm([]) == []
+
+
+def test_log_ratios_censor_misses_at_twice_the_budget():
+  d = stats.log_ratios([100, None, None, 50], [200, 100, None, None], 100)
+  np.testing.assert_allclose(d, [1.0, math.log2(100 / 200), 0.0,
+                                 math.log2(200 / 50)])
+
+
+def test_wilcoxon_zero_differences_and_direction():
+  assert stats.wilcoxon_p(np.zeros(10)) == 1.0
+  assert stats.wilcoxon_p(np.ones(10)) < 0.01
+  assert stats.signed_rank_direction(np.array([1.0, 2.0, -0.5])) == 1
+  assert stats.signed_rank_direction(np.array([-1.0, -2.0, 0.5])) == -1
+  assert stats.signed_rank_direction(np.array([1.0, -1.0, 0.0])) == 0
+
+
+def _three_arms(n=10):
+  return _results({f'w{i}': {
+      'fast': _arm([100] * n), 'slow': _arm([200] * n),
+      'fast_centered': _arm([100] * n),
+      'recommended': _arm([100 + 5 * (s % 2) for s in range(n)])}
+      for i in range(3)})
+
+
+def test_comparisons_known_answers():
+  results = _three_arms()
+  records = stats.compare(results, [('fast', 'slow'), ('slow', 'fast'),
+                                    ('fast_centered', 'fast')])
+  pooled = {(r['a'], r['b']): r for r in records if r['workload'] == 'pooled'}
+  fast = pooled[('fast', 'slow')]
+  assert fast['n'] == 30 and fast['median'] == 1.0
+  assert fast['interval'] == [1.0, 1.0] and fast['speedup'] == 2.0
+  assert fast['verdict'] == stats.BETTER and fast['p_holm'] < 0.05
+  assert pooled[('slow', 'fast')]['verdict'] == stats.WORSE
+  same = pooled[('fast_centered', 'fast')]
+  assert same['p'] == 1.0 and same['verdict'] == stats.NO_DIFFERENCE
+  per = [r for r in records if r['workload'] != 'pooled']
+  assert len(per) == 9 and {r['workload'] for r in per} == {'w0', 'w1', 'w2'}
+  # Holm over the per-workload family: 3 identical tests of fast vs slow.
+  ten = [r for r in per if (r['a'], r['b']) == ('fast', 'slow')]
+  assert all(r['p_holm'] >= r['p'] for r in ten)
+
+
+def test_the_default_family_is_centered_vs_plain_and_the_recipe_vs_all():
+  pairs = stats.comparison_pairs(['fast', 'slow', 'fast_centered',
+                                  'recommended'])
+  assert pairs == [('fast_centered', 'fast'), ('recommended', 'fast'),
+                   ('recommended', 'slow'), ('recommended', 'fast_centered')]
+  assert stats.comparison_pairs(['a', 'b_centered']) == []
+
+
+def test_small_noisy_differences_are_not_significant():
+  rng = np.random.default_rng(0)
+  results = _results({f'w{i}': {
+      'a': _arm(list(100 + rng.integers(-20, 21, 10))),
+      'b': _arm(list(100 + rng.integers(-20, 21, 10)))} for i in range(2)})
+  pooled = stats.compare(results, [('a', 'b')])[0]
+  assert pooled['workload'] == 'pooled'
+  assert pooled['verdict'] == stats.NO_DIFFERENCE
+  low, high = pooled['interval']
+  assert low <= pooled['median'] <= high and low < 0 < high
+
+
+def test_seeds_are_matched_by_value_not_position():
+  results = _results({'w': {
+      'a': _arm([100, 200], seeds=[0, 1]),
+      'b': _arm([400, 100], seeds=[1, 0])}})
+  d = stats.paired_steps(results['workloads']['w'], 'a', 'b')
+  np.testing.assert_allclose(d, [0.0, 1.0])
+
+
+# ---------------------------------------------------------------------------
+# Stability
+
+
+def test_stability_same_results_are_stable():
+  results = _three_arms()
+  report = stats.stability(results, copy.deepcopy(results))
+  assert report['stable'] and report['intervals_overlap']
+  assert report['flips'] == [] and report['changed'] == []
+
+
+def test_stability_reports_disjoint_intervals_and_flips():
+  first = _three_arms()
+  second = copy.deepcopy(first)
+  for entry in second['workloads'].values():
+    entry['arms']['fast']['steps_to_target'] = [400] * 10
+  report = stats.stability(first, second)
+  assert not report['stable'] and not report['intervals_overlap']
+  assert any('fast on w0' in line for line in report['disjoint'])
+  # The recipe, 0-5% slower than fast, becomes 4x faster than it.
+  assert any(line.startswith('recommended vs fast:')
+             for line in report['flips'])
+
+
+# ---------------------------------------------------------------------------
+# The decision rule
+
+from cbp_optax_experiments.workloads import arms as arms_lib  # noqa: E402
+from cbp_optax_experiments.workloads import decision  # noqa: E402
+
+
+def _dev(arms_steps, n=10, workloads=3):
+  results = _results({f'w{i}': {name: _arm(steps(i, n))
+                                for name, steps in arms_steps.items()}
+                      for i in range(workloads)})
+  results['meta'] = {'split': 'dev'}
+  return results
+
+
+def _const(value):
+  return lambda i, n: [value] * n
+
+
+def _noisy(center, seed):
+  return lambda i, n: list(center + np.random.default_rng(
+      (seed, i)).integers(-10, 11, n))
+
+
+_TWO = (decision.Candidate('cheap', decision.ELEMENTWISE, ('lr',)),
+        decision.Candidate('costly', decision.MATRIX, ('lr', 'ns')))
+
+
+def test_candidates_are_built_in_arms_with_costs_and_hyperparameters():
+  builtin = arms_lib.builtin_arms()
+  names = [c.arm for c in decision.CANDIDATES]
+  for peer in ('schedule_free_adamw', 'muon', 'nadamw', 'adamw'):
+    assert f'{peer}_centered' in names
+  assert {'cbp_robust', 'recommended'} <= set(names)
+  for c in decision.CANDIDATES:
+    assert c.arm in builtin and builtin[c.arm].centered
+    assert c.cost_class in (decision.ELEMENTWISE, decision.MATRIX)
+    assert c.hyperparameters and 'learning_rate' in c.hyperparameters
+  costs = {c.arm: c.cost_class for c in decision.CANDIDATES}
+  assert costs['muon_centered'] == decision.MATRIX
+  assert costs['adamw_centered'] == decision.ELEMENTWISE
+
+
+def test_a_costlier_candidate_that_is_clearly_faster_wins():
+  results = _dev({'cheap': _noisy(200, 0), 'costly': _noisy(100, 1)})
+  rec = decision.recommend(results, _TWO, resamples=300)
+  assert rec.arm == 'costly' and rec.beaten_by['cheap'] == ('costly',)
+  assert rec.undominated == ('costly',) and 'only candidate' in rec.reason
+
+
+def test_without_a_significant_difference_the_cheaper_step_wins():
+  results = _dev({'cheap': _noisy(100, 0), 'costly': _noisy(98, 1)})
+  rec = decision.recommend(results, _TWO, resamples=300)
+  assert rec.arm == 'cheap' and set(rec.undominated) == {'cheap', 'costly'}
+  assert 'cheapest step' in rec.reason
+
+
+def test_same_cost_class_breaks_ties_by_fewer_hyperparameters():
+  candidates = (decision.Candidate('many', decision.ELEMENTWISE,
+                                   ('lr', 'b1', 'b2')),
+                decision.Candidate('few', decision.ELEMENTWISE, ('lr',)))
+  results = _dev({'many': _const(100), 'few': _const(100)})
+  assert decision.recommend(results, candidates, resamples=100).arm == 'few'
+
+
+def test_significant_pairs_need_the_score_interval_margin_too():
+  # costly is 1% faster on every seed: significant, and its score interval
+  # [1, 1] is above cheap's 0.997, but 1% is below the margin (1.1x).
+  steps = {'cheap': _const(100), 'costly': _const(99)}
+  rec = decision.recommend(_dev(steps), _TWO, resamples=100)
+  assert rec.arm == 'cheap' and rec.beaten_by['cheap'] == ()
+  assert decision.recommend(_dev(steps), _TWO, resamples=100,
+                            min_speedup=1.0).arm == 'costly'
+  # 2x faster on one workload of four, the same elsewhere: the pooled median
+  # speedup is 1, below the margin, whatever the test says.
+  steps = {'cheap': _const(100),
+           'costly': lambda i, n: [50 if i == 0 else 100] * n}
+  rec = decision.recommend(_dev(steps, workloads=4), _TWO, resamples=100)
+  assert rec.arm == 'cheap'
+
+
+def test_the_rule_refuses_test_results_and_too_few_seeds():
+  results = _dev({'cheap': _const(100), 'costly': _const(50)})
+  results['meta']['split'] = 'test'
+  with pytest.raises(ValueError, match='dev split only'):
+    decision.recommend(results, _TWO)
+  results = _dev({'cheap': _const(100), 'costly': _const(50)}, n=3)
+  with pytest.raises(ValueError, match='fewer than 10 seeds'):
+    decision.recommend(results, _TWO)
+  results = _dev({'cheap': _const(100), 'costly': _const(50)})
+  del results['workloads']['w1']['arms']['costly']
+  rec = decision.recommend(results, _TWO, resamples=100)
+  assert rec.arm == 'cheap' and 'did not run w1' in rec.left_out['costly']
+  assert decision.maybe_recommend({'workloads': {}}) is None
