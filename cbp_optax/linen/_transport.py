@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from cbp_optax import _opt_state
+from cbp_optax._flax_state import FLAX
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -145,7 +146,7 @@ def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before any tracing, an optimizer state the transport cannot
   classify (see :func:`transport`)."""
   _opt_state.transport_state(opt_state, _moves(params, centering),
-                             what='opt_state')
+                             what='opt_state', kind=FLAX)
 
 
 def transport(
@@ -218,12 +219,13 @@ def transport(
   new_params = _freeze_like(fast, new_params)
   new_centering = _freeze_like(centering, new_centering)
   if lookahead:
-    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow')
+    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow',
+                                     FLAX)
     new_params = params._replace(fast=new_params, slow=slow)
   if opt_state is None:
     return new_params, new_centering
   return new_params, new_centering, _opt_state.transport_state(
-      opt_state, moves, what='opt_state')
+      opt_state, moves, what='opt_state', kind=FLAX)
 
 
 def eval_params(params: Any, opt_state: Any = None) -> Any:
@@ -314,4 +316,4 @@ def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
                                  box.value, box.stack_axes)
     names = tuple(str(k) for k in move.path) + ('kernel',)
     table[names] = core.muon_dimension_numbers(box.spec, axes)
-  return _opt_state.dimension_numbers_fn(table)
+  return _opt_state.dimension_numbers_fn(table, FLAX)

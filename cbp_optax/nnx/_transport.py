@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 from flax import nnx
 
 from cbp_optax import _opt_state
+from cbp_optax._flax_state import FLAX
 from cbp_optax import _step
 from cbp_optax import centering as core
 
@@ -54,7 +55,8 @@ def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
         f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
   moves = _layer_moves(model, optimizer.wrt)
   _opt_state.transport_state(optimizer.opt_state, moves,
-                             what='optimizer.opt_state')
+                             what='optimizer.opt_state',
+                             kind=FLAX)
 
 
 # The optimizers whose states the fused step classified (for which model).
@@ -143,7 +145,7 @@ def transport(
   else:
     trained = nnx.Param
     _opt_state.transport_state(opt_state, _layer_moves(model, trained),
-                               what='opt_state')
+                               what='opt_state', kind=FLAX)
   shifts = []
   for _, layer in _centered_paths(model):
     old = layer.mean[...]
@@ -155,9 +157,11 @@ def transport(
   moves = _layer_moves(model, trained, shifts)
   if optimizer is not None:
     _opt_state.transport_state(optimizer.opt_state, moves,
-                               what='optimizer.opt_state')
+                               what='optimizer.opt_state',
+                             kind=FLAX)
     return None
-  return _opt_state.transport_state(opt_state, moves, what='opt_state')
+  return _opt_state.transport_state(opt_state, moves, what='opt_state',
+                                    kind=FLAX)
 
 
 def eval_model(model: nnx.Module,
@@ -267,4 +271,4 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
       if axes is not None:
         table[_str_path(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
-  return _opt_state.dimension_numbers_fn(table)
+  return _opt_state.dimension_numbers_fn(table, FLAX)
