@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional
 
 import functools
-import warnings
 
 import jax
 
@@ -15,7 +14,6 @@ except ImportError:  # pragma: no cover
   _trace_state_clean = None
 import jax.numpy as jnp
 
-from cbp_optax import _checks
 from cbp_optax import _equalize
 from cbp_optax import _untransported
 from cbp_optax import blocks
@@ -55,18 +53,6 @@ class StepOutput(NamedTuple):
   loss: jax.Array
   aux: Any
   skipped: jax.Array
-
-
-def mean_decay_argument(mean_decay: Any, decay: Any, where: str) -> Any:
-  """Validates M2's mean EMA decay, accepting its deprecated name ``decay``."""
-  if decay is not None:
-    warnings.warn(
-        f'{where}(decay=...) is deprecated: the EMA decay of the centering '
-        "means is now called mean_decay (decay is M1's energy EMA in "
-        'cbp.cbp).', DeprecationWarning, stacklevel=3)
-    mean_decay = decay
-  _checks.check_mean_decay(mean_decay)
-  return mean_decay
 
 
 def split_loss(output: Any) -> tuple[jax.Array, Any]:

@@ -18,7 +18,7 @@ from cbp_optax._step import StepOutput
 
 from cbp_optax.linen._transport import _CLASSIFIED
 from cbp_optax.linen._transport import check_opt_state
-from cbp_optax.linen._transport import transport
+from cbp_optax.linen._transport import transport_collections
 from cbp_optax.linen._wrapper import COLLECTION
 
 
@@ -72,8 +72,8 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
     return state
 
   def transport_step(state):
-    params, centering, opt_state = transport(
-        state.params, state.centering, mean_decay, opt_state=state.opt_state)
+    params, centering, opt_state = transport_collections(
+        state.params, state.centering, mean_decay, state.opt_state)
     return state.replace(params=params, centering=centering,
                          opt_state=opt_state)
 
@@ -83,7 +83,7 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
 
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
-    donate: bool = True, decay: Any = None,
+    donate: bool = True,
 ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 
@@ -110,7 +110,6 @@ def train_step(
       Call it once per step.
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the input state's buffers to the step.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``step(state, *batch) -> (state, StepOutput)``.
@@ -153,7 +152,7 @@ def train_step(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     Algorithm 1.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_mean_decay(mean_decay)
   _checks.check_function('loss_fn', loss_fn)
   _checks.check_bool('donate', donate)
 

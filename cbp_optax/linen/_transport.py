@@ -16,7 +16,7 @@ import optax
 
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
-from cbp_optax import _step
+from cbp_optax import _checks
 from cbp_optax import blocks
 from cbp_optax import centering as core
 
@@ -56,7 +56,7 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves):
     )
   name, inner = _layer_params(layer_params)
   mask, residual = entry.get(_MASK), entry.get(_RESIDUAL)
-  moved = core.transport(
+  moved = core.transport_layer(
       box.spec, inner['kernel'], inner['bias'], box.value, entry[_RECORDED],
       mean_decay, mask=mask, mean_stack_axes=box.stack_axes,
       residual=residual)
@@ -151,7 +151,7 @@ def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
 
 def transport(
     params: Any, centering: Any, mean_decay: Any = 0.99, *,
-    opt_state: Any = None, decay: Any = None,
+    opt_state: Any = None,
 ) -> tuple[Any, ...]:
   """Mean refresh and bias transport for every centered layer (pure).
 
@@ -179,7 +179,6 @@ def transport(
     centering: the ``'centering'`` collection (with recorded batch means).
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
     opt_state: the optimizer's state, to move its parameter copies too.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``(params, centering)`` with transported biases and refreshed means, in
@@ -207,9 +206,16 @@ def transport(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eq. (10) and Algorithm 1, steps 10-11.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
+  _checks.check_mean_decay(mean_decay)
   if opt_state is not None:
     check_opt_state(params, centering, opt_state)
+  return transport_collections(params, centering, mean_decay, opt_state)
+
+
+def transport_collections(params: Any, centering: Any, mean_decay: Any,
+                          opt_state: Any) -> tuple[Any, ...]:
+  """:func:`transport` for a ``mean_decay`` validated already and a
+  classified ``opt_state``."""
   lookahead = _lookahead(params)
   fast = params.fast if lookahead else params
   moves = []

@@ -21,7 +21,7 @@ from cbp_optax.nnx._center import _path_str
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._transport import _CLASSIFIED
 from cbp_optax.nnx._transport import _check_optimizer_state
-from cbp_optax.nnx._transport import transport
+from cbp_optax.nnx._transport import transport_model
 from cbp_optax.nnx._wrapper import Centered
 
 # The NNX words of blocks.centered_after_init's message.
@@ -258,7 +258,7 @@ class _LoweredStep:
 
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
-    donate: bool = True, decay: Any = None,
+    donate: bool = True,
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 
@@ -296,7 +296,6 @@ def train_step(
       aux)``; the model must be in training mode (``model.train()``).
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the model and optimizer buffers to the step.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``step(model, optimizer, *args) -> StepOutput``; the model, optimizer
@@ -338,7 +337,7 @@ def train_step(
     of the Backward Pass with Convergence Guarantees,
     Algorithm 1.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_mean_decay(mean_decay)
   _checks.check_function('loss_fn', loss_fn)
   _checks.check_bool('donate', donate)
 
@@ -390,8 +389,8 @@ def train_step(
       # as a temporary of its own (one kernel-sized write and two reads
       # fewer per centered layer). A skipped step discards its transport.
       _select(jnp.logical_not(out.skipped),
-              lambda model, optimizer: transport(
-                  model, mean_decay, optimizer=optimizer),
+              lambda model, optimizer: transport_model(
+                  model, mean_decay, optimizer, None),
               lambda model, optimizer: None, model, optimizer)
     return out
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
-from cbp_optax import _step
+from cbp_optax import _checks
 from cbp_optax import centering as core
 
 from cbp_optax.nnx._center import _centered_paths
@@ -20,6 +20,7 @@ from cbp_optax.nnx._center import _plain_spec
 from cbp_optax.nnx._center import _str_path
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
+from cbp_optax.nnx._wrapper import transport_layer
 from cbp_optax.nnx._wrapper import _SPEC_OF
 
 
@@ -66,7 +67,6 @@ _CLASSIFIED = _opt_state.CheckCache()
 def transport(
     model: nnx.Module, mean_decay: Any = 0.99, *,
     optimizer: Optional[nnx.Optimizer] = None, opt_state: Any = None,
-    decay: Any = None,
 ) -> Any:
   """Mean refresh and bias transport for every centered layer, in place.
 
@@ -100,7 +100,6 @@ def transport(
       parameter copies are moved in place.
     opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
       (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     The transported ``opt_state`` when one is given; otherwise None.
@@ -131,13 +130,20 @@ def transport(
     of the Backward Pass with Convergence Guarantees,
     eq. (10) and Algorithm 1, steps 10-11.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
+  _checks.check_mean_decay(mean_decay)
   if optimizer is not None and opt_state is not None:
     raise ValueError('transport: pass optimizer (an nnx.Optimizer) or '
                      'opt_state (a functional optax state), not both.')
+  return transport_model(model, mean_decay, optimizer, opt_state)
+
+
+def transport_model(model: nnx.Module, mean_decay: Any,
+                    optimizer: Optional[nnx.Optimizer],
+                    opt_state: Any) -> Any:
+  """:func:`transport` for a ``mean_decay`` validated already."""
   if optimizer is None and opt_state is None:
     for layer in centered_layers(model):
-      layer.transport(mean_decay)
+      transport_layer(layer, mean_decay)
     return None
   if optimizer is not None:
     _check_optimizer_state(model, optimizer, 'transport')
@@ -149,7 +155,7 @@ def transport(
   shifts = []
   for _, layer in _centered_paths(model):
     old = layer.mean[...]
-    layer.transport(mean_decay)
+    transport_layer(layer, mean_decay)
     shifts.append(functools.partial(
         core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
         mask=getattr(layer.layer, 'mask', None),
@@ -157,8 +163,7 @@ def transport(
   moves = _layer_moves(model, trained, shifts)
   if optimizer is not None:
     _opt_state.transport_state(optimizer.opt_state, moves,
-                               what='optimizer.opt_state',
-                             kind=FLAX)
+                               what='optimizer.opt_state', kind=FLAX)
     return None
   return _opt_state.transport_state(opt_state, moves, what='opt_state',
                                     kind=FLAX)

@@ -315,29 +315,35 @@ class Centered(nnx.Module):
     The layer's own bias only: an optimizer's copies of the parameters move
     with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
     """
-    residual = getattr(self, 'bias_residual', None)
-    try:
-      moved = core.transport(
-          self.spec,
-          self.layer.kernel[...],
-          self.layer.bias[...],
-          self.mean[...],
-          self.batch_mean[...],
-          mean_decay,
-          mask=getattr(self.layer, 'mask', None),
-          mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
-          residual=None if residual is None else residual[...],
-      )
-    except ValueError as error:
-      if core.AMBIGUOUS_STACK_REMEDY not in str(error):
-        raise
-      raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
-                                          _STACK_REMEDY)) from error
-    self.layer.bias[...] = moved[0]
-    self.mean[...] = moved[1]
-    if residual is not None:
-      residual[...] = moved[2]
-    self.restart_recording()
+    _checks.check_mean_decay(mean_decay)
+    transport_layer(self, mean_decay)
+
+
+def transport_layer(layer: Centered, mean_decay: Any) -> None:
+  """:meth:`Centered.transport` for a ``mean_decay`` validated already."""
+  residual = getattr(layer, 'bias_residual', None)
+  try:
+    moved = core.transport_layer(
+        layer.spec,
+        layer.layer.kernel[...],
+        layer.layer.bias[...],
+        layer.mean[...],
+        layer.batch_mean[...],
+        mean_decay,
+        mask=getattr(layer.layer, 'mask', None),
+        mean_stack_axes=layer.mean.get_metadata().get('stack_axes'),
+        residual=None if residual is None else residual[...],
+    )
+  except ValueError as error:
+    if core.AMBIGUOUS_STACK_REMEDY not in str(error):
+      raise
+    raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
+                                        _STACK_REMEDY)) from error
+  layer.layer.bias[...] = moved[0]
+  layer.mean[...] = moved[1]
+  if residual is not None:
+    residual[...] = moved[2]
+  layer.restart_recording()
 
   def restart_recording(self) -> None:
     """Starts a fresh recorded mean: the next training call overwrites it.
