@@ -172,29 +172,30 @@ class CheckCache:
   The fused steps classify the optimizer state before tracing, to raise
   outside ``jit``; the transport classifies it again while tracing, so a
   stale entry can only move an error into the trace, never skip one. Keyed
-  by the optimizer (weakly, where it can be: an NNX optimizer) or by its
-  ``id`` with the object kept (a Linen ``tx``, at most ``size`` of them).
+  by the optimizer itself: weakly where it can be (an NNX optimizer),
+  otherwise among the last ``size`` owners, held and compared by identity
+  (a Linen ``tx``). Signatures compare by equality; hold objects in them,
+  or weak references to them, never their ``id``.
   """
 
   def __init__(self, size: int = 16):
     self._size = size
     self._weak = weakref.WeakKeyDictionary()
-    self._strong: dict[int, tuple[Any, Any]] = {}
+    self._held: list[tuple[Any, Any]] = []
 
   def _get(self, owner: Any) -> Any:
     try:
       return self._weak.get(owner)
     except TypeError:
-      entry = self._strong.get(id(owner))
-      return entry[1] if entry is not None else None
+      return next((sig for held, sig in self._held if held is owner), None)
 
   def _put(self, owner: Any, signature: Any) -> None:
     try:
       self._weak[owner] = signature
     except TypeError:
-      if len(self._strong) >= self._size:
-        self._strong.pop(next(iter(self._strong)))
-      self._strong[id(owner)] = (owner, signature)
+      self._held = [(owner, signature)] + [
+          entry for entry in self._held if entry[0] is not owner
+      ][:self._size - 1]
 
   def check(self, owner: Any, signature: Any,
             classify: Callable[[], None]) -> None:

@@ -7,11 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import functools
 
 import jax
-
-try:  # No public twin: covers an outer jit whose arguments are closed over.
-  from jax._src.core import trace_state_clean as _trace_state_clean  # pylint: disable=g-import-not-at-top
-except ImportError:  # pragma: no cover
-  _trace_state_clean = None
+import jax.extend.core
 import jax.numpy as jnp
 
 from cbp_optax import _equalize
@@ -235,12 +231,14 @@ def unaliased(tree: Any) -> Any:
 def staged(tree: Any) -> bool:
   """True when called while an outer ``jit`` (or another transform) traces.
 
-  A leaf of ``tree`` that is a tracer says so; so does JAX's trace state,
-  which also covers an outer ``jit`` whose arguments are all closed over.
+  A leaf of ``tree`` that is a tracer says so; so does the current trace
+  (``jax.extend.core.find_top_trace``), which also covers an outer ``jit``
+  whose arguments are all closed over: outside every transform it is JAX's
+  eager ``EvalTrace``.
   """
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
     return True
-  return _trace_state_clean is not None and not _trace_state_clean()
+  return type(jax.extend.core.find_top_trace(())).__name__ != 'EvalTrace'
 
 
 def jit_step(

@@ -229,7 +229,7 @@ def train_step(
     if state.centering:
       # Classified once per tx (again while tracing, for any other state).
       _CLASSIFIED.check(
-          state.tx, id(state.apply_fn),
+          state.tx, state.apply_fn,
           lambda: check_opt_state(state.params, state.centering,
                                   state.opt_state))
     if donate:

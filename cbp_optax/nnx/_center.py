@@ -8,7 +8,6 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx import graphlib
 
 from cbp_optax import blocks
 from cbp_optax import centering as core
@@ -91,8 +90,8 @@ def _graph_paths(
     elif isinstance(node, dict):
       children = node.items()
     elif (not isinstance(node, nnx.Variable)
-          and graphlib.get_node_impl(node) is not None):
-      children = graphlib.get_node_impl(node).node_dict(node).items()
+          and nnx.graph.get_node_impl(node) is not None):
+      children = nnx.graph.get_node_impl(node).node_dict(node).items()
     else:  # a Variable, an array
       return
     for key, child in children:

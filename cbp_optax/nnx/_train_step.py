@@ -5,12 +5,12 @@ refresh and transport as one compiled iteration (Algorithm 1).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx import graphlib
 
 from cbp_optax import _checks
 from cbp_optax import _step
@@ -80,8 +80,8 @@ class Optimizer(nnx.Optimizer):
 
 
 def _graph_nodes(tree: Any) -> list[Any]:
-  return [x for x in jax.tree.leaves(tree, is_leaf=graphlib.is_graph_node)
-          if graphlib.is_graph_node(x)]
+  return [x for x in jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node)
+          if nnx.graph.is_graph_node(x)]
 
 
 @jax.tree_util.register_static
@@ -95,8 +95,8 @@ class _Slot:
 def _slots(args: Any, nodes: list[Any]) -> Any:
   index = {id(node): i for i, node in enumerate(nodes)}
   return jax.tree.map(
-      lambda x: _Slot(index[id(x)]) if graphlib.is_graph_node(x) else x,
-      args, is_leaf=graphlib.is_graph_node)
+      lambda x: _Slot(index[id(x)]) if nnx.graph.is_graph_node(x) else x,
+      args, is_leaf=nnx.graph.is_graph_node)
 
 
 def _fill_slots(slotted: Any, nodes: Sequence[Any]) -> Any:
@@ -177,10 +177,10 @@ def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
   _CLASSIFIED.check(
-      optimizer, (id(model), id(optimizer.tx)),
+      optimizer, (weakref.ref(model), optimizer.tx),
       lambda: _check_optimizer_state(model, optimizer, 'train_step'))
   nodes = _graph_nodes(args)
-  graphdef, flat = graphlib.flatten((model, optimizer, nodes))
+  graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
   values = [variable.get_raw_value() for variable in variables]
   if donate:
@@ -192,9 +192,9 @@ def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
                     values: list[Any], slotted_args: Any) -> tuple[Any, Any]:
   """``step`` as a function of :func:`_flat_arguments`' values: the new
   values and the step's output."""
-  model, optimizer, nodes = graphlib.unflatten(graphdef, values)
+  model, optimizer, nodes = nnx.unflatten(graphdef, values)
   out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
-  new_graphdef, new_values = graphlib.flatten((model, optimizer, nodes),
+  new_graphdef, new_values = nnx.flatten((model, optimizer, nodes),
                                               with_paths=False)
   if new_graphdef != graphdef:
     # The forward pass created or replaced a variable (a lazily built
@@ -362,7 +362,7 @@ def train_step(
           graphdef, nnx.State({0: model_params, **node_params}), rest)
       swap = dict(zip(map(id, nodes), inner_nodes))
       inner_args = jax.tree.map(lambda x: swap.get(id(x), x), args,
-                                is_leaf=graphlib.is_graph_node)
+                                is_leaf=nnx.graph.is_graph_node)
       loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
       _step.check_scalar_loss(loss)
       changed = nnx.state((inner_model, inner_nodes), nnx.Not(optimizer.wrt))

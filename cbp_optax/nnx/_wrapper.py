@@ -318,6 +318,14 @@ class Centered(nnx.Module):
     _checks.check_mean_decay(mean_decay)
     transport_layer(self, mean_decay)
 
+  def restart_recording(self) -> None:
+    """Starts a fresh recorded mean: the next training call overwrites it.
+
+    :meth:`transport` calls it once it has used the recorded mean, so that
+    every step records the calls of its own forward pass only.
+    """
+    self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
+
 
 def transport_layer(layer: Centered, mean_decay: Any) -> None:
   """:meth:`Centered.transport` for a ``mean_decay`` validated already."""
@@ -344,11 +352,3 @@ def transport_layer(layer: Centered, mean_decay: Any) -> None:
   if residual is not None:
     residual[...] = moved[2]
   layer.restart_recording()
-
-  def restart_recording(self) -> None:
-    """Starts a fresh recorded mean: the next training call overwrites it.
-
-    :meth:`transport` calls it once it has used the recorded mean, so that
-    every step records the calls of its own forward pass only.
-    """
-    self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
