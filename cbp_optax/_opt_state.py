@@ -36,6 +36,10 @@ import jax
 import numpy as np
 import optax
 
+from cbp_optax._paths import key_name
+from cbp_optax._paths import path_names
+from cbp_optax._paths import path_str
+
 Path = tuple[Any, ...]
 
 
@@ -256,10 +260,6 @@ class LayerMove(NamedTuple):
   shift: Optional[Callable[[Any, Any], Any]]
 
 
-def _label(path: Path) -> str:
-  return '/'.join(str(k) for k in path)
-
-
 def _lookup(tree: Any, path: Path, kind: TreeKind) -> Any:
   for key in path:
     if kind.is_box(tree) or not hasattr(tree, 'keys'):
@@ -341,7 +341,7 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
       held, lacking = ('bias', 'kernel') if has_bias else ('kernel', 'bias')
       raise UnclassifiedStateError(
           f'transport: {where} holds the {held} of the centered layer '
-          f'{_label(move.path)!r} but not its {lacking} (a mask or partition '
+          f'{path_str(move.path)!r} but not its {lacking} (a mask or partition '
           'that splits one layer between optimizers): no bias move keeps the '
           'function of such a copy. Give the kernel and the bias of a '
           'centered layer the same optimizer.')
@@ -355,13 +355,6 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
   pairs, treedef = jax.tree_util.tree_flatten_with_path(
       node, is_leaf=lambda x: x is not node)
   return [(path[0], child) for path, child in pairs], treedef
-
-
-def _key_name(key: Any) -> Any:
-  for attr in ('name', 'key', 'idx'):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return key
 
 
 def _is_container(node: Any, kind: TreeKind) -> bool:
@@ -435,7 +428,7 @@ def transport_state(
       return node  # a gradient statistic of a known type
     children, treedef = _children(node)
     if _is_container(node, kind):
-      inner = [walk(child, owner, f'{label}[{_key_name(k)!r}]')
+      inner = [walk(child, owner, f'{label}[{key_name(k)!r}]')
                for k, child in children]
       return jax.tree_util.tree_unflatten(treedef, inner)
     state_type = type(node)
@@ -447,7 +440,7 @@ def transport_state(
     fields = parameter_fields(state_type)
     inner = []
     for key, child in children:
-      name = _key_name(key)
+      name = key_name(key)
       wrapper = (_is_optax(state_type) and fields is not None
                  and name in _WRAPPER_FIELDS)
       child_owner = None if wrapper else (state_type, name, fields)
@@ -506,15 +499,9 @@ def dimension_numbers_fn(table: dict[tuple[str, ...], Any],
   For ``optax.contrib.muon``'s ``muon_weight_dimension_numbers``; paths are
   key names as strings, boxes (``kind``) count as leaves.
   """
-  def name(key):
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(key, attr):
-        return str(getattr(key, attr))
-    return str(key)
-
   def dims(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: table.get(tuple(name(k) for k in path)), params,
+        lambda path, _: table.get(path_names(path)), params,
         is_leaf=kind.is_box)
 
   return dims

@@ -11,7 +11,6 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from cbp_optax import _equalize
-from cbp_optax import _untransported
 from cbp_optax import blocks
 
 
@@ -144,7 +143,11 @@ def conditioned_update(
   ``apply_step(*operands, grads, changed)`` (update, then transport) or
   ``skip_step(...)`` through ``select`` (:func:`select` or its NNX twin):
   both are computed and every state leaf is selected elementwise, which XLA
-  fuses into the elementwise update that produces it. A ``lax.cond`` instead
+  fuses into the elementwise update that produces it. ``changed`` leaves
+  out the centered layers' counts of pooled positions: the step's transport
+  sets them to zero, and a count read here would keep the
+  untransported-model check alive in the step (see
+  :mod:`cbp_optax._untransported`). A ``lax.cond`` instead
   makes XLA copy the state it passes through: inside an outer, undonated
   ``jit`` (a user's ``nnx.jit`` step) every parameter-sized buffer was copied
   each step (1.41x AdamW's step against 1.17x with the select, NNX MLP of
@@ -153,11 +156,8 @@ def conditioned_update(
   Returns:
     ``(select's result, StepOutput)``.
   """
-  # The step transports whatever it applies: its forward pass needs no
-  # untransported-model check, which its finiteness check would keep alive.
-  with _untransported.transported_in_same_step():
-    (loss, (aux, changed)), grads = jax.value_and_grad(
-        loss_of, has_aux=True)(params)
+  (loss, (aux, changed)), grads = jax.value_and_grad(
+      loss_of, has_aux=True)(params)
   if grads_finite is None:
     # Decided before the update, as always: the same program, bit for bit
     # (deciding after it moved a float32 rounding of AdamW's fused update).

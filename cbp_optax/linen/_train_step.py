@@ -4,7 +4,7 @@ refresh and transport as one compiled iteration (Algorithm 1).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
@@ -16,10 +16,11 @@ from cbp_optax import _checks
 from cbp_optax import _step
 from cbp_optax._step import StepOutput
 
-from cbp_optax.linen._transport import _CLASSIFIED
+from cbp_optax.linen._transport import CLASSIFIED
 from cbp_optax.linen._transport import check_opt_state
 from cbp_optax.linen._transport import transport_collections
 from cbp_optax.linen._wrapper import COLLECTION
+from cbp_optax.linen._wrapper import COUNT
 
 
 class TrainState(train_state.TrainState):
@@ -58,6 +59,18 @@ def _like(container: Any, tree: Any) -> Any:
   if isinstance(container, flax.core.FrozenDict):
     return flax.core.freeze(tree)
   return flax.core.unfreeze(tree)
+
+
+def _old_counts(new: Any, old: Any) -> Any:
+  """``new`` centering entries with ``old``'s counts of pooled positions.
+
+  The transport sets the counts to zero; a count the forward pass wrote,
+  kept in the step, would keep the untransported-model check alive.
+  """
+  if not isinstance(new, Mapping):
+    return new
+  return {k: old[k] if k == COUNT and k in old else _old_counts(v, old.get(k))
+          for k, v in new.items()} if isinstance(old, Mapping) else new
 
 
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
@@ -190,8 +203,9 @@ def train_step(
       loss, aux = _step.split_loss(loss_fn(apply, *batch))
       _step.check_scalar_loss(loss)
       changed = mutated[0] if mutated else {}
-      centering = _like(state.centering,
-                        changed.get(COLLECTION, state.centering))
+      centering = _like(state.centering, _old_counts(
+          flax.core.unfreeze(changed.get(COLLECTION, state.centering)),
+          flax.core.unfreeze(state.centering)))
       model_state = _like(state.model_state, {
           k: changed.get(k, v) for k, v in state.model_state.items()})
       return loss, (aux, (centering, model_state))
@@ -228,7 +242,7 @@ def train_step(
     state = args[0]
     if state.centering:
       # Classified once per tx (again while tracing, for any other state).
-      _CLASSIFIED.check(
+      CLASSIFIED.check(
           state.tx, state.apply_fn,
           lambda: check_opt_state(state.params, state.centering,
                                   state.opt_state))

@@ -17,12 +17,13 @@ from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax._step import StepOutput
 
-from cbp_optax.nnx._center import _path_str
+from cbp_optax._paths import path_str
 from cbp_optax.nnx._center import centered_layers
-from cbp_optax.nnx._transport import _CLASSIFIED
-from cbp_optax.nnx._transport import _check_optimizer_state
+from cbp_optax.nnx._transport import CLASSIFIED
+from cbp_optax.nnx._transport import check_optimizer_state
 from cbp_optax.nnx._transport import transport_model
 from cbp_optax.nnx._wrapper import Centered
+from cbp_optax.nnx._wrapper import RecordedCount
 
 # The NNX words of blocks.centered_after_init's message.
 _LATE_CENTERING = dict(
@@ -65,7 +66,7 @@ class Optimizer(nnx.Optimizer):
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
     # A centered model's transport must know what the state holds: refuse
     # an unclassifiable one now rather than at the first step.
-    _check_optimizer_state(model, self, 'Optimizer')
+    check_optimizer_state(model, self, 'Optimizer')
 
   def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
     """``nnx.Optimizer.update``; says so when ``center`` came after it."""
@@ -122,7 +123,7 @@ def _check_step_arguments(model: Any, optimizer: Any) -> None:
 
 
 def _check_training_mode(model: nnx.Module) -> None:
-  evaluating = [_path_str(p) for p, m in nnx.iter_modules(model)
+  evaluating = [path_str(p) for p, m in nnx.iter_modules(model)
                 if isinstance(m, Centered) and m.use_running_average]
   if evaluating:
     raise ValueError(
@@ -176,9 +177,9 @@ def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
         f'optimizer first, got {len(args)} argument(s).')
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
-  _CLASSIFIED.check(
+  CLASSIFIED.check(
       optimizer, (weakref.ref(model), optimizer.tx),
-      lambda: _check_optimizer_state(model, optimizer, 'train_step'))
+      lambda: check_optimizer_state(model, optimizer, 'train_step'))
   nodes = _graph_nodes(args)
   graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
@@ -365,7 +366,10 @@ def train_step(
                                 is_leaf=nnx.graph.is_graph_node)
       loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
       _step.check_scalar_loss(loss)
-      changed = nnx.state((inner_model, inner_nodes), nnx.Not(optimizer.wrt))
+      # Not the counts of pooled positions, which the transport sets to
+      # zero: kept, they would keep the untransported-model check.
+      changed = nnx.state((inner_model, inner_nodes), nnx.All(
+          nnx.Not(optimizer.wrt), nnx.Not(RecordedCount)))
       return loss, (aux, changed)
 
     def apply_step(model, optimizer, nodes, grads, changed):

@@ -12,16 +12,16 @@ from flax import nnx
 
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
+from cbp_optax._paths import path_names
 from cbp_optax import _checks
 from cbp_optax import centering as core
 
-from cbp_optax.nnx._center import _centered_paths
-from cbp_optax.nnx._center import _plain_spec
-from cbp_optax.nnx._center import _str_path
+from cbp_optax.nnx._center import centered_paths
+from cbp_optax.nnx._center import plain_spec
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import transport_layer
-from cbp_optax.nnx._wrapper import _SPEC_OF
+from cbp_optax.nnx._wrapper import SPEC_OF
 
 
 def _layer_moves(
@@ -30,7 +30,7 @@ def _layer_moves(
 ) -> list[_opt_state.LayerMove]:
   """The centered layers as the copies of an optimizer of ``wrt`` (the
   filter it trains) see them."""
-  layers = _centered_paths(model)
+  layers = centered_paths(model)
   if not layers:
     return []
   trained = {tuple(path) for path, _ in
@@ -47,7 +47,7 @@ def _layer_moves(
   return moves
 
 
-def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
+def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
                            where: str) -> None:
   """Classifies the optimizer's state before anything is traced."""
   if not isinstance(optimizer, nnx.Optimizer):
@@ -61,7 +61,7 @@ def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
 
 
 # The optimizers whose states the fused step classified (for which model).
-_CLASSIFIED = _opt_state.CheckCache()
+CLASSIFIED = _opt_state.CheckCache()
 
 
 def transport(
@@ -146,14 +146,14 @@ def transport_model(model: nnx.Module, mean_decay: Any,
       transport_layer(layer, mean_decay)
     return None
   if optimizer is not None:
-    _check_optimizer_state(model, optimizer, 'transport')
+    check_optimizer_state(model, optimizer, 'transport')
     trained = optimizer.wrt
   else:
     trained = nnx.Param
     _opt_state.transport_state(opt_state, _layer_moves(model, trained),
                                what='opt_state', kind=FLAX)
   shifts = []
-  for _, layer in _centered_paths(model):
+  for _, layer in centered_paths(model):
     old = layer.mean[...]
     transport_layer(layer, mean_decay)
     shifts.append(functools.partial(
@@ -267,13 +267,13 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
       _, axes, _ = core.layer_axes(
           module.spec, kernel, layer.bias[...], module.mean[...],
           module.mean.get_metadata().get('stack_axes'))
-      table[_str_path(path + ('layer', 'kernel'))] = (
+      table[path_names(path + ('layer', 'kernel'))] = (
           core.muon_dimension_numbers(module.spec, axes))
-    elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
-      spec = _plain_spec(module)
+    elif type(module) in SPEC_OF and path[-1:] != ('layer',):
+      spec = plain_spec(module)
       axes = core.locate_stack_axes(tuple(module.kernel.shape),
                                     spec.kernel_shape)
       if axes is not None:
-        table[_str_path(path + ('kernel',))] = core.muon_dimension_numbers(
+        table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
   return _opt_state.dimension_numbers_fn(table, FLAX)

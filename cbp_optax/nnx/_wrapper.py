@@ -91,7 +91,7 @@ def _conv_spec(layer: nnx.Conv) -> core.LayerSpec:
 
 
 # Exact types only: a subclass may override __call__ and change the maths.
-_SPEC_OF = {
+SPEC_OF = {
     nnx.Linear: _linear_spec,
     nnx.LinearGeneral: _linear_general_spec,
     nnx.Conv: _conv_spec,
@@ -106,9 +106,9 @@ def layer_spec(layer: nnx.Module) -> core.LayerSpec:
     cbp_optax.centering.CannotCenterError: a known type configured so that
       the transport could not be exact.
   """
-  spec_of = _SPEC_OF.get(type(layer))
+  spec_of = SPEC_OF.get(type(layer))
   if spec_of is None:
-    raise core.unsupported_layer_error(type(layer), tuple(_SPEC_OF))
+    raise core.unsupported_layer_error(type(layer), tuple(SPEC_OF))
   return spec_of(layer)
 
 
