@@ -13,10 +13,10 @@ import optax
 from flax.training import train_state
 
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax._step import StepOutput
 
-from cbp_optax.linen._transport import CLASSIFIED
 from cbp_optax.linen._transport import check_opt_state
 from cbp_optax.linen._transport import transport_collections
 from cbp_optax.linen._wrapper import COLLECTION
@@ -229,6 +229,8 @@ def train_step(
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
+  # The optimizers (tx) whose states this step classified.
+  classified = _opt_state.CheckCache()
 
   def train(*args):
     if not args or not isinstance(args[0], TrainState):
@@ -242,7 +244,7 @@ def train_step(
     state = args[0]
     if state.centering:
       # Classified once per tx (again while tracing, for any other state).
-      CLASSIFIED.check(
+      classified.check(
           state.tx, state.apply_fn,
           lambda: check_opt_state(state.params, state.centering,
                                   state.opt_state))

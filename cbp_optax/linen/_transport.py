@@ -139,9 +139,6 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
   return moves
 
 
-# The optimizers (tx) whose states the fused step classified.
-CLASSIFIED = _opt_state.CheckCache()
-
 
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before any tracing, an optimizer state the transport cannot

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax._step import StepOutput
 
 from cbp_optax._paths import path_str
 from cbp_optax.nnx._center import centered_layers
-from cbp_optax.nnx._transport import CLASSIFIED
 from cbp_optax.nnx._transport import check_optimizer_state
 from cbp_optax.nnx._transport import transport_model
 from cbp_optax.nnx._wrapper import Centered
@@ -163,7 +163,8 @@ def _select(ok: Any, apply_step: Callable[..., None],
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
-def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
+def _flat_arguments(args: Sequence[Any], donate: bool,
+                    classified: _opt_state.CheckCache) -> tuple[Any, Any]:
   """``(variables, (graphdef, values, slotted args))`` of a step's arguments.
 
   One traversal: the graph's Variables in flattening order, whose values go
@@ -177,7 +178,7 @@ def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
         f'optimizer first, got {len(args)} argument(s).')
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
-  CLASSIFIED.check(
+  classified.check(
       optimizer, (weakref.ref(model), optimizer.tx),
       lambda: check_optimizer_state(model, optimizer, 'train_step'))
   nodes = _graph_nodes(args)
@@ -404,8 +405,11 @@ def train_step(
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
 
+  # The optimizers whose states this step classified (for which model).
+  classified = _opt_state.CheckCache()
+
   def split_arguments(args):
-    return _flat_arguments(args, donate)
+    return _flat_arguments(args, donate, classified)
 
   def train(*args):
     variables, jitted_args = split_arguments(args)

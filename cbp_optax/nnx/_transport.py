@@ -60,9 +60,6 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
                              kind=FLAX)
 
 
-# The optimizers whose states the fused step classified (for which model).
-CLASSIFIED = _opt_state.CheckCache()
-
 
 def transport(
     model: nnx.Module, mean_decay: Any = 0.99, *,
