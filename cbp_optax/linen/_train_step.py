@@ -73,6 +73,17 @@ def _old_counts(new: Any, old: Any) -> Any:
           for k, v in new.items()} if isinstance(old, Mapping) else new
 
 
+def _check_state_first(args: tuple[Any, ...]) -> None:
+  if not args or not isinstance(args[0], TrainState):
+    got = f'a {type(args[0]).__name__}' if args else 'no argument'
+    raise TypeError(
+        'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
+        f'first, got {got}: build it with '
+        'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
+        'centering=..., tx=...).'
+    )
+
+
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                               mean_decay: Any) -> TrainState:
   """The transport of a step that was not skipped (eq. 10).
@@ -233,14 +244,7 @@ def train_step(
   classified = _opt_state.CheckCache()
 
   def train(*args):
-    if not args or not isinstance(args[0], TrainState):
-      got = f'a {type(args[0]).__name__}' if args else 'no argument'
-      raise TypeError(
-          'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
-          f'first, got {got}: build it with '
-          'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
-          'centering=..., tx=...).'
-      )
+    _check_state_first(args)
     state = args[0]
     if state.centering:
       # Classified once per tx (again while tracing, for any other state).
