@@ -9,13 +9,14 @@ Optimizer side (optax transforms):
   centered with M2, chosen on the workload suite's dev split.
 
 Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
-``cbp_optax.linen``.
+``cbp_optax.linen``, imported on first use; they need Flax
+(``pip install "cbp-optax[flax]"``). ``import cbp_optax`` imports no Flax.
 """
+
+import importlib
 
 from cbp_optax import blocks
 from cbp_optax import centering
-from cbp_optax import linen
-from cbp_optax import nnx
 from cbp_optax._alias import cbp
 from cbp_optax._alias import cbp_robust
 from cbp_optax._alias import cbp_transformer
@@ -55,3 +56,16 @@ __all__ = (
     'precondition',
     'recommended',
 )
+
+# Imported on first use: the Flax adapters (Flax is an optional extra).
+_LAZY_MODULES = frozenset({'linen', 'nnx'})
+
+
+def __getattr__(name: str):
+  if name in _LAZY_MODULES:
+    return importlib.import_module(f'cbp_optax.{name}')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | _LAZY_MODULES)

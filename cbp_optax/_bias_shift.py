@@ -14,9 +14,9 @@ from jax import lax
 
 from cbp_optax._layer_spec import CONV
 from cbp_optax._layer_spec import LayerSpec
-from cbp_optax._stacks import _from_front
-from cbp_optax._stacks import _stack_axes
-from cbp_optax._stacks import _to_front
+from cbp_optax._stacks import from_front
+from cbp_optax._stacks import stack_axes_of
+from cbp_optax._stacks import to_front
 from cbp_optax._stacks import layer_axes
 
 
@@ -151,14 +151,14 @@ def shift_bias(
   if residual is None:
     residual_axes = fronted_residual = None
   else:
-    residual_axes = _stack_axes('residual', residual, spec.bias_shape,
+    residual_axes = stack_axes_of('residual', residual, spec.bias_shape,
                                 mean_axes, spec)
-    fronted_residual = _to_front(residual, residual_axes)
+    fronted_residual = to_front(residual, residual_axes)
   new_bias, new_residual = fn(
-      _to_front(kernel, kernel_axes), _to_front(bias, bias_axes),
-      _to_front(mean, mean_axes), _to_front(new_mean, mean_axes),
+      to_front(kernel, kernel_axes), to_front(bias, bias_axes),
+      to_front(mean, mean_axes), to_front(new_mean, mean_axes),
       fronted_residual)
-  new_bias = _from_front(new_bias, bias_axes)
+  new_bias = from_front(new_bias, bias_axes)
   if residual is None:
     return new_bias
-  return new_bias, _from_front(new_residual, residual_axes)
+  return new_bias, from_front(new_residual, residual_axes)

@@ -21,6 +21,10 @@ holds an array of a centered bias's shape at that bias's path) is
 * refused, anywhere else: in an unregistered state type, or directly in a
   chain or wrapper, where nothing says whether it is a statistic or a copy.
   A silent guess could change the function.
+
+The module knows plain pytrees only; a framework whose trees box their
+leaves (Flax NNX's ``Variable``) or use their own mappings describes them
+with a :class:`TreeKind`, which its adapter passes in.
 """
 
 from __future__ import annotations
@@ -28,13 +32,48 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-import flax
 import jax
 import numpy as np
 import optax
-from flax import nnx
+
+from cbp_optax._paths import key_name
+from cbp_optax._paths import path_names
+from cbp_optax._paths import path_str
 
 Path = tuple[Any, ...]
+
+
+def _never(_: Any) -> bool:
+  return False
+
+
+def _unboxed(leaf: Any) -> Any:
+  return leaf
+
+
+class TreeKind(NamedTuple):
+  """How a framework's trees hold their leaves, for the walks below.
+
+  Attributes:
+    is_box: whether a node is a mutable box around one leaf (written in
+      place, never descended into).
+    unbox: the array a box holds.
+    store: ``store(box, value)`` writes ``value`` into a box.
+    mappings: mapping types, besides ``dict``, that are containers (not
+      state types).
+    rebuild: ``rebuild(tree, key, child)``: ``tree`` with ``child`` at
+      ``key`` for a mapping it knows, else None (then the mapping is copied
+      as a ``dict`` and its type called on the copy).
+  """
+
+  is_box: Callable[[Any], bool] = _never
+  unbox: Callable[[Any], Any] = _unboxed
+  store: Optional[Callable[[Any, Any], None]] = None
+  mappings: tuple[type, ...] = ()
+  rebuild: Optional[Callable[[Any, Any, Any], Any]] = None
+
+
+PLAIN = TreeKind()
 
 # Registered by users: state type -> the fields that hold parameters.
 _PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
@@ -137,29 +176,30 @@ class CheckCache:
   The fused steps classify the optimizer state before tracing, to raise
   outside ``jit``; the transport classifies it again while tracing, so a
   stale entry can only move an error into the trace, never skip one. Keyed
-  by the optimizer (weakly, where it can be: an NNX optimizer) or by its
-  ``id`` with the object kept (a Linen ``tx``, at most ``size`` of them).
+  by the optimizer itself: weakly where it can be (an NNX optimizer),
+  otherwise among the last ``size`` owners, held and compared by identity
+  (a Linen ``tx``). Signatures compare by equality; hold objects in them,
+  or weak references to them, never their ``id``.
   """
 
   def __init__(self, size: int = 16):
     self._size = size
     self._weak = weakref.WeakKeyDictionary()
-    self._strong: dict[int, tuple[Any, Any]] = {}
+    self._held: list[tuple[Any, Any]] = []
 
   def _get(self, owner: Any) -> Any:
     try:
       return self._weak.get(owner)
     except TypeError:
-      entry = self._strong.get(id(owner))
-      return entry[1] if entry is not None else None
+      return next((sig for held, sig in self._held if held is owner), None)
 
   def _put(self, owner: Any, signature: Any) -> None:
     try:
       self._weak[owner] = signature
     except TypeError:
-      if len(self._strong) >= self._size:
-        self._strong.pop(next(iter(self._strong)))
-      self._strong[id(owner)] = (owner, signature)
+      self._held = [(owner, signature)] + [
+          entry for entry in self._held if entry[0] is not owner
+      ][:self._size - 1]
 
   def check(self, owner: Any, signature: Any,
             classify: Callable[[], None]) -> None:
@@ -220,13 +260,9 @@ class LayerMove(NamedTuple):
   shift: Optional[Callable[[Any, Any], Any]]
 
 
-def _label(path: Path) -> str:
-  return '/'.join(str(k) for k in path)
-
-
-def _lookup(tree: Any, path: Path) -> Any:
+def _lookup(tree: Any, path: Path, kind: TreeKind) -> Any:
   for key in path:
-    if isinstance(tree, nnx.Variable) or not hasattr(tree, 'keys'):
+    if kind.is_box(tree) or not hasattr(tree, 'keys'):
       return None
     try:
       if key not in tree:
@@ -237,49 +273,48 @@ def _lookup(tree: Any, path: Path) -> Any:
   return tree
 
 
-def _value(leaf: Any) -> Any:
-  return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+def _value(leaf: Any, kind: TreeKind) -> Any:
+  return kind.unbox(leaf) if kind.is_box(leaf) else leaf
 
 
-def _is_array(leaf: Any) -> bool:
-  value = _value(leaf)
+def _is_array(leaf: Any, kind: TreeKind) -> bool:
+  value = _value(leaf, kind)
   return hasattr(value, 'shape') and hasattr(value, 'dtype')
 
 
-def _holds_bias(tree: Any, move: LayerMove) -> bool:
-  leaf = _lookup(tree, move.path + move.bias_key)
-  return _is_array(leaf) and tuple(np.shape(_value(leaf))) == move.bias_shape
+def _holds_bias(tree: Any, move: LayerMove, kind: TreeKind) -> bool:
+  leaf = _lookup(tree, move.path + move.bias_key, kind)
+  return (_is_array(leaf, kind)
+          and tuple(np.shape(_value(leaf, kind))) == move.bias_shape)
 
 
-def parameter_shaped(tree: Any, moves: Sequence[LayerMove]) -> bool:
+def parameter_shaped(tree: Any, moves: Sequence[LayerMove],
+                     kind: TreeKind = PLAIN) -> bool:
   """True when ``tree`` holds a centered bias's shape at its path."""
-  return hasattr(tree, 'keys') and any(_holds_bias(tree, m) for m in moves)
+  return hasattr(tree, 'keys') and any(
+      _holds_bias(tree, m, kind) for m in moves)
 
 
-def _replace(tree: Any, path: Path, value: Any) -> Any:
-  """``tree`` with ``value`` at ``path``: in place for an NNX Variable."""
-  leaf = _lookup(tree, path)
-  if isinstance(leaf, nnx.Variable):
-    leaf[...] = value
+def _replace(tree: Any, path: Path, value: Any, kind: TreeKind) -> Any:
+  """``tree`` with ``value`` at ``path``: in place for a box."""
+  leaf = _lookup(tree, path, kind)
+  if kind.is_box(leaf):
+    kind.store(leaf, value)
     return tree
   key = path[0]
-  child = value if len(path) == 1 else _replace(tree[key], path[1:], value)
-  if isinstance(tree, flax.core.FrozenDict):
-    return tree.copy({key: child})
-  if isinstance(tree, nnx.State):
-    # A State wraps its nested dicts on access; storing the wrapper back
-    # would change the pytree structure that the optimizer's update expects.
-    raw = dict(tree.raw_mapping)
-    if isinstance(child, nnx.State) and not isinstance(raw[key], nnx.State):
-      child = child.raw_mapping
-    raw[key] = child
-    return type(tree)(raw, _copy=False)
+  child = (value if len(path) == 1
+           else _replace(tree[key], path[1:], value, kind))
+  if kind.rebuild is not None:
+    rebuilt = kind.rebuild(tree, key, child)
+    if rebuilt is not None:
+      return rebuilt
   new = dict(tree)
   new[key] = child
   return new if type(tree) is dict else type(tree)(new)
 
 
-def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str) -> Any:
+def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
+                   kind: TreeKind = PLAIN) -> Any:
   """Moves every centered bias in one parameter copy by its own kernel.
 
   Raises:
@@ -294,9 +329,9 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str) -> Any:
         f'transport: {where} is registered as holding parameters but holds '
         f'a {type(copy).__name__}, not a tree like the parameters.')
   for move in moves:
-    bias = _lookup(copy, move.path + move.bias_key)
-    kernel = _lookup(copy, move.path + move.kernel_key)
-    has_bias, has_kernel = _is_array(bias), _is_array(kernel)
+    bias = _lookup(copy, move.path + move.bias_key, kind)
+    kernel = _lookup(copy, move.path + move.kernel_key, kind)
+    has_bias, has_kernel = _is_array(bias, kind), _is_array(kernel, kind)
     if not has_bias and not has_kernel:
       continue  # this copy does not hold the layer (a partition)
     if has_bias and not has_kernel and not move.kernel_trained:
@@ -306,13 +341,13 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str) -> Any:
       held, lacking = ('bias', 'kernel') if has_bias else ('kernel', 'bias')
       raise UnclassifiedStateError(
           f'transport: {where} holds the {held} of the centered layer '
-          f'{_label(move.path)!r} but not its {lacking} (a mask or partition '
+          f'{path_str(move.path)!r} but not its {lacking} (a mask or partition '
           'that splits one layer between optimizers): no bias move keeps the '
           'function of such a copy. Give the kernel and the bias of a '
           'centered layer the same optimizer.')
     if move.shift is not None:
-      new = move.shift(_value(kernel), _value(bias))
-      copy = _replace(copy, move.path + move.bias_key, new)
+      new = move.shift(_value(kernel, kind), _value(bias, kind))
+      copy = _replace(copy, move.path + move.bias_key, new, kind)
   return copy
 
 
@@ -322,21 +357,14 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
   return [(path[0], child) for path, child in pairs], treedef
 
 
-def _key_name(key: Any) -> Any:
-  for attr in ('name', 'key', 'idx'):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return key
-
-
-def _is_container(node: Any) -> bool:
+def _is_container(node: Any, kind: TreeKind) -> bool:
   return (type(node) in _CONTAINERS
-          or isinstance(node, (nnx.State, flax.core.FrozenDict))
+          or isinstance(node, kind.mappings)
           or (isinstance(node, tuple) and not hasattr(node, '_fields')))
 
 
-def _stop(node: Any) -> bool:
-  if isinstance(node, nnx.Variable):
+def _stop(node: Any, kind: TreeKind) -> bool:
+  if kind.is_box(node):
     return True
   _, treedef = jax.tree_util.tree_flatten(
       node, is_leaf=lambda x: x is not node)
@@ -370,12 +398,13 @@ def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
 
 
 def transport_state(
-    state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state'
+    state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state',
+    kind: TreeKind = PLAIN,
 ) -> Any:
   """``state`` with every parameter copy transported (see the module doc).
 
   With ``LayerMove.shift`` None it only classifies, raising what the
-  transport would raise. NNX ``Variable`` leaves are written in place; other
+  transport would raise. Boxed leaves (``kind``) are written in place; other
   trees are rebuilt.
 
   Raises:
@@ -387,19 +416,19 @@ def transport_state(
     return state
 
   def walk(node, owner, label):
-    if _stop(node):
+    if _stop(node, kind):
       return node
     if owner is not None and owner[2] and owner[1] in owner[2]:
       # A field that holds parameters: the copy itself.
-      return transport_copy(node, moves, label)
-    if parameter_shaped(node, moves):
+      return transport_copy(node, moves, label, kind)
+    if parameter_shaped(node, moves, kind):
       if owner is None or owner[2] is None:
         raise UnclassifiedStateError(_unclassified(
             owner and owner[:2], label))
       return node  # a gradient statistic of a known type
     children, treedef = _children(node)
-    if _is_container(node):
-      inner = [walk(child, owner, f'{label}[{_key_name(k)!r}]')
+    if _is_container(node, kind):
+      inner = [walk(child, owner, f'{label}[{key_name(k)!r}]')
                for k, child in children]
       return jax.tree_util.tree_unflatten(treedef, inner)
     state_type = type(node)
@@ -411,7 +440,7 @@ def transport_state(
     fields = parameter_fields(state_type)
     inner = []
     for key, child in children:
-      name = _key_name(key)
+      name = key_name(key)
       wrapper = (_is_optax(state_type) and fields is not None
                  and name in _WRAPPER_FIELDS)
       child_owner = None if wrapper else (state_type, name, fields)
@@ -423,7 +452,8 @@ def transport_state(
   return walk(state, None, what)
 
 
-def find_states(state: Any, state_type: type) -> list[Any]:
+def find_states(state: Any, state_type: type,
+                kind: TreeKind = PLAIN) -> list[Any]:
   """Every node of type ``state_type`` in ``state`` (outermost first)."""
   found = []
 
@@ -431,7 +461,7 @@ def find_states(state: Any, state_type: type) -> list[Any]:
     if isinstance(node, state_type):
       found.append(node)
       return True
-    return isinstance(node, nnx.Variable)
+    return kind.is_box(node)
 
   jax.tree_util.tree_map(lambda x: x, state, is_leaf=visit)
   return found
@@ -440,7 +470,7 @@ def find_states(state: Any, state_type: type) -> list[Any]:
 def evaluation_params(state: Any, params: Any) -> Any:
   """The parameters to evaluate: schedule-free's ``x`` if ``state`` has one.
 
-  ``state`` and ``params`` as arrays (NNX: ``nnx.as_pure``).
+  ``state`` and ``params`` as arrays (unboxed).
 
   Raises:
     ValueError: more than one schedule-free state, or one whose ``z`` is
@@ -462,21 +492,16 @@ def evaluation_params(state: Any, params: Any) -> Any:
   return optax.contrib.schedule_free_eval_params(free, params)
 
 
-def dimension_numbers_fn(table: dict[tuple[str, ...], Any]) -> Callable[[Any], Any]:
+def dimension_numbers_fn(table: dict[tuple[str, ...], Any],
+                         kind: TreeKind = PLAIN) -> Callable[[Any], Any]:
   """``dims(params)``: ``table[path]`` at each leaf's path, else None.
 
   For ``optax.contrib.muon``'s ``muon_weight_dimension_numbers``; paths are
-  key names as strings, NNX ``Variable`` leaves count as leaves.
+  key names as strings, boxes (``kind``) count as leaves.
   """
-  def name(key):
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(key, attr):
-        return str(getattr(key, attr))
-    return str(key)
-
   def dims(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: table.get(tuple(name(k) for k in path)), params,
-        is_leaf=lambda x: isinstance(x, nnx.Variable))
+        lambda path, _: table.get(path_names(path)), params,
+        is_leaf=kind.is_box)
 
   return dims

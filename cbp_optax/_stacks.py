@@ -88,7 +88,7 @@ AMBIGUOUS_STACK_REMEDY = (
 )
 
 
-def _stack_axes(
+def stack_axes_of(
     name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
 ) -> tuple[int, ...]:
   """The stack axes of one of a layer's arrays in the transport, or why not."""
@@ -106,11 +106,11 @@ def _stack_axes(
           + AMBIGUOUS_STACK_REMEDY))
 
 
-def _to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+def to_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   return jnp.moveaxis(x, axes, tuple(range(len(axes))))
 
 
-def _from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+def from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   return jnp.moveaxis(x, tuple(range(len(axes))), axes)
 
 
@@ -119,9 +119,9 @@ def layer_axes(
     mean_stack_axes: Optional[tuple[int, ...]],
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
   """The stack axes of ``mean``, ``kernel`` and ``bias``, which must agree."""
-  mean_axes = _stack_axes('mean', mean, spec.mean_shape, mean_stack_axes, spec)
-  kernel_axes = _stack_axes('kernel', kernel, spec.kernel_shape, mean_axes, spec)
-  bias_axes = _stack_axes('bias', bias, spec.bias_shape, mean_axes, spec)
+  mean_axes = stack_axes_of('mean', mean, spec.mean_shape, mean_stack_axes, spec)
+  kernel_axes = stack_axes_of('kernel', kernel, spec.kernel_shape, mean_axes, spec)
+  bias_axes = stack_axes_of('bias', bias, spec.bias_shape, mean_axes, spec)
   sizes = [tuple(x.shape[a] for a in axes) for x, axes in
            ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
   if len(set(sizes)) != 1:

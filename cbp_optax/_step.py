@@ -5,19 +5,12 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional
 
 import functools
-import warnings
 
 import jax
-
-try:  # No public twin: covers an outer jit whose arguments are closed over.
-  from jax._src.core import trace_state_clean as _trace_state_clean  # pylint: disable=g-import-not-at-top
-except ImportError:  # pragma: no cover
-  _trace_state_clean = None
+import jax.extend.core
 import jax.numpy as jnp
 
-from cbp_optax import _checks
 from cbp_optax import _equalize
-from cbp_optax import _untransported
 from cbp_optax import blocks
 
 
@@ -55,18 +48,6 @@ class StepOutput(NamedTuple):
   loss: jax.Array
   aux: Any
   skipped: jax.Array
-
-
-def mean_decay_argument(mean_decay: Any, decay: Any, where: str) -> Any:
-  """Validates M2's mean EMA decay, accepting its deprecated name ``decay``."""
-  if decay is not None:
-    warnings.warn(
-        f'{where}(decay=...) is deprecated: the EMA decay of the centering '
-        "means is now called mean_decay (decay is M1's energy EMA in "
-        'cbp.cbp).', DeprecationWarning, stacklevel=3)
-    mean_decay = decay
-  _checks.check_mean_decay(mean_decay)
-  return mean_decay
 
 
 def split_loss(output: Any) -> tuple[jax.Array, Any]:
@@ -162,7 +143,11 @@ def conditioned_update(
   ``apply_step(*operands, grads, changed)`` (update, then transport) or
   ``skip_step(...)`` through ``select`` (:func:`select` or its NNX twin):
   both are computed and every state leaf is selected elementwise, which XLA
-  fuses into the elementwise update that produces it. A ``lax.cond`` instead
+  fuses into the elementwise update that produces it. ``changed`` leaves
+  out the centered layers' counts of pooled positions: the step's transport
+  sets them to zero, and a count read here would keep the
+  untransported-model check alive in the step (see
+  :mod:`cbp_optax._untransported`). A ``lax.cond`` instead
   makes XLA copy the state it passes through: inside an outer, undonated
   ``jit`` (a user's ``nnx.jit`` step) every parameter-sized buffer was copied
   each step (1.41x AdamW's step against 1.17x with the select, NNX MLP of
@@ -171,11 +156,8 @@ def conditioned_update(
   Returns:
     ``(select's result, StepOutput)``.
   """
-  # The step transports whatever it applies: its forward pass needs no
-  # untransported-model check, which its finiteness check would keep alive.
-  with _untransported.transported_in_same_step():
-    (loss, (aux, changed)), grads = jax.value_and_grad(
-        loss_of, has_aux=True)(params)
+  (loss, (aux, changed)), grads = jax.value_and_grad(
+      loss_of, has_aux=True)(params)
   if grads_finite is None:
     # Decided before the update, as always: the same program, bit for bit
     # (deciding after it moved a float32 rounding of AdamW's fused update).
@@ -249,12 +231,14 @@ def unaliased(tree: Any) -> Any:
 def staged(tree: Any) -> bool:
   """True when called while an outer ``jit`` (or another transform) traces.
 
-  A leaf of ``tree`` that is a tracer says so; so does JAX's trace state,
-  which also covers an outer ``jit`` whose arguments are all closed over.
+  A leaf of ``tree`` that is a tracer says so; so does the current trace
+  (``jax.extend.core.find_top_trace``), which also covers an outer ``jit``
+  whose arguments are all closed over: outside every transform it is JAX's
+  eager ``EvalTrace``.
   """
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
     return True
-  return _trace_state_clean is not None and not _trace_state_clean()
+  return type(jax.extend.core.find_top_trace(())).__name__ != 'EvalTrace'
 
 
 def jit_step(

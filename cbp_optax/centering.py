@@ -435,6 +435,27 @@ def transport(
     §4.2 (eqs. 8-10) and Algorithm 1, steps 10-11.
   """
   _checks.check_mean_decay(decay)
+  return transport_layer(spec, kernel, bias, mean, recorded, decay, mask=mask,
+                         mean_stack_axes=mean_stack_axes, residual=residual)
+
+
+def transport_layer(
+    spec: LayerSpec,
+    kernel: jax.Array,
+    bias: jax.Array,
+    mean: jax.Array,
+    recorded: jax.Array,
+    decay: Any,
+    *,
+    mask: Optional[jax.Array] = None,
+    mean_stack_axes: Optional[tuple[int, ...]] = None,
+    residual: Optional[jax.Array] = None,
+) -> tuple[jax.Array, ...]:
+  """:func:`transport` for a ``decay`` its caller validated already.
+
+  The adapters validate ``mean_decay`` once, where it is given, and move
+  every layer with this.
+  """
   new_mean = ema(mean, recorded, decay)
   moved = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
                      mean_stack_axes=mean_stack_axes, residual=residual)

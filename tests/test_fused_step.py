@@ -477,3 +477,25 @@ def test_cbp_steps_check_m1_energies_instead_of_every_gradient(api):
   adamw = finiteness_checks(optax.adamw(LR))
   for tx in (cbp.cbp(LR), cbp.cbp_robust(LR)):
     assert adamw - finiteness_checks(tx) == gradient_leaves - 1
+
+
+def test_staged_tells_an_outer_trace_from_eager_calls():
+  """The fused step runs its own executable only outside every transform.
+
+  ``staged`` reads the current trace through ``jax.extend.core``: this fails
+  if JAX renames its eager trace or stops reporting it there.
+  """
+  from cbp_optax import _step  # pylint: disable=g-import-not-at-top
+  x = jnp.ones(2)
+  assert not _step.staged((x,))
+  seen = []
+
+  def record(y):
+    seen.append(_step.staged((x,)))  # x closed over: no tracer argument
+    return y
+
+  jax.jit(record)(1.0)
+  jax.vmap(record)(x)
+  jax.grad(record)(1.0)
+  assert seen == [True, True, True]
+  assert not _step.staged((x,))

@@ -544,6 +544,25 @@ def test_every_transport_path_validates_mean_decay(value, error, match):
   chex.assert_trees_all_equal(layer.mean[...], jnp.zeros(2))
 
 
+def test_the_centering_decay_is_named_mean_decay_only():
+  """``decay`` is M1's energy EMA (``cbp.cbp(decay=...)``); the transports
+  and fused steps take the centering means' EMA as ``mean_decay`` only."""
+  import flax.linen as nn
+  model = nnx.Sequential(cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0))))
+  variables = cbp.linen.center(nn.Dense(2)).init(jax.random.key(0),
+                                                 jnp.ones((1, 2)))
+  calls = [
+      lambda: cbp.nnx.transport(model, decay=0.5),
+      lambda: cbp.nnx.train_step(lambda m, x: 0.0, decay=0.5),
+      lambda: cbp.linen.transport(variables['params'],
+                                  variables['centering'], decay=0.5),
+      lambda: cbp.linen.train_step(lambda apply, x: 0.0, decay=0.5),
+  ]
+  for call in calls:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'decay'"):
+      call()
+
+
 def test_traced_mean_decay_is_accepted():
   layer = cbp.nnx.Centered(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
   layer(jnp.ones((3, 2)))

@@ -346,3 +346,45 @@ def test_top_level_pages_link_to_files_that_exist(name):
     if not (ROOT / path).exists():
       missing.append(target)
   assert not missing, missing
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+  """The ``_private`` names (not modules) ``path`` imports from cbp_optax."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and (
+        node.module.startswith('cbp_optax')):
+      package = ROOT.joinpath(*node.module.split('.'))
+      for alias in node.names:
+        is_module = (package / f'{alias.name}.py').exists() or (
+            package / alias.name).is_dir()
+        if alias.name.startswith('_') and not is_module:
+          found.append(f'{node.module}.{alias.name}')
+  return found
+
+
+def test_the_adapters_and_the_centering_core_share_no_private_names():
+  """Names one module of nnx/, linen/ or the centering core uses from
+  another are public within the package (no underscore); the path helpers
+  live in cbp_optax._paths."""
+  files = [*(CORE / 'nnx').glob('*.py'), *(CORE / 'linen').glob('*.py')]
+  files += [CORE / f'{name}.py' for name in (
+      'centering', '_opt_state', '_step', '_untransported', '_stacks',
+      '_bias_shift', '_layer_spec', '_flax_state', '_paths')]
+  found = {p.relative_to(ROOT).as_posix(): _private_imports(p) for p in files}
+  assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_library_imports_no_private_jax_or_flax_module():
+  for path in CORE.rglob('*.py'):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module or ''] if isinstance(node, ast.ImportFrom)
+               else [])
+      for name in names:
+        assert not name.startswith('jax._src'), (path, name)
+        assert 'graphlib' not in name, (path, name)
+      if isinstance(node, ast.ImportFrom) and node.module in (
+          'flax.nnx', 'jax', 'jax.core'):
+        assert all(a.name != 'graphlib' and not a.name.startswith('_')
+                   for a in node.names), (path, ast.dump(node))

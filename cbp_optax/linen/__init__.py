@@ -28,7 +28,13 @@ References:
 
 # The implementation lives in one private module per job, mirrored by
 # cbp_optax.nnx: _wrapper (the centered layer), _center, _transport,
-# _train_step (the fused step) and _recalibrate (BatchNorm statistics).
+# _train_step (the fused step).
+
+try:
+  import flax  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised without Flax only
+  raise ImportError(
+      'cbp_optax.linen needs Flax: pip install "cbp-optax[flax]"') from e
 
 from cbp_optax._step import StepOutput
 from cbp_optax.linen._wrapper import Centered

@@ -14,11 +14,13 @@ import jax.numpy as jnp
 
 from cbp_optax import blocks
 from cbp_optax import centering as core
+from cbp_optax._paths import path_names
+from cbp_optax._paths import path_str
 
-from cbp_optax.linen._wrapper import _MEAN
-from cbp_optax.linen._wrapper import _SUPPORTED
-from cbp_optax.linen._wrapper import _centered_call
-from cbp_optax.linen._wrapper import _is_entry
+from cbp_optax.linen._wrapper import MEAN
+from cbp_optax.linen._wrapper import SUPPORTED
+from cbp_optax.linen._wrapper import centered_call
+from cbp_optax.linen._wrapper import is_entry
 from cbp_optax.linen._wrapper import check_layer
 from cbp_optax.linen._wrapper import layer_spec
 
@@ -85,9 +87,9 @@ class CenteredModel(NamedTuple):
 
   def _interceptor(self, next_fun, args, kwargs, context):
     module = context.module
-    if context.method_name != '__call__' or type(module) not in _SUPPORTED:
+    if context.method_name != '__call__' or type(module) not in SUPPORTED:
       return next_fun(*args, **kwargs)
-    path = '/'.join(module.scope.path)
+    path = path_str(module.scope.path)
     if not core.selected(self.where, path, module):
       return next_fun(*args, **kwargs)
     try:
@@ -99,7 +101,7 @@ class CenteredModel(NamedTuple):
     found, inputs, rest, kwargs = _call_input(module, args, kwargs)
     if not found:  # no input at all: the layer's own error says so
       return next_fun(*args, **kwargs)
-    return _centered_call(
+    return centered_call(
         module,
         lambda x: next_fun(x, *rest, **kwargs),
         lambda: module.get_variable('params', 'kernel'),
@@ -139,7 +141,7 @@ class CenteredModel(NamedTuple):
       out = next_fun(*call_args, **call_kwargs)
       module = context.module
       if context.method_name == '__call__' and _has_own_params(module):
-        path = '/'.join(module.scope.path)
+        path = path_str(module.scope.path)
         try:
           check_layer(module)
           if _under_map_variables(module):
@@ -281,7 +283,7 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
     eq. (7).
   """
   shapes = {
-      tuple(blocks.key_name(k) for k in path): tuple(jnp.shape(leaf))
+      path_names(path): tuple(jnp.shape(leaf))
       for path, leaf in jax.tree_util.tree_leaves_with_path(
           flax.core.unfreeze(params))
   }
@@ -290,8 +292,8 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
     stacks, unstacked = [], []
 
     def visit(tree, path):
-      if _is_entry(tree):
-        box = tree[_MEAN]
+      if is_entry(tree):
+        box = tree[MEAN]
         if box.stack_axes and box.stack_axes[0] == 0:
           stacks.append((path, box.value.shape[0]))
         elif not box.stack_axes:

@@ -4,7 +4,7 @@ refresh and transport as one compiled iteration (Algorithm 1).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
@@ -13,13 +13,14 @@ import optax
 from flax.training import train_state
 
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax._step import StepOutput
 
-from cbp_optax.linen._transport import _CLASSIFIED
 from cbp_optax.linen._transport import check_opt_state
-from cbp_optax.linen._transport import transport
+from cbp_optax.linen._transport import transport_collections
 from cbp_optax.linen._wrapper import COLLECTION
+from cbp_optax.linen._wrapper import COUNT
 
 
 class TrainState(train_state.TrainState):
@@ -60,6 +61,29 @@ def _like(container: Any, tree: Any) -> Any:
   return flax.core.unfreeze(tree)
 
 
+def _old_counts(new: Any, old: Any) -> Any:
+  """``new`` centering entries with ``old``'s counts of pooled positions.
+
+  The transport sets the counts to zero; a count the forward pass wrote,
+  kept in the step, would keep the untransported-model check alive.
+  """
+  if not isinstance(new, Mapping):
+    return new
+  return {k: old[k] if k == COUNT and k in old else _old_counts(v, old.get(k))
+          for k, v in new.items()} if isinstance(old, Mapping) else new
+
+
+def _check_state_first(args: tuple[Any, ...]) -> None:
+  if not args or not isinstance(args[0], TrainState):
+    got = f'a {type(args[0]).__name__}' if args else 'no argument'
+    raise TypeError(
+        'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
+        f'first, got {got}: build it with '
+        'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
+        'centering=..., tx=...).'
+    )
+
+
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                               mean_decay: Any) -> TrainState:
   """The transport of a step that was not skipped (eq. 10).
@@ -72,8 +96,8 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
     return state
 
   def transport_step(state):
-    params, centering, opt_state = transport(
-        state.params, state.centering, mean_decay, opt_state=state.opt_state)
+    params, centering, opt_state = transport_collections(
+        state.params, state.centering, mean_decay, state.opt_state)
     return state.replace(params=params, centering=centering,
                          opt_state=opt_state)
 
@@ -83,7 +107,7 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
 
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
-    donate: bool = True, decay: Any = None,
+    donate: bool = True,
 ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 
@@ -110,7 +134,6 @@ def train_step(
       Call it once per step.
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the input state's buffers to the step.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``step(state, *batch) -> (state, StepOutput)``.
@@ -153,7 +176,7 @@ def train_step(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     Algorithm 1.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_mean_decay(mean_decay)
   _checks.check_function('loss_fn', loss_fn)
   _checks.check_bool('donate', donate)
 
@@ -191,8 +214,9 @@ def train_step(
       loss, aux = _step.split_loss(loss_fn(apply, *batch))
       _step.check_scalar_loss(loss)
       changed = mutated[0] if mutated else {}
-      centering = _like(state.centering,
-                        changed.get(COLLECTION, state.centering))
+      centering = _like(state.centering, _old_counts(
+          flax.core.unfreeze(changed.get(COLLECTION, state.centering)),
+          flax.core.unfreeze(state.centering)))
       model_state = _like(state.model_state, {
           k: changed.get(k, v) for k, v in state.model_state.items()})
       return loss, (aux, (centering, model_state))
@@ -216,21 +240,16 @@ def train_step(
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
+  # The optimizers (tx) whose states this step classified.
+  classified = _opt_state.CheckCache()
 
   def train(*args):
-    if not args or not isinstance(args[0], TrainState):
-      got = f'a {type(args[0]).__name__}' if args else 'no argument'
-      raise TypeError(
-          'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
-          f'first, got {got}: build it with '
-          'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
-          'centering=..., tx=...).'
-      )
+    _check_state_first(args)
     state = args[0]
     if state.centering:
       # Classified once per tx (again while tracing, for any other state).
-      _CLASSIFIED.check(
-          state.tx, id(state.apply_fn),
+      classified.check(
+          state.tx, state.apply_fn,
           lambda: check_opt_state(state.params, state.centering,
                                   state.opt_state))
     if donate:

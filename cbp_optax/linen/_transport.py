@@ -15,38 +15,40 @@ import jax.numpy as jnp
 import optax
 
 from cbp_optax import _opt_state
-from cbp_optax import _step
+from cbp_optax._flax_state import FLAX
+from cbp_optax._paths import path_names
+from cbp_optax import _checks
 from cbp_optax import blocks
 from cbp_optax import centering as core
 
 from cbp_optax.linen._wrapper import CenteringMean
-from cbp_optax.linen._wrapper import _CONV
-from cbp_optax.linen._wrapper import _COUNT
-from cbp_optax.linen._wrapper import _DENSE
-from cbp_optax.linen._wrapper import _MASK
-from cbp_optax.linen._wrapper import _MEAN
-from cbp_optax.linen._wrapper import _RECORDED
-from cbp_optax.linen._wrapper import _RESIDUAL
-from cbp_optax.linen._wrapper import _entry_at
-from cbp_optax.linen._wrapper import _is_entry
+from cbp_optax.linen._wrapper import CONV
+from cbp_optax.linen._wrapper import COUNT
+from cbp_optax.linen._wrapper import DENSE
+from cbp_optax.linen._wrapper import MASK
+from cbp_optax.linen._wrapper import MEAN
+from cbp_optax.linen._wrapper import RECORDED
+from cbp_optax.linen._wrapper import RESIDUAL
+from cbp_optax.linen._wrapper import entry_at
+from cbp_optax.linen._wrapper import is_entry
 
 
 def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mapping[str, Any]]:
   if 'kernel' in layer_params:
     return None, layer_params
-  for name in (_DENSE, _CONV):
+  for name in (DENSE, CONV):
     if name in layer_params:
       return name, layer_params[name]
   raise ValueError(
       'transport: a centering entry has no matching layer parameters '
-      f'(expected kernel and bias, or a {_DENSE!r} or {_CONV!r} subtree, found '
+      f'(expected kernel and bias, or a {DENSE!r} or {CONV!r} subtree, found '
       f'{sorted(layer_params)}); pass the params and centering collections '
       'of the same model.'
   )
 
 
 def _transport_layer(layer_params, entry, mean_decay, path, moves):
-  box = entry[_MEAN]
+  box = entry[MEAN]
   if not isinstance(box, CenteringMean):
     raise ValueError(
         'transport: the centering mean is not a CenteringMean box (a '
@@ -54,9 +56,9 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves):
         'initialize the model again.'
     )
   name, inner = _layer_params(layer_params)
-  mask, residual = entry.get(_MASK), entry.get(_RESIDUAL)
-  moved = core.transport(
-      box.spec, inner['kernel'], inner['bias'], box.value, entry[_RECORDED],
+  mask, residual = entry.get(MASK), entry.get(RESIDUAL)
+  moved = core.transport_layer(
+      box.spec, inner['kernel'], inner['bias'], box.value, entry[RECORDED],
       mean_decay, mask=mask, mean_stack_axes=box.stack_axes,
       residual=residual)
   bias, mean = moved[0], moved[1]
@@ -71,9 +73,9 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves):
   inner = dict(inner, bias=bias)
   new_params = inner if name is None else dict(layer_params, **{name: inner})
   new_entry = _restart_recording(
-      dict(entry, **{_MEAN: box.replace_boxed(mean)}))
+      dict(entry, **{MEAN: box.replace_boxed(mean)}))
   if residual is not None:
-    new_entry[_RESIDUAL] = moved[2]
+    new_entry[RESIDUAL] = moved[2]
   return new_params, new_entry
 
 
@@ -83,13 +85,13 @@ def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
   The transport calls it once it has used the recorded mean, so that every
   step records the calls of its own forward pass only.
   """
-  if _COUNT not in entry:
+  if COUNT not in entry:
     return dict(entry)
-  return dict(entry, **{_COUNT: jnp.zeros_like(entry[_COUNT])})
+  return dict(entry, **{COUNT: jnp.zeros_like(entry[COUNT])})
 
 
 def _transport_tree(params, centering, mean_decay, path=(), moves=None):
-  if _is_entry(centering):
+  if is_entry(centering):
     return _transport_layer(params, centering, mean_decay, path, moves)
   new_params, new_centering = dict(params), dict(centering)
   for key, sub in centering.items():
@@ -121,7 +123,7 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
   boxes = flax.core.unfreeze(centering)
 
   def visit(params, entries, path):
-    if _is_entry(entries):
+    if is_entry(entries):
       name, inner = _layer_params(params)
       moves.append(_opt_state.LayerMove(
           path=path if name is None else path + (name,),
@@ -137,20 +139,17 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
   return moves
 
 
-# The optimizers (tx) whose states the fused step classified.
-_CLASSIFIED = _opt_state.CheckCache()
-
 
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before any tracing, an optimizer state the transport cannot
   classify (see :func:`transport`)."""
   _opt_state.transport_state(opt_state, _moves(params, centering),
-                             what='opt_state')
+                             what='opt_state', kind=FLAX)
 
 
 def transport(
     params: Any, centering: Any, mean_decay: Any = 0.99, *,
-    opt_state: Any = None, decay: Any = None,
+    opt_state: Any = None,
 ) -> tuple[Any, ...]:
   """Mean refresh and bias transport for every centered layer (pure).
 
@@ -178,7 +177,6 @@ def transport(
     centering: the ``'centering'`` collection (with recorded batch means).
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
     opt_state: the optimizer's state, to move its parameter copies too.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``(params, centering)`` with transported biases and refreshed means, in
@@ -206,9 +204,16 @@ def transport(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eq. (10) and Algorithm 1, steps 10-11.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
+  _checks.check_mean_decay(mean_decay)
   if opt_state is not None:
     check_opt_state(params, centering, opt_state)
+  return transport_collections(params, centering, mean_decay, opt_state)
+
+
+def transport_collections(params: Any, centering: Any, mean_decay: Any,
+                          opt_state: Any) -> tuple[Any, ...]:
+  """:func:`transport` for a ``mean_decay`` validated already and a
+  classified ``opt_state``."""
   lookahead = _lookahead(params)
   fast = params.fast if lookahead else params
   moves = []
@@ -218,12 +223,13 @@ def transport(
   new_params = _freeze_like(fast, new_params)
   new_centering = _freeze_like(centering, new_centering)
   if lookahead:
-    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow')
+    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow',
+                                     FLAX)
     new_params = params._replace(fast=new_params, slow=slow)
   if opt_state is None:
     return new_params, new_centering
   return new_params, new_centering, _opt_state.transport_state(
-      opt_state, moves, what='opt_state')
+      opt_state, moves, what='opt_state', kind=FLAX)
 
 
 def eval_params(params: Any, opt_state: Any = None) -> Any:
@@ -298,7 +304,7 @@ def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
 
   def plain(path, leaf):
     if str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2:
-      names = tuple(str(blocks.key_name(k)) for k in path)
+      names = path_names(path)
       table[names] = optax.contrib.MuonDimensionNumbers(
           reduction_axis=tuple(range(jnp.ndim(leaf) - 1)),
           output_axis=(jnp.ndim(leaf) - 1,))
@@ -309,9 +315,9 @@ def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
     layer = unfrozen
     for key in move.path:
       layer = layer[key]
-    box = _entry_at(centering, move.path)[_MEAN]
+    box = entry_at(centering, move.path)[MEAN]
     _, axes, _ = core.layer_axes(box.spec, layer['kernel'], layer['bias'],
                                  box.value, box.stack_axes)
     names = tuple(str(k) for k in move.path) + ('kernel',)
     table[names] = core.muon_dimension_numbers(box.spec, axes)
-  return _opt_state.dimension_numbers_fn(table)
+  return _opt_state.dimension_numbers_fn(table, FLAX)

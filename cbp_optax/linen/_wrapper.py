@@ -14,25 +14,26 @@ from flax.core import meta
 
 from cbp_optax import _untransported
 from cbp_optax import centering as core
+from cbp_optax._paths import path_str
 
 
 
 COLLECTION = 'centering'
 
 
-_MEAN, _RECORDED, _MASK = 'mean', 'batch_mean', 'kernel_mask'
+MEAN, RECORDED, MASK = 'mean', 'batch_mean', 'kernel_mask'
 
 
 # How many input positions 'batch_mean' averages since the last transport.
-_COUNT = 'batch_count'
+COUNT = 'batch_count'
 
 
 # A 16-bit bias's float32 transport residual (core.needs_bias_residual).
-_RESIDUAL = 'bias_residual'
+RESIDUAL = 'bias_residual'
 
 
 # Inside the Centered wrapper the layer's parameters live under these names.
-_DENSE, _CONV = 'dense', 'conv'
+DENSE, CONV = 'dense', 'conv'
 
 
 class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
@@ -64,13 +65,13 @@ class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
         a - 1 if a > index else a for a in self.stack_axes if a != index))
 
 
-_SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv)
+SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv)
 
 
 def check_layer(layer: Any) -> None:
   """Refuses, at construction, a layer that cannot be centered exactly."""
-  if type(layer) not in _SUPPORTED:
-    raise core.unsupported_layer_error(type(layer), _SUPPORTED)
+  if type(layer) not in SUPPORTED:
+    raise core.unsupported_layer_error(type(layer), SUPPORTED)
   core.check_centerable(
       type(layer),
       use_bias=layer.use_bias,
@@ -97,7 +98,7 @@ def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
 
 
 def _no_collection_message(host: nn.Module) -> str:
-  path = '/'.join(host.scope.path) or core.MODEL_PATH
+  path = path_str(host.scope.path) or core.MODEL_PATH
   return (
       f'cbp_optax.linen: the centered layer {path!r} finds no {COLLECTION!r} '
       'collection. Inside nn.scan or nn.vmap (or another lifted transform), '
@@ -112,7 +113,7 @@ def _no_collection_message(host: nn.Module) -> str:
   )
 
 
-def _centered_call(
+def centered_call(
     host: nn.Module,
     layer_fn: Callable[[jax.Array], jax.Array],
     kernel_of: Callable[[], jax.Array],
@@ -128,27 +129,27 @@ def _centered_call(
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
   try:
     mean = host.variable(
-        COLLECTION, _MEAN,
+        COLLECTION, MEAN,
         lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
   except flax.errors.ScopeCollectionNotFound as error:
     raise ValueError(_no_collection_message(host)) from error
-  recorded = host.variable(COLLECTION, _RECORDED, jnp.zeros, spec.mean_shape,
+  recorded = host.variable(COLLECTION, RECORDED, jnp.zeros, spec.mean_shape,
                            mean_dtype)
   # A collection made before the count existed has none: it then records
   # the last call only, as it did.
   count = None
-  if host.is_initializing() or host.has_variable(COLLECTION, _COUNT):
-    count = host.variable(COLLECTION, _COUNT, jnp.zeros,
+  if host.is_initializing() or host.has_variable(COLLECTION, COUNT):
+    count = host.variable(COLLECTION, COUNT, jnp.zeros,
                           core.count_shape(spec.mean_shape),
                           core.count_dtype(mean_dtype))
   if mask is not None:
-    host.variable(COLLECTION, _MASK, lambda: jnp.asarray(mask))
+    host.variable(COLLECTION, MASK, lambda: jnp.asarray(mask))
   # A collection made before the residual existed has none: its 16-bit
   # bias then rounds at every transport, as it did.
   if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
       and (host.is_initializing()
-           or host.has_variable(COLLECTION, _RESIDUAL))):
-    host.variable(COLLECTION, _RESIDUAL, jnp.zeros, spec.bias_shape,
+           or host.has_variable(COLLECTION, RESIDUAL))):
+    host.variable(COLLECTION, RESIDUAL, jnp.zeros, spec.bias_shape,
                   jnp.float32)
   if (
       not use_running_average
@@ -251,9 +252,9 @@ class Centered(nn.Module):
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)
     layer = self.layer
-    name = _CONV if isinstance(layer, nn.Conv) else _DENSE
+    name = CONV if isinstance(layer, nn.Conv) else DENSE
     inner = layer.clone(parent=self, name=name)
-    return _centered_call(
+    return centered_call(
         self,
         lambda x: inner(x, *args, **kwargs),
         lambda: inner.variables['params']['kernel'],
@@ -267,15 +268,15 @@ class Centered(nn.Module):
     )
 
 
-def _is_entry(tree: Any) -> bool:
-  return isinstance(tree, Mapping) and _MEAN in tree and _RECORDED in tree
+def is_entry(tree: Any) -> bool:
+  return isinstance(tree, Mapping) and MEAN in tree and RECORDED in tree
 
 
-def _entry_at(centering: Any, layer_path: tuple[Any, ...]) -> Mapping[str, Any]:
+def entry_at(centering: Any, layer_path: tuple[Any, ...]) -> Mapping[str, Any]:
   """The centering entry of the layer whose parameters are at ``layer_path``."""
   entry = flax.core.unfreeze(centering)
   for key in layer_path:
-    if _is_entry(entry):
+    if is_entry(entry):
       break  # the rest is the wrapper's inner name ('dense' or 'conv')
     entry = entry[key]
   return entry

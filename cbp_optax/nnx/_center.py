@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx import graphlib
 
 from cbp_optax import blocks
 from cbp_optax import centering as core
 
+from cbp_optax._paths import path_names
+from cbp_optax._paths import path_str
 from cbp_optax.nnx._wrapper import Centered
-from cbp_optax.nnx._wrapper import _SPEC_OF
+from cbp_optax.nnx._wrapper import SPEC_OF
 from cbp_optax.nnx._wrapper import layer_spec
 
 
@@ -23,16 +24,12 @@ def centered_layers(model: nnx.Module) -> list[Centered]:
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
 
 
-def _centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]:
+def centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]:
   return [(tuple(path), m) for path, m in nnx.iter_modules(model)
           if isinstance(m, Centered)]
 
 
-def _str_path(path: Sequence[Any]) -> tuple[str, ...]:
-  return tuple(str(p) for p in path)
-
-
-def _plain_spec(layer: nnx.Module) -> core.LayerSpec:
+def plain_spec(layer: nnx.Module) -> core.LayerSpec:
   """A layer's spec without the checks centering needs (Muon needs none)."""
   if isinstance(layer, nnx.Conv):
     return core.conv_spec(layer.kernel_size, layer.in_features,
@@ -43,10 +40,6 @@ def _plain_spec(layer: nnx.Module) -> core.LayerSpec:
 
 
 CenterReport = core.CenterReport
-
-
-def _path_str(path: Sequence[Any]) -> str:
-  return '/'.join(str(p) for p in path)
 
 
 def _child(node: Any, key: Any) -> Any:
@@ -80,9 +73,9 @@ def _graph_paths(
 
   def walk(node, path, above):
     if isinstance(node, nnx.Module):
-      modules.setdefault(id(node), []).append(_path_str(path))
+      modules.setdefault(id(node), []).append(path_str(path))
     if isinstance(node, nnx.Variable):
-      variables.setdefault(id(node), []).append(_path_str(path))
+      variables.setdefault(id(node), []).append(path_str(path))
     if id(node) in above:
       return
     above = above | {id(node)}
@@ -91,8 +84,8 @@ def _graph_paths(
     elif isinstance(node, dict):
       children = node.items()
     elif (not isinstance(node, nnx.Variable)
-          and graphlib.get_node_impl(node) is not None):
-      children = graphlib.get_node_impl(node).node_dict(node).items()
+          and nnx.graph.get_node_impl(node) is not None):
+      children = nnx.graph.get_node_impl(node).node_dict(node).items()
     else:  # a Variable, an array
       return
     for key, child in children:
@@ -218,9 +211,9 @@ def center(
   for path, module in modules:
     if isinstance(module, Centered):
       inside_centered.add(tuple(path) + ('layer',))
-      _check_bias_not_tied(_path_str(path), module.layer, variable_paths)
+      _check_bias_not_tied(path_str(path), module.layer, variable_paths)
   for path, module in modules:
-    name = _path_str(path)
+    name = path_str(path)
     if isinstance(module, Centered) or tuple(path) in inside_centered:
       continue
     if not _has_own_params(module):
@@ -250,7 +243,7 @@ def center(
     for key in path[:-1]:
       parent = _child(parent, key)
     _set_child(parent, path[-1], layer)
-    centered.append(_path_str(path))
+    centered.append(path_str(path))
   return CenterReport(centered=sorted(centered), skipped=sorted(skipped))
 
 
@@ -305,7 +298,7 @@ def stacked_blocks(
   """
   params = nnx.state(model, nnx.Param)
   shapes = {
-      tuple(str(blocks.key_name(k)) for k in path): tuple(jnp.shape(leaf))
+      path_names(path): tuple(jnp.shape(leaf))
       for path, leaf in jax.tree_util.tree_leaves_with_path(params)
   }
   roots = blocks.check_stack_paths(shapes, stack_paths)
@@ -321,7 +314,7 @@ def stacked_blocks(
           stacks.append((path, module.mean.shape[0]))
         elif not axes:
           unstacked.append(path)
-      elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
+      elif type(module) in SPEC_OF and path[-1:] != ('layer',):
         try:
           spec = layer_spec(module)
         except (TypeError, ValueError):

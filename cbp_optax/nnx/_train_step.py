@@ -5,24 +5,25 @@ refresh and transport as one compiled iteration (Algorithm 1).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx import graphlib
 
 from cbp_optax import _checks
+from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax._step import StepOutput
 
-from cbp_optax.nnx._center import _path_str
+from cbp_optax._paths import path_str
 from cbp_optax.nnx._center import centered_layers
-from cbp_optax.nnx._transport import _CLASSIFIED
-from cbp_optax.nnx._transport import _check_optimizer_state
-from cbp_optax.nnx._transport import transport
+from cbp_optax.nnx._transport import check_optimizer_state
+from cbp_optax.nnx._transport import transport_model
 from cbp_optax.nnx._wrapper import Centered
+from cbp_optax.nnx._wrapper import RecordedCount
 
 # The NNX words of blocks.centered_after_init's message.
 _LATE_CENTERING = dict(
@@ -65,7 +66,7 @@ class Optimizer(nnx.Optimizer):
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
     # A centered model's transport must know what the state holds: refuse
     # an unclassifiable one now rather than at the first step.
-    _check_optimizer_state(model, self, 'Optimizer')
+    check_optimizer_state(model, self, 'Optimizer')
 
   def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
     """``nnx.Optimizer.update``; says so when ``center`` came after it."""
@@ -80,8 +81,8 @@ class Optimizer(nnx.Optimizer):
 
 
 def _graph_nodes(tree: Any) -> list[Any]:
-  return [x for x in jax.tree.leaves(tree, is_leaf=graphlib.is_graph_node)
-          if graphlib.is_graph_node(x)]
+  return [x for x in jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node)
+          if nnx.graph.is_graph_node(x)]
 
 
 @jax.tree_util.register_static
@@ -95,8 +96,8 @@ class _Slot:
 def _slots(args: Any, nodes: list[Any]) -> Any:
   index = {id(node): i for i, node in enumerate(nodes)}
   return jax.tree.map(
-      lambda x: _Slot(index[id(x)]) if graphlib.is_graph_node(x) else x,
-      args, is_leaf=graphlib.is_graph_node)
+      lambda x: _Slot(index[id(x)]) if nnx.graph.is_graph_node(x) else x,
+      args, is_leaf=nnx.graph.is_graph_node)
 
 
 def _fill_slots(slotted: Any, nodes: Sequence[Any]) -> Any:
@@ -122,7 +123,7 @@ def _check_step_arguments(model: Any, optimizer: Any) -> None:
 
 
 def _check_training_mode(model: nnx.Module) -> None:
-  evaluating = [_path_str(p) for p, m in nnx.iter_modules(model)
+  evaluating = [path_str(p) for p, m in nnx.iter_modules(model)
                 if isinstance(m, Centered) and m.use_running_average]
   if evaluating:
     raise ValueError(
@@ -162,7 +163,8 @@ def _select(ok: Any, apply_step: Callable[..., None],
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
-def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
+def _flat_arguments(args: Sequence[Any], donate: bool,
+                    classified: _opt_state.CheckCache) -> tuple[Any, Any]:
   """``(variables, (graphdef, values, slotted args))`` of a step's arguments.
 
   One traversal: the graph's Variables in flattening order, whose values go
@@ -176,11 +178,11 @@ def _flat_arguments(args: Sequence[Any], donate: bool) -> tuple[Any, Any]:
         f'optimizer first, got {len(args)} argument(s).')
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
-  _CLASSIFIED.check(
-      optimizer, (id(model), id(optimizer.tx)),
-      lambda: _check_optimizer_state(model, optimizer, 'train_step'))
+  classified.check(
+      optimizer, (weakref.ref(model), optimizer.tx),
+      lambda: check_optimizer_state(model, optimizer, 'train_step'))
   nodes = _graph_nodes(args)
-  graphdef, flat = graphlib.flatten((model, optimizer, nodes))
+  graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
   values = [variable.get_raw_value() for variable in variables]
   if donate:
@@ -192,9 +194,9 @@ def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
                     values: list[Any], slotted_args: Any) -> tuple[Any, Any]:
   """``step`` as a function of :func:`_flat_arguments`' values: the new
   values and the step's output."""
-  model, optimizer, nodes = graphlib.unflatten(graphdef, values)
+  model, optimizer, nodes = nnx.unflatten(graphdef, values)
   out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
-  new_graphdef, new_values = graphlib.flatten((model, optimizer, nodes),
+  new_graphdef, new_values = nnx.flatten((model, optimizer, nodes),
                                               with_paths=False)
   if new_graphdef != graphdef:
     # The forward pass created or replaced a variable (a lazily built
@@ -258,7 +260,7 @@ class _LoweredStep:
 
 def train_step(
     loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
-    donate: bool = True, decay: Any = None,
+    donate: bool = True,
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 
@@ -296,7 +298,6 @@ def train_step(
       aux)``; the model must be in training mode (``model.train()``).
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the model and optimizer buffers to the step.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     ``step(model, optimizer, *args) -> StepOutput``; the model, optimizer
@@ -338,7 +339,7 @@ def train_step(
     of the Backward Pass with Convergence Guarantees,
     Algorithm 1.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'train_step')
+  _checks.check_mean_decay(mean_decay)
   _checks.check_function('loss_fn', loss_fn)
   _checks.check_bool('donate', donate)
 
@@ -363,10 +364,13 @@ def train_step(
           graphdef, nnx.State({0: model_params, **node_params}), rest)
       swap = dict(zip(map(id, nodes), inner_nodes))
       inner_args = jax.tree.map(lambda x: swap.get(id(x), x), args,
-                                is_leaf=graphlib.is_graph_node)
+                                is_leaf=nnx.graph.is_graph_node)
       loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
       _step.check_scalar_loss(loss)
-      changed = nnx.state((inner_model, inner_nodes), nnx.Not(optimizer.wrt))
+      # Not the counts of pooled positions, which the transport sets to
+      # zero: kept, they would keep the untransported-model check.
+      changed = nnx.state((inner_model, inner_nodes), nnx.All(
+          nnx.Not(optimizer.wrt), nnx.Not(RecordedCount)))
       return loss, (aux, changed)
 
     def apply_step(model, optimizer, nodes, grads, changed):
@@ -390,8 +394,8 @@ def train_step(
       # as a temporary of its own (one kernel-sized write and two reads
       # fewer per centered layer). A skipped step discards its transport.
       _select(jnp.logical_not(out.skipped),
-              lambda model, optimizer: transport(
-                  model, mean_decay, optimizer=optimizer),
+              lambda model, optimizer: transport_model(
+                  model, mean_decay, optimizer, None),
               lambda model, optimizer: None, model, optimizer)
     return out
 
@@ -401,8 +405,11 @@ def train_step(
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
 
+  # The optimizers whose states this step classified (for which model).
+  classified = _opt_state.CheckCache()
+
   def split_arguments(args):
-    return _flat_arguments(args, donate)
+    return _flat_arguments(args, donate, classified)
 
   def train(*args):
     variables, jitted_args = split_arguments(args)

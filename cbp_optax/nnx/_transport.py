@@ -11,15 +11,17 @@ from typing import Any, Callable, Optional, Sequence
 from flax import nnx
 
 from cbp_optax import _opt_state
-from cbp_optax import _step
+from cbp_optax._flax_state import FLAX
+from cbp_optax._paths import path_names
+from cbp_optax import _checks
 from cbp_optax import centering as core
 
-from cbp_optax.nnx._center import _centered_paths
-from cbp_optax.nnx._center import _plain_spec
-from cbp_optax.nnx._center import _str_path
+from cbp_optax.nnx._center import centered_paths
+from cbp_optax.nnx._center import plain_spec
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
-from cbp_optax.nnx._wrapper import _SPEC_OF
+from cbp_optax.nnx._wrapper import transport_layer
+from cbp_optax.nnx._wrapper import SPEC_OF
 
 
 def _layer_moves(
@@ -28,7 +30,7 @@ def _layer_moves(
 ) -> list[_opt_state.LayerMove]:
   """The centered layers as the copies of an optimizer of ``wrt`` (the
   filter it trains) see them."""
-  layers = _centered_paths(model)
+  layers = centered_paths(model)
   if not layers:
     return []
   trained = {tuple(path) for path, _ in
@@ -45,7 +47,7 @@ def _layer_moves(
   return moves
 
 
-def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
+def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
                            where: str) -> None:
   """Classifies the optimizer's state before anything is traced."""
   if not isinstance(optimizer, nnx.Optimizer):
@@ -54,17 +56,14 @@ def _check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
         f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
   moves = _layer_moves(model, optimizer.wrt)
   _opt_state.transport_state(optimizer.opt_state, moves,
-                             what='optimizer.opt_state')
+                             what='optimizer.opt_state',
+                             kind=FLAX)
 
-
-# The optimizers whose states the fused step classified (for which model).
-_CLASSIFIED = _opt_state.CheckCache()
 
 
 def transport(
     model: nnx.Module, mean_decay: Any = 0.99, *,
     optimizer: Optional[nnx.Optimizer] = None, opt_state: Any = None,
-    decay: Any = None,
 ) -> Any:
   """Mean refresh and bias transport for every centered layer, in place.
 
@@ -98,7 +97,6 @@ def transport(
       parameter copies are moved in place.
     opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
       (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
-    decay: deprecated name of ``mean_decay``.
 
   Returns:
     The transported ``opt_state`` when one is given; otherwise None.
@@ -129,25 +127,32 @@ def transport(
     of the Backward Pass with Convergence Guarantees,
     eq. (10) and Algorithm 1, steps 10-11.
   """
-  mean_decay = _step.mean_decay_argument(mean_decay, decay, 'transport')
+  _checks.check_mean_decay(mean_decay)
   if optimizer is not None and opt_state is not None:
     raise ValueError('transport: pass optimizer (an nnx.Optimizer) or '
                      'opt_state (a functional optax state), not both.')
+  return transport_model(model, mean_decay, optimizer, opt_state)
+
+
+def transport_model(model: nnx.Module, mean_decay: Any,
+                    optimizer: Optional[nnx.Optimizer],
+                    opt_state: Any) -> Any:
+  """:func:`transport` for a ``mean_decay`` validated already."""
   if optimizer is None and opt_state is None:
     for layer in centered_layers(model):
-      layer.transport(mean_decay)
+      transport_layer(layer, mean_decay)
     return None
   if optimizer is not None:
-    _check_optimizer_state(model, optimizer, 'transport')
+    check_optimizer_state(model, optimizer, 'transport')
     trained = optimizer.wrt
   else:
     trained = nnx.Param
     _opt_state.transport_state(opt_state, _layer_moves(model, trained),
-                               what='opt_state')
+                               what='opt_state', kind=FLAX)
   shifts = []
-  for _, layer in _centered_paths(model):
+  for _, layer in centered_paths(model):
     old = layer.mean[...]
-    layer.transport(mean_decay)
+    transport_layer(layer, mean_decay)
     shifts.append(functools.partial(
         core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
         mask=getattr(layer.layer, 'mask', None),
@@ -155,9 +160,10 @@ def transport(
   moves = _layer_moves(model, trained, shifts)
   if optimizer is not None:
     _opt_state.transport_state(optimizer.opt_state, moves,
-                               what='optimizer.opt_state')
+                               what='optimizer.opt_state', kind=FLAX)
     return None
-  return _opt_state.transport_state(opt_state, moves, what='opt_state')
+  return _opt_state.transport_state(opt_state, moves, what='opt_state',
+                                    kind=FLAX)
 
 
 def eval_model(model: nnx.Module,
@@ -258,13 +264,13 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
       _, axes, _ = core.layer_axes(
           module.spec, kernel, layer.bias[...], module.mean[...],
           module.mean.get_metadata().get('stack_axes'))
-      table[_str_path(path + ('layer', 'kernel'))] = (
+      table[path_names(path + ('layer', 'kernel'))] = (
           core.muon_dimension_numbers(module.spec, axes))
-    elif type(module) in _SPEC_OF and path[-1:] != ('layer',):
-      spec = _plain_spec(module)
+    elif type(module) in SPEC_OF and path[-1:] != ('layer',):
+      spec = plain_spec(module)
       axes = core.locate_stack_axes(tuple(module.kernel.shape),
                                     spec.kernel_shape)
       if axes is not None:
-        table[_str_path(path + ('kernel',))] = core.muon_dimension_numbers(
+        table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
-  return _opt_state.dimension_numbers_fn(table)
+  return _opt_state.dimension_numbers_fn(table, FLAX)

@@ -91,7 +91,7 @@ def _conv_spec(layer: nnx.Conv) -> core.LayerSpec:
 
 
 # Exact types only: a subclass may override __call__ and change the maths.
-_SPEC_OF = {
+SPEC_OF = {
     nnx.Linear: _linear_spec,
     nnx.LinearGeneral: _linear_general_spec,
     nnx.Conv: _conv_spec,
@@ -106,9 +106,9 @@ def layer_spec(layer: nnx.Module) -> core.LayerSpec:
     cbp_optax.centering.CannotCenterError: a known type configured so that
       the transport could not be exact.
   """
-  spec_of = _SPEC_OF.get(type(layer))
+  spec_of = SPEC_OF.get(type(layer))
   if spec_of is None:
-    raise core.unsupported_layer_error(type(layer), tuple(_SPEC_OF))
+    raise core.unsupported_layer_error(type(layer), tuple(SPEC_OF))
   return spec_of(layer)
 
 
@@ -315,29 +315,8 @@ class Centered(nnx.Module):
     The layer's own bias only: an optimizer's copies of the parameters move
     with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
     """
-    residual = getattr(self, 'bias_residual', None)
-    try:
-      moved = core.transport(
-          self.spec,
-          self.layer.kernel[...],
-          self.layer.bias[...],
-          self.mean[...],
-          self.batch_mean[...],
-          mean_decay,
-          mask=getattr(self.layer, 'mask', None),
-          mean_stack_axes=self.mean.get_metadata().get('stack_axes'),
-          residual=None if residual is None else residual[...],
-      )
-    except ValueError as error:
-      if core.AMBIGUOUS_STACK_REMEDY not in str(error):
-        raise
-      raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
-                                          _STACK_REMEDY)) from error
-    self.layer.bias[...] = moved[0]
-    self.mean[...] = moved[1]
-    if residual is not None:
-      residual[...] = moved[2]
-    self.restart_recording()
+    _checks.check_mean_decay(mean_decay)
+    transport_layer(self, mean_decay)
 
   def restart_recording(self) -> None:
     """Starts a fresh recorded mean: the next training call overwrites it.
@@ -346,3 +325,30 @@ class Centered(nnx.Module):
     every step records the calls of its own forward pass only.
     """
     self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
+
+
+def transport_layer(layer: Centered, mean_decay: Any) -> None:
+  """:meth:`Centered.transport` for a ``mean_decay`` validated already."""
+  residual = getattr(layer, 'bias_residual', None)
+  try:
+    moved = core.transport_layer(
+        layer.spec,
+        layer.layer.kernel[...],
+        layer.layer.bias[...],
+        layer.mean[...],
+        layer.batch_mean[...],
+        mean_decay,
+        mask=getattr(layer.layer, 'mask', None),
+        mean_stack_axes=layer.mean.get_metadata().get('stack_axes'),
+        residual=None if residual is None else residual[...],
+    )
+  except ValueError as error:
+    if core.AMBIGUOUS_STACK_REMEDY not in str(error):
+      raise
+    raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
+                                        _STACK_REMEDY)) from error
+  layer.layer.bias[...] = moved[0]
+  layer.mean[...] = moved[1]
+  if residual is not None:
+    residual[...] = moved[2]
+  layer.restart_recording()

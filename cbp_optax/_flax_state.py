@@ -1,0 +1,47 @@
+"""Flax's trees, as the optimizer-state walks of the transport see them.
+
+Imported by the NNX and Linen adapters only: the core handles plain pytrees
+and is told here how Flax boxes its leaves (NNX ``Variable``) and which of
+its mappings are containers (``nnx.State``, ``flax.core.FrozenDict``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+from flax import nnx
+
+from cbp_optax import _opt_state
+
+
+def _is_variable(node: Any) -> bool:
+  return isinstance(node, nnx.Variable)
+
+
+def _unbox(variable: nnx.Variable) -> Any:
+  return variable.get_value()
+
+
+def _store(variable: nnx.Variable, value: Any) -> None:
+  variable[...] = value
+
+
+def _rebuild(tree: Any, key: Any, child: Any) -> Any:
+  """``tree`` with ``child`` at ``key``, for Flax's mappings; else None."""
+  if isinstance(tree, flax.core.FrozenDict):
+    return tree.copy({key: child})
+  if isinstance(tree, nnx.State):
+    # A State wraps its nested dicts on access; storing the wrapper back
+    # would change the pytree structure that the optimizer's update expects.
+    raw = dict(tree.raw_mapping)
+    if isinstance(child, nnx.State) and not isinstance(raw[key], nnx.State):
+      child = child.raw_mapping
+    raw[key] = child
+    return type(tree)(raw, _copy=False)
+  return None
+
+
+FLAX = _opt_state.TreeKind(
+    is_box=_is_variable, unbox=_unbox, store=_store,
+    mappings=(nnx.State, flax.core.FrozenDict), rebuild=_rebuild)
