@@ -1,8 +1,10 @@
-"""The package layout of issue 14: the core never reaches into the experiments.
+"""The package layout: the core never reaches into the experiments.
 
-``cbp_optax`` is the optimizer (jax, optax, flax, chex). ``cbp_optax_experiments`` holds the reproduction suite, the
-``cbp-optax`` command and the dataset readers, and its plotting, statistics
-and progress bars need the ``experiments`` extra (matplotlib, scipy, tqdm).
+``cbp_optax`` is the optimizer (jax, optax, chex; Flax for its adapters).
+``cbp_optax_experiments``, a distribution of its own under ``experiments/``,
+holds the reproduction suite, the ``cbp-optax`` command and the dataset
+readers, with their plotting, statistics and progress bars (matplotlib,
+scipy, tqdm).
 """
 
 import ast
@@ -200,16 +202,21 @@ def test_no_library_module_or_function_is_too_long():
 
 
 def test_the_experiments_ship_as_their_own_package_with_the_data():
-  experiments = ROOT / 'cbp_optax_experiments'
+  experiments = ROOT / 'experiments' / 'cbp_optax_experiments'
   for path in ('__init__.py', 'cli.py', 'datasets.py',
                'reproduce/__init__.py', 'reproduce/__main__.py',
                'data/mnist_subset.npz', 'data/README.md'):
     assert (experiments / path).is_file(), path
   for path in ('cli.py', 'datasets.py', 'reproduce', 'data'):
     assert not (CORE / path).exists(), path
-  pyproject = (ROOT / 'pyproject.toml').read_text()
-  assert 'cbp-optax = "cbp_optax_experiments.cli:main"' in pyproject
-  assert '"cbp_optax_experiments*"' in pyproject
+  library = (ROOT / 'pyproject.toml').read_text()
+  assert 'cbp_optax_experiments' not in library.split('[tool.ruff]')[0]
+  assert 'include = ["cbp_optax", "cbp_optax.*"]' in library
+  assert 'flax' not in library.split('dependencies = [', 1)[1].split(']')[0]
+  own = (ROOT / 'experiments' / 'pyproject.toml').read_text()
+  assert 'cbp-optax = "cbp_optax_experiments.cli:main"' in own
+  assert '"cbp-optax[flax]"' in own
+  assert 'data/mnist_subset.npz' in own
 
 
 @pytest.mark.parametrize('missing', EXTRA)
@@ -230,7 +237,7 @@ def test_cli_names_the_extra_when_a_dependency_is_missing(missing):
   message = result.stderr.strip().splitlines()
   assert len(message) == 1, result.stderr
   assert missing in message[0]
-  assert "pip install 'cbp-optax[experiments]'" in message[0]
+  assert "pip install ./experiments" in message[0]
 
 
 def test_cli_extra_check_covers_imports_deeper_than_the_commands(monkeypatch):

@@ -1,4 +1,4 @@
-"""Builds ``cbp_optax_experiments/data/mnist_subset.npz``, the MNIST subset shipped with the package.
+"""Builds ``experiments/cbp_optax_experiments/data/mnist_subset.npz``, the MNIST subset shipped with the package.
 
 Usage::
 
@@ -19,8 +19,8 @@ import numpy as np
 from cbp_optax_experiments import datasets
 
 TRAIN, TEST, SEED = 2000, 500, 0
-TARGET = (pathlib.Path(__file__).resolve().parents[1] / 'cbp_optax' / 'data'
-          / 'mnist_subset.npz')
+TARGET = (pathlib.Path(__file__).resolve().parents[1] / 'experiments'
+          / 'cbp_optax_experiments' / 'data' / 'mnist_subset.npz')
 
 
 def main(argv: list[str]) -> int:

@@ -155,7 +155,7 @@ def compare_parser() -> argparse.ArgumentParser:
       '--out', type=pathlib.Path, default=None,
       help='also write results.md, results.json (per-step losses) and '
       'loss_curves.png into this directory (the PNG needs matplotlib: pip '
-      "install 'cbp-optax[experiments]')")
+      "install ./experiments)")
   return parser
 
 
@@ -168,7 +168,7 @@ def _require_matplotlib():
   except ImportError as e:
     raise SystemExit(
         f'cbp-optax compare --out needs matplotlib for loss_curves.png ({e}). '
-        "Install the extra: pip install 'cbp-optax[experiments]'") from e
+        "Install the experiments with their dependencies: pip install ./experiments") from e
   return plt
 
 
@@ -399,7 +399,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise
     raise SystemExit(
         f'cbp-optax {args.command} needs {missing}, which is not installed '
-        f"({e}). Install the extra: pip install 'cbp-optax[experiments]'"
+        f"({e}). Install the experiments with their dependencies: pip install ./experiments"
     ) from e
 
 

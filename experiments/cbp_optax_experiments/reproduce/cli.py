@@ -125,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise SystemExit(
         'cbp-optax reproduce needs matplotlib (its figures), scipy (its '
         f'statistics) and tqdm (progress bars) ({e}). '
-        "Install the extra: pip install 'cbp-optax[experiments]'") from e
+        "Install the experiments with their dependencies: pip install ./experiments") from e
   from cbp_optax_experiments.reproduce.context import StudyContext  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 

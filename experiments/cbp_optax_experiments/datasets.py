@@ -473,7 +473,7 @@ def load_bundled_tabular(name: str) -> Tabular:
   except ImportError as e:
     raise DataError(
         f'the {name} data set ships inside scikit-learn, which is not '
-        'installed: pip install "cbp-optax[experiments]" (or scikit-learn)'
+        'installed: pip install ./experiments (or scikit-learn)'
     ) from e
   found = getattr(sklearn_datasets, f'load_{name}')()
   return Tabular(np.asarray(found.data, np.float32),

@@ -10,11 +10,10 @@ This package holds everything that is not part of the optimizer itself:
 * :mod:`cbp_optax_experiments.datasets` - the MNIST IDX and CIFAR-10 readers
   and the small bundled MNIST subset used by the examples and benchmarks.
 
-The core package ``cbp_optax`` never imports this one. It ships in the same
-distribution, but its plotting and progress bars (the studies, and
-``cbp-optax compare --out``) need the extra::
+The core package ``cbp_optax`` never imports this one. It is a distribution
+of its own (``cbp-optax-experiments``, not in the library's wheel), installed
+from the repository root with its plotting, statistics and data
+dependencies::
 
-  pip install "cbp-optax[experiments]"
-
-``cbp-optax compare`` without ``--out`` needs only numpy and JAX.
+  pip install ./experiments
 """
