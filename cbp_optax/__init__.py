@@ -22,7 +22,6 @@ from cbp_optax import nnx
 from cbp_optax import sharding
 from cbp_optax._alias import cbp
 from cbp_optax._alias import cbp_robust
-from cbp_optax._alias import cbp_transformer
 from cbp_optax._recipe import recommended
 from cbp_optax.blocks import block_names
 from cbp_optax.blocks import kernel_blocks
@@ -46,7 +45,6 @@ __all__ = (
     'blocks',
     'cbp',
     'cbp_robust',
-    'cbp_transformer',
     'centering',
     'checkpoint',
     'diagnostics',
