@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from cbp_optax._equalize import block_scales
 from cbp_optax._equalize import BlockStats
@@ -53,6 +54,29 @@ def find_equalize_state(opt_state: Any) -> EqualizeState:
   )
 
 
+_INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
+
+
+def _injected_bounds(opt_state: Any, state: EqualizeState) -> dict[str, Any]:
+  """The clip bounds that the innermost ``optax.inject_hyperparams`` state
+  around ``state`` holds for its next step (unscheduled ones: they may have
+  been set by hand since the latest update), by name."""
+  for node in _nodes(opt_state, _INJECTED):
+    inner = _injected_bounds(node.inner_state, state)
+    if inner:
+      return inner
+    if any(s is state for s in _nodes(node.inner_state, EqualizeState)):
+      scheduled = set(getattr(node, 'hyperparams_states', None) or ())
+      # `x[...]` reads NNX optimizer-state Variables and arrays alike; a
+      # number set by hand (hyperparams['max_scale'] = 2.0) has none.
+      return {
+          name: jnp.asarray(value[...] if hasattr(value, '__getitem__')
+                            else value)
+          for name, value in node.hyperparams.items()
+          if name in ('min_scale', 'max_scale') and name not in scheduled}
+  return {}
+
+
 def equalize_stats(
     opt_state: Any,
     params: Any,
@@ -63,8 +87,10 @@ def equalize_stats(
   """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
 
   The scales are those of eq. (6) from the stored energies and the clip
-  bounds the state records (those of the latest update: under a schedule of
-  ``min_scale`` or ``max_scale``, the next step's bounds may differ). The
+  bounds the state records, those of the latest update; under
+  ``optax.inject_hyperparams``, an unscheduled bound is read from its
+  hyperparameters (the value the next step applies, also when set by hand),
+  and a scheduled one is the latest update's (the next step's may differ). The
   block names come from ``params`` and the grouping, which must be the
   optimizer's: pass ``block_fn`` and ``stacked`` when it was built with them
   (a different number of blocks is detected, a different grouping of as many
@@ -115,6 +141,9 @@ def equalize_stats(
   energy, count, min_scale, max_scale = (
       jnp.asarray(x[...]) for x in
       (state.energy, state.count, state.min_scale, state.max_scale))
+  injected = _injected_bounds(opt_state, state)
+  min_scale = injected.get('min_scale', min_scale)
+  max_scale = injected.get('max_scale', max_scale)
   layout = block_layout(params, block_fn=block_fn, stacked=stacked)
   if len(layout.names) != energy.shape[0]:
     raise ValueError(
