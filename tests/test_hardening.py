@@ -1203,10 +1203,10 @@ def audit_cases():
       'linen center of a function': (
           lambda: cbp.linen.center(lambda x: x),
           TypeError, 'module must be a flax.linen Module, got function'),
-      'equalize_stats min_scale': (
+      'equalize_stats block_fn': (
           lambda: cbp.equalize_stats(cbp.equalize().init(params), params,
-                                     min_scale=float('nan')),
-          ValueError, r'min_scale must lie in \(0.0, inf\), got nan'),
+                                     block_fn='layer'),
+          TypeError, "block_fn must be a function or None, got the str"),
       'block_names block_fn': (
           lambda: cbp.block_names(params, block_fn='layer'),
           TypeError, "block_fn must be a function or None, got the str 'layer'"),

@@ -39,6 +39,8 @@ def kernels_only(params):
 
 KERNEL_MASK = {'a': {'kernel': True, 'bias': False}, 'b': {'kernel': False}}
 FACTORIES = {'cbp': cbp.cbp, 'cbp_robust': cbp.cbp_robust}
+# cbp_robust is functools.partial(cbp, ...): its messages name cbp.cbp.
+MESSAGE_NAME = {'cbp': 'cbp', 'cbp_robust': 'cbp'}
 
 
 # --- item 5: weight decay and its mask under inject_hyperparams ---------------
@@ -92,7 +94,7 @@ def test_mask_function_not_in_static_args_is_refused_naming_the_call(name):
                                          mask=kernels_only)
   params, _ = two_layers()
   with pytest.raises(TypeError, match=(
-      rf"got the bool False.*optax.inject_hyperparams\(cbp.{name}, "
+      rf"got the bool False.*optax.inject_hyperparams\(cbp.{MESSAGE_NAME[name]}, "
       r"static_args=\('mask',\)\)\(learning_rate, mask=\.\.\., \.\.\.\)")):
     tx.init(params)
 
@@ -159,8 +161,8 @@ def test_function_arguments_that_arrive_as_values_are_refused_together(name):
       1e-2, weight_decay=0.1, mask=kernels_only, block_fn=block_fn,
       stacked=stacked)
   with pytest.raises(TypeError, match=(
-      rf"cbp.{name} got block_fn=Array\(0.*stacked=False, mask=False.*"
-      rf"inject_hyperparams\(cbp.{name}, static_args=\('block_fn', "
+      rf"cbp.{MESSAGE_NAME[name]} got block_fn=Array\(0.*stacked=False, "
+      rf"mask=False.*inject_hyperparams\(cbp.{MESSAGE_NAME[name]}, static_args=\('block_fn', "
       r"'stacked', 'mask'\)\)")):
     tx.init(two_layers()[0])
 
