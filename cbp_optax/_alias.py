@@ -357,8 +357,9 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
 
     >>> import optax
     >>> tx = optax.inject_hyperparams(cbp.cbp_robust)(1e-2)
-    >>> float(tx.init(params).hyperparams['damping'])
-    1e-08
+    >>> state = tx.init(params)
+    >>> float(state.hyperparams['min_scale']), float(state.hyperparams['max_scale'])
+    (1.0, 1.0)
 
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
