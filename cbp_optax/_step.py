@@ -144,8 +144,8 @@ def gradients_finite(
   def check(grads, applied):
     del grads  # witnessed by the state M1 stored
     state = _raw_equalize_state(opt_state_of(applied))
-    return jnp.logical_and(jnp.all(jnp.isfinite(state.energy)),
-                           jnp.isfinite(state.unblocked))
+    stored = jnp.concatenate([state.energy, state.unblocked[None]])
+    return jnp.all(jnp.isfinite(stored))
 
   return check
 

@@ -137,35 +137,3 @@ def test_state_with_no_m1_blocks_roundtrips(tmp_path, make_tx):
   with pytest.raises(checkpoint.CheckpointMismatchError, match='energy'):
     checkpoint.restore(tmp_path / 'with_blocks',
                        make_state(tx=make_tx(1e-2)))
-
-
-def test_cbp_robust_checkpoint_of_0_1_restores_through_its_old_layout(
-    tmp_path):
-  # 0.1's cbp_robust clipped inside precondition; the clip is optax.clip now,
-  # one EmptyState more in the chain's state, so restoring 0.1's checkpoint
-  # into a new state fails. The recipe of docs/checkpointing.md: restore into
-  # the old layout (the same arrays), then insert the clip's EmptyState.
-  with pytest.warns(DeprecationWarning, match='optax.clip'):
-    old_tx = optax.chain(
-        cbp.equalize(min_scale=1.0, max_scale=1.0),
-        cbp.precondition(damping=1e-8, zero_moment='normalized',
-                         update_clip=3.0),
-        optax.scale_by_learning_rate(1e-2))
-  new_tx = cbp.cbp_robust(1e-2)
-  grads = [jax.tree.map(lambda p, t=t: jnp.cos(p + t) * 10.0 ** t,
-                        make_state().params) for t in range(4)]
-  old, new = make_state(tx=old_tx), make_state(tx=new_tx)
-  for g in grads[:2]:
-    old, new = old.apply_gradients(grads=g), new.apply_gradients(grads=g)
-  checkpoint.save(tmp_path / 'c', old)
-  with pytest.raises(checkpoint.CheckpointMismatchError, match='opt_state/3'):
-    checkpoint.restore(tmp_path / 'c', make_state(tx=new_tx))
-  restored = checkpoint.restore(tmp_path / 'c', make_state(tx=old_tx))
-  o = restored.opt_state
-  restored = restored.replace(
-      tx=new_tx, opt_state=(o[0], o[1], optax.EmptyState(), *o[2:]))
-  for g in grads[2:]:
-    restored = restored.apply_gradients(grads=g)
-    new = new.apply_gradients(grads=g)
-  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(new)):
-    np.testing.assert_array_equal(a, b)
