@@ -71,7 +71,8 @@ def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
   checks are left to the transforms of the chain.
 
   Args:
-    factory: ``'cbp.cbp'`` or ``'cbp.cbp_robust'``, for the messages.
+    factory: the factory named in the messages, ``'cbp.cbp'`` (also for
+      :func:`cbp_robust`, a ``functools.partial`` of it).
     arguments: the factory's arguments by name.
 
   Raises:
