@@ -19,7 +19,6 @@ from cbp_optax import blocks
 from cbp_optax import centering
 from cbp_optax._alias import cbp
 from cbp_optax._alias import cbp_robust
-from cbp_optax._alias import cbp_transformer
 from cbp_optax._recipe import recommended
 from cbp_optax.blocks import block_names
 from cbp_optax.blocks import kernel_blocks
@@ -43,7 +42,6 @@ __all__ = (
     'blocks',
     'cbp',
     'cbp_robust',
-    'cbp_transformer',
     'centering',
     'equalize',
     'equalize_stats',

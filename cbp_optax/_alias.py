@@ -11,7 +11,6 @@ References:
 
 import functools
 from typing import Any, Callable, Optional, Union
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,7 @@ def _narrow_in_float32(
 # Hyperparameters that take a number and no schedule (schedule them with
 # optax.inject_hyperparams).
 _NUMBERS = ('b1', 'b2', 'damping', 'decay', 'min_scale', 'max_scale',
-            'relative_damping', 'update_clip')
+            'update_clip')
 
 
 def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
@@ -72,7 +71,8 @@ def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
   checks are left to the transforms of the chain.
 
   Args:
-    factory: ``'cbp.cbp'`` or ``'cbp.cbp_robust'``, for the messages.
+    factory: the factory named in the messages, ``'cbp.cbp'`` (also for
+      :func:`cbp_robust`, a ``functools.partial`` of it).
     arguments: the factory's arguments by name.
 
   Raises:
@@ -134,9 +134,6 @@ def cbp(
     stats_dtype: Optional[Any] = None,
     zero_moment: str = 'damped',
     update_clip: Optional[float] = None,
-    relative_damping: Optional[float] = None,
-    zero_moment_identity: Optional[bool] = None,
-    normalized_first_step: Optional[bool] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
 
@@ -217,12 +214,6 @@ def cbp(
       Lemma 1's upper bound holds and the lower one becomes
       :math:`\min(1/(G + \zeta), c / G)`; where it binds, the lag of
       Theorem 3 is given up on that coordinate at that step.
-    relative_damping: deprecated (removal in 1.0), warns: a knob of the
-      ablation studies; :func:`precondition` keeps it.
-    zero_moment_identity: deprecated (removal in 1.0), warns: ``True`` is
-      ``zero_moment='identity'``.
-    normalized_first_step: deprecated (removal in 1.0), warns: ``True`` is
-      ``zero_moment='normalized'``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
@@ -277,104 +268,37 @@ def cbp(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.4 (eq. 12) and Algorithm 1.
   """
-  _check_arguments('cbp.cbp', locals())  # the arguments, before any local
-  zero_moment = precondition_lib.resolve_zero_moment(
-      'cbp.cbp', zero_moment, 'damped', zero_moment_identity,
-      normalized_first_step)
-  return _chain(
-      'cbp.cbp', learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
-      min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,
-      mask=mask, block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      zero_moment=zero_moment, update_clip=update_clip,
-      relative_damping=_relative_damping('cbp.cbp', relative_damping))
-
-
-def _relative_damping(factory: str, relative_damping: Optional[float]) -> Any:
-  """The deprecated ``relative_damping`` of a factory: warns when passed."""
-  if relative_damping is None:
-    return 0.0
-  warnings.warn(
-      f'{factory}(relative_damping=...) is deprecated and will be removed in '
-      '1.0: it serves the ablation studies (0, Algorithm 1, is every '
-      'recommended configuration). cbp.precondition keeps it; spell the '
-      'chain out: optax.chain(cbp.equalize(...), cbp.precondition(..., '
-      'relative_damping=delta), optax.scale_by_learning_rate(lr)).',
-      DeprecationWarning, stacklevel=3)
-  return relative_damping
-
-
-def _chain(factory: str, learning_rate, *, b1, b2, damping, decay, min_scale, max_scale,
-           weight_decay, mask, block_fn, stacked, stats_dtype, zero_moment,
-           update_clip, relative_damping
-           ) -> optax.GradientTransformationExtraArgs:
-  """The chain of :func:`cbp` from checked, resolved arguments."""
+  factory = 'cbp.cbp'
+  _check_arguments(factory, locals())
+  precondition_lib.check_zero_moment(zero_moment, factory=factory)
   if update_clip is not None:
     _checks.check_positive('update_clip', update_clip, factory=factory)
   transforms = [
-      equalize_lib.equalize(
-          decay,
-          min_scale,
-          max_scale,
-          block_fn=block_fn,
-          stacked=stacked,
-          stats_dtype=stats_dtype,
-      ),
-      precondition_lib.precondition(
-          b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment,
-          relative_damping=relative_damping, stacked=stacked,
-      ),
+      equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
+                            stacked=stacked, stats_dtype=stats_dtype),
+      precondition_lib.precondition(b1, b2, damping, stats_dtype=stats_dtype,
+                                    zero_moment=zero_moment),
   ]
   if update_clip is not None:
     transforms.append(optax.clip(update_clip))
   if weight_decay is not None:
     transforms.append(optax.add_decayed_weights(weight_decay, mask))
   transforms.append(optax.scale_by_learning_rate(learning_rate))
-  # M1 comes first and sees the gradients as they are (float16 widened
-  # exactly): the fused steps read its energies as their finiteness check.
-  return equalize_lib.declare_raw_energies(
-      _narrow_in_float32(optax.chain(*transforms)),
-      equalize_lib.RawEnergies(_first_state, block_fn, stacked))
+  return _narrow_in_float32(optax.chain(*transforms))
 
 
-def _first_state(chain_state: tuple[Any, ...]) -> Any:
-  return chain_state[0]
+cbp_robust = functools.partial(
+    cbp, damping=1e-8, min_scale=1.0, max_scale=1.0, zero_moment='normalized',
+    update_clip=3.0)
+cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from Algorithm 1.
 
-
-# Where each departure from Algorithm 1 was chosen (all on the workload
-# suite's dev split, none on its test split; the suite's split module keeps
-# the full record, with the runs and commits):
-#   damping=1e-8 (relative damping dropped): dev, the seven original
-#     workloads, suite run of 2026-12-01 (commit 8283620);
-#   update_clip=3.0: dev, deep-mlp and init-scale-4 (their studies; bc058b0);
-#   zero_moment='normalized': dev, init-scale-4 (init-scale grid; 22a60c6);
-#   min_scale=max_scale=1.0: dev, transformer and init-scale-4 (22a60c6).
-def cbp_robust(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-8,
-    decay: float = 0.99,
-    min_scale: float = 1.0,
-    max_scale: float = 1.0,
-    weight_decay: Optional[optax.ScalarOrSchedule] = None,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    block_fn: Optional[equalize_lib.BlockFn] = None,
-    stacked: Optional[equalize_lib.StackedFn] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'normalized',
-    update_clip: Optional[float] = 3.0,
-    relative_damping: Optional[float] = None,
-    zero_moment_identity: Optional[bool] = None,
-    normalized_first_step: Optional[bool] = None,
-) -> optax.GradientTransformationExtraArgs:
-  r"""CBP made robust: :func:`cbp` with four departures from Algorithm 1.
-
-  Use :func:`cbp` (Algorithm 1 exactly) to reproduce the paper. This is
-  :func:`cbp` with four defaults changed; each can be passed back
+  ``functools.partial(cbp, damping=1e-8, min_scale=1.0, max_scale=1.0,
+  zero_moment='normalized', update_clip=3.0)``: every argument is
+  :func:`cbp`'s, and each of these four can be passed back
   (``cbp_robust(lr, damping=1e-3, zero_moment='damped', update_clip=None,
-  min_scale=0.1, max_scale=4.0)`` is Algorithm 1). The step is Adam-sized,
-  so start from a tuned AdamW learning rate. Spelled out, it is the chain
+  min_scale=0.1, max_scale=4.0)`` is :func:`cbp`, Algorithm 1). Use
+  :func:`cbp` to reproduce the paper. The step is Adam-sized, so start from a
+  tuned AdamW learning rate. Spelled out, it is the chain
 
   .. code-block:: python
 
@@ -399,41 +323,11 @@ def cbp_robust(
     block energies are still kept for :func:`cbp_optax.equalize_stats`.
 
   Lemma 1's bounds hold with each (the clip changes the lower one to
-  :math:`\min(1/(G + \zeta), 3/G)`). Each was chosen on the workload suite's
-  dev split; the measurements are in the docs page "Why cbp_robust departs
-  from Algorithm 1" (docs/cbp-robust.md).
+  :math:`\min(1/(G + \zeta), 3/G)`). Why each was chosen, with the
+  measurements, is in the docs page "Why cbp_robust departs from Algorithm 1".
 
-  Args:
-    learning_rate: :math:`\eta`, a float or an optax schedule; AdamW's
-      tuned rate is the place to start.
-    b1: every other argument is :func:`cbp`'s, documented there, with the
-      defaults of this signature.
-    b2: as in :func:`cbp`.
-    damping: as in :func:`cbp`.
-    decay: as in :func:`cbp`.
-    min_scale: as in :func:`cbp`.
-    max_scale: as in :func:`cbp`.
-    weight_decay: as in :func:`cbp`.
-    mask: as in :func:`cbp`.
-    block_fn: as in :func:`cbp`.
-    stacked: as in :func:`cbp`.
-    stats_dtype: as in :func:`cbp`.
-    zero_moment: as in :func:`cbp`.
-    update_clip: as in :func:`cbp`.
-    relative_damping: deprecated, as in :func:`cbp`.
-    zero_moment_identity: deprecated, as in :func:`cbp`.
-    normalized_first_step: deprecated, as in :func:`cbp`.
-
-  Returns:
-    The :func:`cbp` transformation with these arguments; its state is
-    ``(EqualizeState, PreconditionState, EmptyState (the clip), [weight
-    decay state,] EmptyState (the learning rate))``. The clip's
-    ``EmptyState`` is new since 0.1.0: a checkpoint of a ``cbp_robust`` state
-    saved with 0.1 has one entry fewer (docs page "Behaviour notes").
-
-  Raises:
-    TypeError: as :func:`cbp` (messages name ``cbp.cbp_robust``).
-    ValueError: as :func:`cbp`.
+  Its state is ``(EqualizeState, PreconditionState, EmptyState (the clip),
+  [weight decay state,] EmptyState (the learning rate))``.
 
   Examples:
     Step 1 moves each coordinate by about the learning rate, whatever the
@@ -460,48 +354,20 @@ def cbp_robust(
     >>> print(updates['a'].round(4), updates['b'].round(4))
     [-0.01  0.01] [-0.03 -0.01]
 
+    A partial keeps working under ``optax.inject_hyperparams``:
+
+    >>> import optax
+    >>> tx = optax.inject_hyperparams(cbp.cbp_robust)(1e-2)
+    >>> state = tx.init(params)
+    >>> float(state.hyperparams['min_scale']), float(state.hyperparams['max_scale'])
+    (1.0, 1.0)
+
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eq. (11), Lemma 1, Theorem 3 and Algorithm 1 (what this configuration
     departs from).
   """
-  factory = 'cbp.cbp_robust'
-  _check_arguments(factory, locals())  # the arguments alone
-  zero_moment = precondition_lib.resolve_zero_moment(
-      factory, zero_moment, 'normalized', zero_moment_identity,
-      normalized_first_step)
-  return _chain(
-      factory, learning_rate, b1=b1, b2=b2, damping=damping, decay=decay,
-      min_scale=min_scale, max_scale=max_scale, weight_decay=weight_decay,
-      mask=mask, block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      zero_moment=zero_moment, update_clip=update_clip,
-      relative_damping=_relative_damping(factory, relative_damping))
 
-
-@functools.wraps(cbp_robust, assigned=('__module__', '__annotations__'))
-def cbp_transformer(*args, **kwargs) -> optax.GradientTransformation:
-  """Deprecated: :func:`cbp_robust` under its former name.
-
-  ``cbp_transformer`` was a transformer-specific configuration of
-  :func:`cbp` (damping 1e-8, relative damping 0.03, the zero-moment
-  identity, M1 off); it then became an alias of :func:`cbp_robust`, which
-  changed every one of those settings under the same name. It takes
-  :func:`cbp_robust`'s arguments and returns the same transformation, with
-  a ``DeprecationWarning``; it will be removed in 1.0.
-
-  Examples:
-    >>> import warnings
-    >>> import cbp_optax
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...   warnings.simplefilter('always')
-    ...   tx = cbp_optax.cbp_transformer(1e-3)
-    >>> caught[0].category.__name__
-    'DeprecationWarning'
-  """
-  warnings.warn(
-      'cbp_optax.cbp_transformer is deprecated and will be removed in 1.0: '
-      'it is cbp_optax.cbp_robust under its former name (same arguments, '
-      'same transformation), not the transformer configuration it once '
-      'named. Call cbp_optax.cbp_robust.', DeprecationWarning, stacklevel=2)
-  return cbp_robust(*args, **kwargs)
+# doctest does not look inside a functools.partial: run its examples.
+__test__ = {'cbp_robust': cbp_robust.__doc__}

@@ -10,11 +10,13 @@ eq. (6), formed from the energies stored at the end of step ``t - 1`` (``s_l = 1
 at ``t = 1``); only then are the energies refreshed with the current, raw block
 gradients (Algorithm 1, steps 3-5).
 
-The state is one flat vector of block energies, so its structure and dtype never
-depend on the parameter tree: it survives ``optax.masked``, ``MultiSteps``,
-``apply_if_finite``, ``tree_map_params`` and sharding unchanged. The block that
-each entry belongs to is recovered from the parameter tree by
-:func:`block_names`, and :func:`equalize_stats` reads energies and scales by name.
+The state is one flat vector of block energies and a few scalars, so its
+structure and dtype never depend on the parameter tree: it survives
+``optax.masked``, ``MultiSteps``, ``apply_if_finite``, ``tree_map_params`` and
+sharding unchanged. The block that each entry belongs to is recovered from the
+parameter tree by :func:`block_names`; the state keeps the clip bounds of
+eq. (6), so :func:`equalize_stats` reads energies and scales by name from the
+state and the parameters alone.
 
 References:
   Layerwise Conditioned Backpropagation: A Curvature-Aware
@@ -24,8 +26,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
-import weakref
+from typing import Any, NamedTuple, Optional, Sequence
 
 import chex
 import jax
@@ -39,26 +40,37 @@ from cbp_optax.blocks import BlockLayout
 from cbp_optax.blocks import StackedFn
 
 class EqualizeState(NamedTuple):
-  """State of :func:`equalize`.
+  r"""State of :func:`equalize`.
 
-  One flat vector whatever the parameter tree, so it survives
-  ``optax.masked``, ``MultiSteps``, ``apply_if_finite`` and sharding.
+  One flat vector and four scalars whatever the parameter tree, so it
+  survives ``optax.masked``, ``MultiSteps``, ``apply_if_finite`` and sharding,
+  and keeps one structure, shape and dtype across steps.
 
   Attributes:
     count: the number of updates taken, an int32 scalar.
     energy: the EMAs :math:`q_l` of eq. (5), one per block, in the order of
       :func:`cbp_optax.block_names`.
+    min_scale: :math:`s_{\min}` of eq. (6), the one of the latest update (at
+      init, the transform's), a scalar of the energies' dtype.
+    max_scale: :math:`s_{\max}` of eq. (6), likewise.
+    unblocked: :math:`\sum_k \|g_k\|_F^2` over the gradient leaves in no
+      block at the latest update (0 at init, and when every leaf is in a
+      block): with ``energy``, a finite value witnesses finite gradients.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
     >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
-    >>> cbp.equalize().init(params)
-    EqualizeState(count=Array(0, dtype=int32), energy=Array([0., 0.], dtype=float32))
+    >>> state = cbp.equalize().init(params)
+    >>> state.energy, float(state.min_scale), float(state.max_scale)
+    (Array([0., 0.], dtype=float32), 0.1..., 4.0)
   """
 
   count: chex.Array  # shape=(), dtype=jnp.int32.
   energy: chex.Array  # shape=(num_blocks,): the EMAs q_l of eq. (5).
+  min_scale: chex.Array  # shape=(): s_min of eq. (6).
+  max_scale: chex.Array  # shape=(): s_max of eq. (6).
+  unblocked: chex.Array  # shape=(): squared norm of the leaves in no block.
 
 
 class BlockStats(NamedTuple):
@@ -106,11 +118,8 @@ def block_energies(
         # Behind a barrier, the square of an unmultiplied gradient is not
         # merged with the second moment's (eq. 11) of the same gradient:
         # merged, XLA writes the squared gradient out and reads it back (a
-        # parameter-sized buffer per step; 2.8x -> 2.3x AdamW's update on a
-        # 4096x4096 kernel, CPU). A multiplied leaf's square is another
-        # value and gets none: the barriers cost compile time (cbp's update
-        # of 200 leaves compiled in 1.52x AdamW's time with them, 1.42x
-        # without).
+        # parameter-sized buffer per step). A multiplied leaf's square is
+        # another value and gets none: barriers cost compile time.
         leaf = jax.lax.optimization_barrier(leaf)
       leaf = leaf.astype(dtype)
       axes = tuple(range(1, leaf.ndim)) if stack is not None else None
@@ -170,7 +179,7 @@ def _group_scales(
   """:func:`block_scales`, split into one array per group of leaves.
 
   The split is for compile time. XLA compiles every distinct kernel on its
-  own (about 10-20 ms each on a CPU), and identical kernels once. A slice of
+  own, and identical kernels once. A slice of
   the scale vector fused into a per-leaf kernel makes that kernel distinct
   (it embeds the slice offset); so does a slice of its own. Here each group's
   scale becomes its own small buffer, so the parameter-sized kernels that
@@ -272,6 +281,17 @@ def _scale_leaves(
   ]
 
 
+def _unblocked_energy(layout: BlockLayout, leaves: Sequence[chex.Array],
+                      dtype: Any) -> chex.Array:
+  """``sum ||g_k||_F^2`` over the leaves in no block (a zero when none is)."""
+  in_blocks = {i for group in layout.groups for i in group}
+  total = jnp.zeros([], dtype)
+  for i, leaf in enumerate(leaves):
+    if i not in in_blocks:
+      total = total + jnp.sum(jnp.square(leaf.astype(dtype)))
+  return total
+
+
 def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
   expected = state.energy.shape[0]
   if len(layout.names) != expected:
@@ -297,45 +317,6 @@ def _check_scales(
         f'max_scale must be >= min_scale, got max_scale={max_scale!r} < '
         f'min_scale={min_scale!r}.'
     )
-
-
-class RawEnergies(NamedTuple):
-  """Where a transform's state holds M1's energies of its raw gradients.
-
-  Declared (:func:`declare_raw_energies`) for a transform whose first step
-  is :func:`equalize` on the gradients exactly as they come in: the finite
-  energies it stores then witness finite gradients (see
-  ``cbp_optax._step.gradients_finite``).
-
-  Attributes:
-    state_of: the :class:`EqualizeState` within the transform's state.
-    block_fn: the ``block_fn`` :func:`equalize` was built with.
-    stacked: its ``stacked``.
-  """
-
-  state_of: Callable[[Any], EqualizeState]
-  block_fn: Optional[BlockFn]
-  stacked: Optional[StackedFn]
-
-
-_RAW_ENERGIES: 'weakref.WeakKeyDictionary[Callable[..., Any], RawEnergies]' = (
-    weakref.WeakKeyDictionary())
-
-
-def declare_raw_energies(tx: optax.GradientTransformation,
-                         raw: RawEnergies) -> optax.GradientTransformation:
-  """Records that ``tx``'s state holds M1's energies of its raw gradients."""
-  _RAW_ENERGIES[tx.update] = raw
-  return tx
-
-
-def raw_energies(tx: Any) -> Optional[RawEnergies]:
-  """What :func:`declare_raw_energies` recorded for ``tx``, or None."""
-  update = getattr(tx, 'update', None)
-  try:
-    return _RAW_ENERGIES.get(update)
-  except TypeError:  # not weakly referenceable: never declared
-    return None
 
 
 def equalize(
@@ -435,6 +416,9 @@ def equalize(
     return EqualizeState(
         count=jnp.zeros([], jnp.int32),
         energy=jnp.zeros((len(layout.names),), dtype),
+        min_scale=jnp.asarray(min_scale, dtype),
+        max_scale=jnp.asarray(max_scale, dtype),
+        unblocked=jnp.zeros([], dtype),
     )
 
   def update_fn(updates, state, params=None):
@@ -461,9 +445,13 @@ def equalize(
     energy = decay * state.energy + (1 - decay) * energies
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes,
                            state.energy.dtype)
+    dtype = state.energy.dtype
     new_state = EqualizeState(
         count=optax.safe_increment(state.count),
-        energy=energy.astype(state.energy.dtype),
+        energy=energy.astype(dtype),
+        min_scale=jnp.asarray(min_scale, dtype),
+        max_scale=jnp.asarray(max_scale, dtype),
+        unblocked=_unblocked_energy(layout, leaves, dtype),
     )
     return jax.tree.unflatten(treedef, scaled), new_state
 

@@ -21,7 +21,6 @@ References:
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
-import warnings
 
 import chex
 import jax
@@ -151,73 +150,6 @@ def check_zero_moment(zero_moment: Any, *, factory: str) -> None:
     )
 
 
-def resolve_zero_moment(
-    factory: str,
-    zero_moment: str,
-    default: str,
-    zero_moment_identity: Optional[bool],
-    normalized_first_step: Optional[bool],
-) -> str:
-  """``zero_moment`` with the deprecated booleans folded in (they warn).
-
-  ``zero_moment_identity=True`` is ``'identity'`` and
-  ``normalized_first_step=True`` is ``'normalized'``; either passed as False
-  turns its own rule back into ``'damped'``. The warning points at the
-  factory's caller (two frames up).
-
-  Args:
-    factory: the public factory, for the messages.
-    zero_moment: the ``zero_moment`` argument.
-    default: the factory's default ``zero_moment``.
-    zero_moment_identity: the deprecated boolean, or None when not passed.
-    normalized_first_step: the deprecated boolean, or None when not passed.
-
-  Returns:
-    One of :data:`ZERO_MOMENT_RULES`.
-
-  Raises:
-    TypeError: a rule that is not a string, a boolean that is not a bool.
-    ValueError: an unknown rule, both booleans True, or a boolean together
-      with a ``zero_moment`` other than the default.
-  """
-  check_zero_moment(zero_moment, factory=factory)
-  old = {'zero_moment_identity': zero_moment_identity,
-         'normalized_first_step': normalized_first_step}
-  passed = {name: value for name, value in old.items() if value is not None}
-  if not passed:
-    return zero_moment
-  for name, value in passed.items():
-    _checks.check_bool(name, value)
-  replacement = {'zero_moment_identity': 'identity',
-                 'normalized_first_step': 'normalized'}
-  spelled = ', '.join(
-      f'{name}={value} is zero_moment='
-      f'{replacement[name] if value else "damped"!r}'
-      for name, value in passed.items())
-  warnings.warn(
-      f'{factory}: zero_moment_identity and normalized_first_step are '
-      'deprecated and will be removed in 1.0; pass zero_moment, one of '
-      f'{ZERO_MOMENT_RULES!r} ({spelled}).',
-      DeprecationWarning, stacklevel=3)
-  if zero_moment != default:
-    raise ValueError(
-        f'{factory}: pass the rule once, as zero_moment={zero_moment!r}, '
-        f'without {" or ".join(passed)}.'
-    )
-  if zero_moment_identity and normalized_first_step:
-    raise ValueError(
-        'normalized_first_step and zero_moment_identity are two rules for '
-        'the same coordinates (stored second moment zero): pass at most one '
-        'of them as True, or one zero_moment.'
-    )
-  for name, value in passed.items():
-    if value:
-      return replacement[name]
-    if zero_moment == replacement[name]:
-      zero_moment = 'damped'
-  return zero_moment
-
-
 class _Rules(NamedTuple):
   """The hyperparameters of one :func:`precondition` (tracers allowed)."""
   b1: Any
@@ -225,7 +157,6 @@ class _Rules(NamedTuple):
   damping: Any
   relative_damping: Any  # None: the relative term is left out of the graph
   zero_moment: str  # one of ZERO_MOMENT_RULES
-  update_clip: Optional[float]  # deprecated: optax.clip after the transform
 
 
 def _same_kind(a: chex.Array, b: chex.Array) -> bool:
@@ -268,35 +199,23 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
     step = _where(first_step, m_hat, m_hat / denom)
   if rules.zero_moment == 'identity':
     step = _where(v == 0, m_hat, step)
-  if rules.update_clip is not None:
-    limit = jnp.asarray(rules.update_clip, step.dtype)
-    if _same_kind(step, step):  # jnp.clip's max and min, without its jit
-      step = jax.lax.min(limit, jax.lax.max(-limit, step))
-    else:
-      step = jnp.clip(step, -limit, limit)
   v_new = b2 * v + (1.0 - b2) * g_square
   return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
           v_new.astype(v.dtype))
 
 
-def _check_arguments(b1, b2, damping, stats_dtype, relative_damping, stacked,
-                     update_clip) -> Any:
+def _check_arguments(b1, b2, damping, stats_dtype, zero_moment,
+                     relative_damping, stacked) -> Any:
   """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
   factory = 'cbp.precondition'
   _checks.check_decay('b1', b1, factory=factory)
   _checks.check_decay('b2', b2, factory=factory)
   _checks.check_positive('damping', damping, factory=factory)
+  check_zero_moment(zero_moment, factory=factory)
   stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
   _checks.check_nonnegative('relative_damping', relative_damping,
                             factory=factory)
   _checks.check_callable('stacked', stacked, factory=factory)
-  if update_clip is not None:
-    _checks.check_positive('update_clip', update_clip, factory=factory)
-    warnings.warn(
-        'cbp.precondition(update_clip=c) is deprecated and will be removed '
-        'in 1.0: chain optax.clip after it, optax.chain(cbp.precondition('
-        '...), optax.clip(c)) (the same update; cbp.cbp(update_clip=c) '
-        'does this).', DeprecationWarning, stacklevel=3)
   return stats_dtype
 
 
@@ -309,9 +228,6 @@ def precondition(
     zero_moment: str = 'damped',
     relative_damping: float = 0.0,
     stacked: Optional[StackedFn] = None,
-    zero_moment_identity: Optional[bool] = None,
-    normalized_first_step: Optional[bool] = None,
-    update_clip: Optional[float] = None,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
@@ -343,7 +259,7 @@ def precondition(
   :math:`1/\zeta`), a warm-up schedule on the learning rate, or the opt-in
   ``zero_moment='identity'``, which gives such a coordinate :math:`P = 1`,
   as every coordinate has at step 1 (with it, CBP converges on that
-  Rosenbrock run at :math:`\eta = 0.1`; see tests/test_hardening.py). The
+  Rosenbrock run at :math:`\eta = 0.1`). The
   default, ``'damped'``, is Algorithm 1 exactly.
 
   Dtypes: the moments are float32 for low-precision parameters
@@ -386,14 +302,6 @@ def precondition(
       1/\zeta`.
     stacked: ``stacked(path, leaf) -> bool`` declares layer-stacked leaves
       (one :math:`r` per slice); used only with ``relative_damping``.
-    zero_moment_identity: deprecated (removal in 1.0), warns:
-      ``True`` is ``zero_moment='identity'``.
-    normalized_first_step: deprecated (removal in 1.0), warns:
-      ``True`` is ``zero_moment='normalized'``.
-    update_clip: deprecated (removal in 1.0), warns: chain
-      ``optax.clip(c)`` after this transform instead (the same update;
-      :func:`cbp_optax.cbp`'s ``update_clip`` does). Clips each coordinate
-      of :math:`P_t \hat m_t` to :math:`[-c, c]`.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
@@ -442,16 +350,13 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  zero_moment = resolve_zero_moment(
-      'cbp.precondition', zero_moment, 'damped', zero_moment_identity,
-      normalized_first_step)
-  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype,
-                                 relative_damping, stacked, update_clip)
+  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype, zero_moment,
+                                 relative_damping, stacked)
   # A concrete 0 leaves the relative term out of the graph: the default is
   # Algorithm 1's computation, op for op.
   with_relative = _checks.concrete_float(relative_damping) != 0.0
   rules = _Rules(b1, b2, damping, relative_damping if with_relative else None,
-                 zero_moment, update_clip)
+                 zero_moment)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)

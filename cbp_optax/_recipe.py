@@ -1,4 +1,4 @@
-"""The recommended recipe: M2 centering with Muon, chosen on the suite's dev split.
+"""The recommended recipe: M2 centering with Muon on the centered model.
 
 References:
   Layerwise Conditioned Backpropagation: A Curvature-Aware
@@ -13,7 +13,7 @@ import optax
 from cbp_optax import _checks
 
 # Muon's update scaled so that its RMS matches AdamW's: AdamW's tuned
-# learning rate then means the same for it (the workload suite's setting).
+# learning rate then means the same for it.
 CONSISTENT_RMS = 0.2
 
 
@@ -27,29 +27,22 @@ def recommended(
   r"""The recommended recipe's optimizer: Muon, for a centered model.
 
   The recipe is two parts. On the model side, center every linear layer
-  (M2: ``cbp_optax.nnx.center(model)`` or ``cbp_optax.linen.center(module)``,
-  with the transport after each update, which the fused steps do), except in
-  a model with BatchNorm layers, which is left plain. On the optimizer side,
-  this function: ``optax.contrib.muon`` (orthogonalized momentum on the
-  kernels, AdamW without decay on the other leaves) with its update RMS
-  matched to AdamW's (``consistent_rms=0.2``), so start from a tuned AdamW
-  learning rate, and with decoupled weight decay on the kernels.
-
-  It was chosen on the workload suite's dev split only, by its headline
-  score (time to target in steps; first there), before the test split was
-  read. On the test split it was second in steps, behind schedule-free AdamW
-  on the centered model, and fourth in a rerun (also behind plain Muon);
-  its steps cost 1.1-7x AdamW's on CPU, so in
-  wall-clock it falls further; the tables are in the docs page "Workloads".
-  On wider models Muon's orthogonalization (Newton-Schulz iterations, several
-  products of each kernel with itself) dominates the step: 14-69x AdamW's on
-  MLPs of width 512-4,096 at batch 128 on CPU (the benchmarks page).
-  Algorithm 1 itself is :func:`cbp_optax.cbp`.
+  (M2, eqs. (8)-(10): ``cbp_optax.nnx.center(model)`` or
+  ``cbp_optax.linen.center(module)``, with the bias transport after each
+  update, which the fused steps do), except in a model with BatchNorm layers,
+  which is left plain. On the optimizer side, this function builds
+  ``optax.contrib.muon``: orthogonalized momentum (Newton-Schulz iterations)
+  on the kernels and AdamW without weight decay on the other leaves, with the
+  update RMS matched to AdamW's (``consistent_rms=0.2``), so that a tuned
+  AdamW learning rate is the place to start, and with decoupled weight decay
+  on the kernels. Algorithm 1 itself is :func:`cbp_optax.cbp`. The
+  recommendation and its evidence are in the docs page on the workload
+  suite ("Workloads").
 
   Args:
-    learning_rate: a float or an optax schedule (the suite used a linear
-      warm-up over the first 10 % of the steps and a cosine decay to 10 %).
-    weight_decay: decoupled decay of the Muon leaves (the suite's 0.01).
+    learning_rate: a float or an optax schedule (a linear warm-up followed
+      by a cosine decay is the usual choice).
+    weight_decay: decoupled decay of the Muon leaves.
     mask: which leaves ``weight_decay`` applies to (a tree of bools or a
       function of the parameters), as ``optax.contrib.muon``'s
       ``weight_decay_mask``; None: every Muon leaf.

@@ -192,24 +192,30 @@ FACTORIES = {
     'precondition': (cbp.precondition, {}, ()),
     'recommended': (cbp.recommended, {'learning_rate': 1e-2}, ()),
 }
-# Deprecated names, tested on their own: cbp_transformer.
-DEPRECATED = {cbp.cbp_transformer}
+
+
+def _is_factory(value):
+  return ((inspect.isfunction(value) or isinstance(value, functools.partial))
+          and 'GradientTransformation' in str(
+              inspect.signature(value).return_annotation))
+
+
+def _name(factory):
+  """A factory's name; a ``functools.partial`` reports its function's."""
+  return getattr(factory, 'func', factory).__name__
 
 
 def test_every_public_factory_is_in_the_contract():
-  public = {
-      getattr(cbp, name) for name in cbp.__all__
-      if inspect.isfunction(getattr(cbp, name))
-      and 'GradientTransformation' in str(
-          inspect.signature(getattr(cbp, name)).return_annotation)}
-  assert public - DEPRECATED == {f for f, _, _ in FACTORIES.values()}
+  public = {getattr(cbp, name) for name in cbp.__all__
+            if _is_factory(getattr(cbp, name))}
+  assert public == {f for f, _, _ in FACTORIES.values()}
 
 
 @pytest.mark.parametrize('name', sorted(FACTORIES))
 def test_public_factory_under_inject_hyperparams(name):
   """optax/contrib/_common_test.py's inject_hyperparams contract, on each
-  public factory with its own defaults: ``cbp_transformer(**kwargs)``, when
-  it was its own function, used to fail ("cbp() got an unexpected keyword argument 'kwargs'")."""
+  public factory with its own defaults (``cbp_robust`` is a
+  ``functools.partial`` of ``cbp``, whose signature optax reads)."""
   factory, kwargs, static_args = FACTORIES[name]
   assert_injected_matches(
       factory(**kwargs),
@@ -218,33 +224,39 @@ def test_public_factory_under_inject_hyperparams(name):
 
 
 @pytest.mark.parametrize('factory', sorted(
-    {f for f, _, _ in FACTORIES.values()}, key=lambda f: f.__name__))
+    {f for f, _, _ in FACTORIES.values()}, key=repr))
 def test_public_factory_signature_is_explicit(factory):
   kinds = {p.kind for p in inspect.signature(factory).parameters.values()}
   assert not kinds & {inspect.Parameter.VAR_KEYWORD,
                       inspect.Parameter.VAR_POSITIONAL}
-  with pytest.raises(TypeError, match=rf'{factory.__name__}\(\) got an '
+  with pytest.raises(TypeError, match=rf'{_name(factory)}\(\) got an '
                      "unexpected keyword argument 'dampnig'"):
     factory(dampnig=1e-3)
 
 
-def test_cbp_transformer_warns_and_is_cbp_robust():
+def test_cbp_robust_is_cbp_with_four_defaults_changed():
+  robust_defaults = dict(damping=1e-8, min_scale=1.0, max_scale=1.0,
+                         zero_moment='normalized', update_clip=3.0)
+  signature = inspect.signature(cbp.cbp_robust).parameters
+  for name, value in robust_defaults.items():
+    assert signature[name].default == value
+  assert set(signature) == set(inspect.signature(cbp.cbp).parameters)
+  assert cbp.cbp_robust.__doc__ != cbp.cbp.__doc__
   params = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
   grads = {'w': jnp.full((2, 3), 0.5), 'b': jnp.arange(3.0)}
-  with pytest.warns(DeprecationWarning, match='cbp_robust'):
-    old = cbp.cbp_transformer(1e-2, update_clip=2.0)
-  new = cbp.cbp_robust(1e-2, update_clip=2.0)
-  state_old, state_new = old.init(params), new.init(params)
+  robust = cbp.cbp_robust(1e-2)
+  spelled = cbp.cbp(1e-2, **robust_defaults)
+  state_r, state_s = robust.init(params), spelled.init(params)
   for _ in range(3):
-    up_old, state_old = old.update(grads, state_old, params)
-    up_new, state_new = new.update(grads, state_new, params)
-    chex.assert_trees_all_equal(up_old, up_new)
-  # inject_hyperparams reads cbp_robust's signature through the name.
-  assert (inspect.signature(cbp.cbp_transformer).parameters
-          == inspect.signature(cbp.cbp_robust).parameters)
-  # The configuration it replaced stays spelled out for the ablation study.
-  assert set(configurations.TRANSFORMER_COMBINATION) < set(
-      inspect.signature(configurations.cbp_study).parameters)
+    up_r, state_r = robust.update(grads, state_r, params)
+    up_s, state_s = spelled.update(grads, state_s, params)
+    chex.assert_trees_all_equal(up_r, up_s)
+  # Passed back, the defaults are Algorithm 1's.
+  back = cbp.cbp_robust(1e-2, damping=1e-3, min_scale=0.1, max_scale=4.0,
+                        zero_moment='damped', update_clip=None)
+  chex.assert_trees_all_equal(
+      back.update(grads, back.init(params), params)[0],
+      cbp.cbp(1e-2).update(grads, cbp.cbp(1e-2).init(params), params)[0])
 
 
 @pytest.mark.parametrize('name', NAMES)

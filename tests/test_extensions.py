@@ -1,9 +1,10 @@
 """The opt-in extensions of Algorithm 1 against the float64 NumPy reference.
 
 ``relative_damping`` (damping relative to each tensor's stored second-moment
-scale), ``block_fn`` presets that leave leaves out of M1, and the combination
-that ``cbp_transformer`` was built from. The defaults stay Algorithm 1:
-tests/test_reference.py checks those, unchanged.
+scale, a knob of the ablation studies kept by ``cbp.precondition``),
+``block_fn`` presets that leave leaves out of M1, and the transformer
+ablation's combination. The defaults stay Algorithm 1: tests/test_reference.py
+checks those, unchanged.
 """
 
 import chex
@@ -78,8 +79,7 @@ def test_left_out_leaf_passes_through_equalize_unscaled():
   chex.assert_trees_all_equal(updates['norm'], grads['norm'])
   # The kernels alone set the target: a's tiny kernel is boosted to the cap.
   np.testing.assert_allclose(updates['a']['kernel'], 4.0 * 1e-3, rtol=1e-6)
-  stats = cbp.equalize_stats(state, params, block_fn=cbp.kernel_blocks,
-                            min_scale=0.1, max_scale=4.0)
+  stats = cbp.equalize_stats(state, params, block_fn=cbp.kernel_blocks)
   assert list(stats) == ['a', 'b']
 
 
@@ -160,19 +160,17 @@ def test_relative_damping_keeps_lemma_1_bounds():
     dict(damping=1e-8, zero_moment='normalized', min_scale=1.0,
          max_scale=1.0, update_clip=3.0)])
 def test_zero_relative_damping_is_algorithm_1_exactly(kwargs):
-  # cbp_study (the studies' spelled-out chain) and cbp's deprecated
-  # relative_damping=0.0 are cbp.cbp, update for update and state for state.
+  # cbp_study (the studies' spelled-out chain) with relative_damping=0.0 is
+  # cbp.cbp, update for update and state for state.
   params = {'w': jnp.linspace(-1.0, 1.0, 7)}
   grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1)) * 10.0 ** t}
            for t in range(4)]
   plain = cbp.cbp(1e-2, **kwargs)
-  with pytest.warns(DeprecationWarning, match='relative_damping'):
-    explicit = cbp.cbp(1e-2, relative_damping=0.0, **kwargs)
   study = configurations.cbp_study(1e-2, relative_damping=0.0, **kwargs)
-  states = [tx.init(params) for tx in (plain, explicit, study)]
+  states = [tx.init(params) for tx in (plain, study)]
   for g in grads:
     plain_u, states[0] = plain.update(g, states[0], params)
-    for i, tx in ((1, explicit), (2, study)):
+    for i, tx in ((1, study),):
       u, states[i] = tx.update(g, states[i], params)
       chex.assert_trees_all_equal(u, plain_u)
       chex.assert_trees_all_equal(states[i], states[0])
@@ -183,10 +181,7 @@ def test_zero_relative_damping_is_algorithm_1_exactly(kwargs):
                                         ('0.1', TypeError),
                                         (jnp.ones(2), ValueError),
                                         (float('nan'), ValueError)])
-@pytest.mark.filterwarnings('ignore:cbp.cbp.relative_damping')
 def test_bad_relative_damping_fails_at_construction(bad, error):
-  with pytest.raises(error, match='relative_damping'):
-    cbp.cbp(1e-2, relative_damping=bad)
   with pytest.raises(error, match='relative_damping'):
     cbp.precondition(relative_damping=bad)
 
@@ -201,7 +196,7 @@ def test_relative_damping_can_be_injected():
 
 
 def test_transformer_combination_matches_numpy_reference():
-  # What cbp_transformer was (the ablation's combination): M1 off
+  # The transformer ablation's combination: M1 off
   # (no_blocks), relative damping on an absolute floor of 1e-8.
   reference = ref.CBPReference(SHAPES, lr=LR, damping=1e-8, equalize=False,
                                relative_damping=0.03)

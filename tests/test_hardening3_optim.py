@@ -39,6 +39,8 @@ def kernels_only(params):
 
 KERNEL_MASK = {'a': {'kernel': True, 'bias': False}, 'b': {'kernel': False}}
 FACTORIES = {'cbp': cbp.cbp, 'cbp_robust': cbp.cbp_robust}
+# cbp_robust is functools.partial(cbp, ...): its messages name cbp.cbp.
+MESSAGE_NAME = {'cbp': 'cbp', 'cbp_robust': 'cbp'}
 
 
 # --- item 5: weight decay and its mask under inject_hyperparams ---------------
@@ -92,7 +94,7 @@ def test_mask_function_not_in_static_args_is_refused_naming_the_call(name):
                                          mask=kernels_only)
   params, _ = two_layers()
   with pytest.raises(TypeError, match=(
-      rf"got the bool False.*optax.inject_hyperparams\(cbp.{name}, "
+      rf"got the bool False.*optax.inject_hyperparams\(cbp.{MESSAGE_NAME[name]}, "
       r"static_args=\('mask',\)\)\(learning_rate, mask=\.\.\., \.\.\.\)")):
     tx.init(params)
 
@@ -159,8 +161,8 @@ def test_function_arguments_that_arrive_as_values_are_refused_together(name):
       1e-2, weight_decay=0.1, mask=kernels_only, block_fn=block_fn,
       stacked=stacked)
   with pytest.raises(TypeError, match=(
-      rf"cbp.{name} got block_fn=Array\(0.*stacked=False, mask=False.*"
-      rf"inject_hyperparams\(cbp.{name}, static_args=\('block_fn', "
+      rf"cbp.{MESSAGE_NAME[name]} got block_fn=Array\(0.*stacked=False, "
+      rf"mask=False.*inject_hyperparams\(cbp.{MESSAGE_NAME[name]}, static_args=\('block_fn', "
       r"'stacked', 'mask'\)\)")):
     tx.init(two_layers()[0])
 
@@ -202,7 +204,7 @@ def test_function_arguments_in_static_args_match_the_plain_factory(static):
 
 
 @pytest.mark.parametrize('factory, name, call', [
-    (cbp.cbp_robust, 'b1', r'inject_hyperparams\(cbp.cbp_robust\)\('
+    (cbp.cbp, 'b1', r'inject_hyperparams\(cbp.cbp\)\('
      r'learning_rate, b1=schedule'),
     (cbp.cbp, 'update_clip', r'inject_hyperparams\(cbp.cbp\)\('
      r'learning_rate, update_clip=schedule'),
@@ -218,24 +220,6 @@ def test_a_schedule_names_the_factory_it_was_passed_to(factory, name, call):
     factory(*args, **{name: optax.constant_schedule(0.5)})
 
 
-def test_cbp_robust_zero_moment_is_one_argument():
-  # It said "normalized_first_step and zero_moment_identity are two rules"
-  # though the caller set only one of them; one argument has no conflict.
-  params, grads = two_layers()
-  with pytest.warns(DeprecationWarning, match="zero_moment='identity'"):
-    old = cbp.cbp_robust(1e-2, zero_moment_identity=True)
-  new = cbp.cbp_robust(1e-2, zero_moment='identity')
-  old_state, new_state = old.init(params), new.init(params)
-  for _ in range(3):
-    old_u, old_state = old.update(grads, old_state, params)
-    new_u, new_state = new.update(grads, new_state, params)
-    chex.assert_trees_all_equal(old_u, new_u)
-  with pytest.raises(ValueError, match="pass the rule once, as zero_moment="
-                     "'damped'"):
-    with pytest.warns(DeprecationWarning):
-      cbp.cbp_robust(1e-2, zero_moment='damped', zero_moment_identity=True)
-
-
 # --- item 6: the scales equalize_stats reports ---------------------------------
 
 
@@ -248,30 +232,24 @@ def without_m1(state):
 
 
 inject = optax.inject_hyperparams
-# (transform, the bounds equalize_stats is given). b1 = 0 and no clip bind,
-# so the update is linear in s_l g_l and the ratio of the updates with and
-# without M1 is the scale the step applies.
+# Transforms read by equalize_stats(state, params) alone. b1 = 0 and no clip
+# bind, so the update is linear in s_l g_l and the ratio of the updates with
+# and without M1 is the scale the step applies.
 SCALE_CONFIGS = {
-    'cbp': (lambda: cbp.cbp(1e-2, b1=0.0), dict(min_scale=0.1, max_scale=4.0)),
-    'cbp [0.5, 2]': (lambda: cbp.cbp(1e-2, b1=0.0, min_scale=0.5,
-                                     max_scale=2.0),
-                     dict(min_scale=0.5, max_scale=2.0)),
-    'cbp_robust': (lambda: cbp.cbp_robust(1e-2, b1=0.0),
-                   dict(min_scale=1.0, max_scale=1.0)),
-    'cbp_robust with M1': (
-        lambda: cbp.cbp_robust(1e-2, b1=0.0, min_scale=0.1, max_scale=4.0,
-                               update_clip=None),
-        dict(min_scale=0.1, max_scale=4.0)),
-    'equalize': (lambda: cbp.equalize(min_scale=0.2),
-                 dict(min_scale=0.2, max_scale=4.0)),
-    'injected cbp_robust': (lambda: inject(cbp.cbp_robust)(1e-2, b1=0.0), {}),
-    'injected cbp [0.3, 3]': (
-        lambda: inject(cbp.cbp)(1e-2, b1=0.0, min_scale=0.3, max_scale=3.0),
-        {}),
-    'injected equalize': (lambda: inject(cbp.equalize)(max_scale=2.0), {}),
-    'chain with another injected transform': (
-        lambda: optax.chain(inject(cbp.cbp)(1e-2, b1=0.0, max_scale=2.0),
-                            inject(optax.scale)(step_size=1.0)), {}),
+    'cbp': lambda: cbp.cbp(1e-2, b1=0.0),
+    'cbp [0.5, 2]': lambda: cbp.cbp(1e-2, b1=0.0, min_scale=0.5,
+                                    max_scale=2.0),
+    'cbp_robust': lambda: cbp.cbp_robust(1e-2, b1=0.0),
+    'cbp_robust with M1': lambda: cbp.cbp_robust(
+        1e-2, b1=0.0, min_scale=0.1, max_scale=4.0, update_clip=None),
+    'equalize': lambda: cbp.equalize(min_scale=0.2),
+    'injected cbp_robust': lambda: inject(cbp.cbp_robust)(1e-2, b1=0.0),
+    'injected cbp [0.3, 3]': lambda: inject(cbp.cbp)(
+        1e-2, b1=0.0, min_scale=0.3, max_scale=3.0),
+    'injected equalize': lambda: inject(cbp.equalize)(max_scale=2.0),
+    'chain with another injected transform': lambda: optax.chain(
+        inject(cbp.cbp)(1e-2, b1=0.0, max_scale=2.0),
+        inject(optax.scale)(step_size=1.0)),
 }
 
 
@@ -279,13 +257,12 @@ SCALE_CONFIGS = {
 def test_reported_scales_are_the_scales_the_next_step_applies(config):
   # Item 6: after cbp_robust it reported 4.0 and 0.707 while 1.0 is applied
   # (the injected configurations here were read with Algorithm 1's clip).
-  make, bounds = SCALE_CONFIGS[config]
-  tx = make()
+  tx = SCALE_CONFIGS[config]()
   params, grads = two_layers()
   state = tx.init(params)
   for _ in range(3):
     _, state = tx.update(grads, state, params)
-  stats = cbp.equalize_stats(state, params, **bounds)
+  stats = cbp.equalize_stats(state, params)
   with_m1, _ = tx.update(grads, state, params)
   plain, _ = tx.update(grads, without_m1(state), params)
   for name in ('a', 'b'):
@@ -310,19 +287,6 @@ def test_bounds_set_by_hand_in_the_injected_state_are_the_ones_read():
   assert float(stats['a'].scale) == 1.5
 
 
-@pytest.mark.parametrize('make', [
-    lambda: cbp.cbp_robust(1e-2), lambda: cbp.cbp(1e-2),
-    lambda: cbp.equalize(), lambda: inject(lambda lr: cbp.cbp(lr))(1e-2)])
-def test_equalize_stats_without_bounds_refuses_to_guess(make):
-  tx = make()
-  params, grads = two_layers()
-  _, state = tx.update(grads, tx.init(params), params)
-  with pytest.raises(ValueError, match=(
-      'needs the clip bounds.*min_scale=1.0, max_scale=1.0 '
-      "cbp.cbp_robust's")):
-    cbp.equalize_stats(state, params)
-
-
 def test_equalize_stats_without_blocks_needs_no_bounds():
   # The bounds matter only for a scale; no_blocks has none to report.
   tx = cbp.cbp_robust(1e-2, block_fn=cbp.no_blocks)
@@ -331,32 +295,29 @@ def test_equalize_stats_without_blocks_needs_no_bounds():
                             block_fn=cbp.no_blocks) == {}
 
 
-def test_a_schedule_as_a_bound_asks_for_its_value():
-  # It suggested inject_hyperparams(cbp.cbp), which is not the question.
-  params, _ = two_layers()
-  with pytest.raises(TypeError, match=r'max_scale must be a number, the '
-                     r'bound the next step applies.*schedule\(step\)'):
-    cbp.equalize_stats(cbp.equalize().init(params), params, min_scale=0.1,
-                       max_scale=optax.constant_schedule(4.0))
-
-
-def test_scheduled_or_contradicted_bounds_are_refused():
+def test_a_scheduled_bound_is_the_one_of_the_latest_update():
   params, grads = two_layers()
-  tx = inject(cbp.cbp)(1e-2, max_scale=optax.linear_schedule(4.0, 1.0, 10))
-  _, state = tx.update(grads, tx.init(params), params)
-  with pytest.raises(ValueError, match=r'max_scale is scheduled.*'
-                     r'max_scale=schedule\(step\)'):
-    cbp.equalize_stats(state, params)
-  assert set(cbp.equalize_stats(state, params, max_scale=3.7)) == {'a', 'b'}
-  tx = inject(cbp.cbp_robust)(1e-2)
-  _, state = tx.update(grads, tx.init(params), params)
-  with pytest.raises(ValueError, match='max_scale=4.0 was passed, but the '
-                     r'optimizer state .* records max_scale=1.0'):
-    cbp.equalize_stats(state, params, max_scale=4.0)
-  # float32's 0.1 is 0.1: the comparison is in the recorded dtype.
-  tx = inject(cbp.cbp)(1e-2)
-  _, state = tx.update(grads, tx.init(params), params)
-  cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0)
+  schedule = optax.linear_schedule(4.0, 1.0, 10)
+  tx = inject(cbp.cbp)(1e-2, max_scale=schedule)
+  state = tx.init(params)
+  for step in range(3):
+    _, state = tx.update(grads, state, params)
+    assert float(state.inner_state[0].max_scale) == pytest.approx(
+        float(schedule(step)))
+  stats = cbp.equalize_stats(state, params)
+  applied = cbp.equalize_stats(
+      state.inner_state, params)  # the same state, outside the injection
+  chex.assert_trees_all_equal(stats, applied)
+
+
+def test_state_records_the_bounds_with_stable_shapes():
+  params, grads = two_layers()
+  tx = cbp.cbp(1e-2, min_scale=0.5, max_scale=2.0)
+  state = tx.init(params)
+  _, new_state = tx.update(grads, state, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
+  assert float(state[0].min_scale) == 0.5 == float(new_state[0].min_scale)
+  assert float(state[0].max_scale) == 2.0 == float(new_state[0].max_scale)
 
 
 def test_equalize_stats_of_an_nnx_optimizer_reads_its_injected_bounds():
@@ -379,9 +340,8 @@ def test_equalize_stats_without_the_optimizers_stacked_names_the_argument():
       r'params have 2 blocks \(with block_fn=None, stacked=None\) but the '
       'optimizer state holds the energies of 4. Pass the block_fn= and '
       'stacked= the optimizer was built with')):
-    cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0)
-  stats = cbp.equalize_stats(state, params, min_scale=0.1, max_scale=4.0,
-                             stacked=stacked)
+    cbp.equalize_stats(state, params)
+  stats = cbp.equalize_stats(state, params, stacked=stacked)
   assert list(stats) == ['head', 'layers[0]', 'layers[1]', 'layers[2]']
 
 
@@ -389,11 +349,9 @@ def test_equalize_stats_of_a_state_without_equalize_says_what_it_reads():
   params, _ = two_layers()
   with pytest.raises(ValueError, match='found none in the ScaleByAdamState.*'
                      'cbp.cbp_robust'):
-    cbp.equalize_stats(optax.scale_by_adam().init(params), params,
-                       min_scale=1.0, max_scale=1.0)
+    cbp.equalize_stats(optax.scale_by_adam().init(params), params)
   with pytest.raises(ValueError, match=r"found 2.*inner_states\['label'\]"):
-    cbp.equalize_stats((cbp.equalize().init(params),) * 2, params,
-                       min_scale=1.0, max_scale=1.0)
+    cbp.equalize_stats((cbp.equalize().init(params),) * 2, params)
 
 
 # --- params at update ------------------------------------------------------------

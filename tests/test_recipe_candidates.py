@@ -61,6 +61,7 @@ def test_schedule_free_cbp_robust_is_its_spelled_out_chain():
   want = optax.contrib.schedule_free(optax.chain(
       cbp.precondition(b1=0.0, b2=0.999, damping=1e-8,
                        zero_moment='normalized'),
+      optax.clip(3.0),
       optax.add_decayed_weights(arms_lib.WEIGHT_DECAY, arms_lib.decay_mask),
       optax.scale_by_learning_rate(rate)), learning_rate=rate, b1=0.9)
   arm = arms_lib.builtin_arms()['schedule_free_cbp_robust']

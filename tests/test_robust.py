@@ -3,9 +3,8 @@
 The option is off by default (tests/test_reference.py checks Algorithm 1,
 unchanged); here: the reference match of the option alone and inside
 ``cbp_robust``, guards that fail when the rule is dropped, Lemma 1's bounds on
-random gradients, construction-time validation, ``optax.inject_hyperparams`` under ``jit``, the
-deprecated spellings (``normalized_first_step``, ``zero_moment_identity``,
-``precondition(update_clip=)``) and ``cbp_robust`` spelled out as a chain.
+random gradients, construction-time validation, ``optax.inject_hyperparams``
+under ``jit`` and ``cbp_robust`` spelled out as a chain.
 """
 
 import re
@@ -150,60 +149,6 @@ def test_bad_zero_moment_fails_at_construction(bad, error):
       make()
 
 
-@pytest.mark.filterwarnings('ignore::DeprecationWarning')
-@pytest.mark.parametrize('bad', ['yes', 1, jnp.ones(())])
-def test_bad_normalized_first_step_fails_at_construction(bad):
-  # The deprecated spelling keeps its checks until it is removed.
-  with pytest.raises(TypeError, match='normalized_first_step'):
-    cbp.cbp(1e-2, normalized_first_step=bad)
-  with pytest.raises(TypeError, match='normalized_first_step'):
-    cbp.precondition(normalized_first_step=bad)
-  with pytest.raises(TypeError, match='normalized_first_step'):
-    cbp.cbp_robust(1e-2, normalized_first_step=bad)
-
-
-@pytest.mark.filterwarnings('ignore::DeprecationWarning')
-def test_normalized_first_step_excludes_zero_moment_identity():
-  with pytest.raises(ValueError, match='zero_moment_identity'):
-    cbp.precondition(normalized_first_step=True, zero_moment_identity=True)
-  with pytest.raises(ValueError, match='zero_moment_identity'):
-    cbp.cbp_robust(1e-2, normalized_first_step=True,
-                   zero_moment_identity=True)
-
-
-# (factory, deprecated arguments, the zero_moment they are).
-DEPRECATED_SPELLINGS = [
-    (cbp.cbp, dict(normalized_first_step=True), 'normalized'),
-    (cbp.cbp, dict(zero_moment_identity=True), 'identity'),
-    (cbp.cbp, dict(zero_moment_identity=False), 'damped'),
-    (cbp.cbp_robust, dict(normalized_first_step=False), 'damped'),
-    (cbp.cbp_robust, dict(zero_moment_identity=True), 'identity'),
-    (cbp.cbp_robust, dict(zero_moment_identity=True,
-                          normalized_first_step=False), 'identity'),
-    (cbp.cbp_robust, dict(zero_moment_identity=False), 'normalized'),
-    (cbp.precondition, dict(normalized_first_step=True), 'normalized'),
-    (cbp.precondition, dict(zero_moment_identity=True), 'identity'),
-]
-
-
-@pytest.mark.parametrize('factory, old, rule', DEPRECATED_SPELLINGS)
-def test_deprecated_booleans_warn_and_are_one_zero_moment(factory, old, rule):
-  args = () if factory is cbp.precondition else (1e-2,)
-  with pytest.warns(DeprecationWarning, match=(
-      r"deprecated and will be removed in 1.0; pass zero_moment")) as caught:
-    old_tx = factory(*args, **old)
-  assert caught[0].filename == __file__  # points at the caller
-  new_tx = factory(*args, zero_moment=rule)
-  params = {'w': jnp.zeros(4)}
-  grads = [{'w': jnp.array([1.0, 0.0, -2.0, 0.0]) * (t + 1)} for t in range(2)]
-  grads.append({'w': jnp.array([1.0, 3.0, -2.0, 0.5])})
-  old_state, new_state = old_tx.init(params), new_tx.init(params)
-  for g in grads:
-    old_u, old_state = old_tx.update(g, old_state, params)
-    new_u, new_state = new_tx.update(g, new_state, params)
-    chex.assert_trees_all_equal(old_u, new_u)
-
-
 @pytest.mark.parametrize('name', ['cbp', 'cbp_robust'])
 def test_works_under_inject_hyperparams_and_jit(name):
   make = getattr(cbp, name)
@@ -272,13 +217,13 @@ def test_update_clip_bounds_every_coordinate_and_keeps_lemma_1():
                                         (True, TypeError), ('1', TypeError),
                                         (float('inf'), ValueError),
                                         (jnp.ones(2), ValueError)])
-@pytest.mark.filterwarnings('ignore::DeprecationWarning')
 def test_bad_update_clip_fails_at_construction(bad, error):
   for make in (cbp.cbp, cbp.cbp_robust):
     with pytest.raises(error, match='update_clip'):
       make(1e-2, update_clip=bad)
-  with pytest.raises(error, match='update_clip'):
-    cbp.precondition(update_clip=bad)
+  # The clip is optax.clip chained after precondition, not one of its knobs.
+  with pytest.raises(TypeError, match="unexpected keyword argument 'update_clip'"):
+    cbp.precondition(update_clip=1.0)
 
 
 def test_update_clip_can_be_injected():
@@ -309,24 +254,6 @@ def test_degenerate_clip_fixes_the_scale_even_when_energies_overflow():
       np.testing.assert_allclose(updates['b']['w'], low, rtol=1e-6)
     else:
       assert np.all(np.isnan(updates['a']['w']))
-
-
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_precondition_update_clip_warns_and_is_optax_clip_after_it(dtype):
-  params = {'w': jnp.zeros(5, dtype)}
-  grads = [{'w': (jnp.array([1.0, 0.0, -3.0, 2.0, 0.0]) * 10.0 ** -t
-                  ).astype(dtype)} for t in range(3)]
-  grads.append({'w': jnp.array([5.0, 2.0, -1.0, 0.3, 40.0], dtype)})
-  with pytest.warns(DeprecationWarning, match=r'optax.clip\(c\)'):
-    old = cbp.precondition(update_clip=0.1)
-  new = optax.chain(cbp.precondition(), optax.clip(0.1))
-  old_state, new_state = old.init(params), new.init(params)
-  for g in grads:
-    old_u, old_state = old.update(g, old_state)
-    new_u, new_state = new.update(g, new_state)
-    chex.assert_trees_all_equal(old_u, new_u)
-    chex.assert_trees_all_equal(old_state, new_state[0])
-  assert np.max(np.abs(np.asarray(new_u['w'], np.float32))) <= 0.1 + 1e-3
 
 
 ROBUST_REFERENCE = dict(damping=1e-8, relative_damping=0.0,

@@ -13,7 +13,6 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import cbp_optax as cbp
-from cbp_optax import _equalize
 from cbp_optax import _step
 
 
@@ -252,17 +251,40 @@ def test_a_state_holding_a_non_finite_energy_skips_every_step():
   assert int(optimizer.skipped_steps[...]) == 2
 
 
-def test_cbp_chains_declare_their_energies_and_wrapped_ones_do_not():
-  assert _equalize.raw_energies(cbp.cbp(1e-3)) is not None
-  assert _equalize.raw_energies(cbp.cbp_robust(1e-3)) is not None
+def test_states_beginning_with_m1_witness_the_gradients_and_others_do_not():
+  params = {'w': jnp.ones(3)}
+
+  def witnessed(tx):
+    return _step.gradients_finite(tx.init(params), lambda s: s) is not None
+
+  assert witnessed(cbp.cbp(1e-3)) and witnessed(cbp.cbp_robust(1e-3))
+  assert witnessed(cbp.equalize())
+  assert witnessed(optax.chain(cbp.equalize(), optax.sgd(1e-3)))
+  assert witnessed(optax.chain(cbp.cbp(1e-3), optax.clip(1.0)))
   # M1 no longer sees the raw gradients (a clip could hide an inf), or the
-  # state is not the chain's: entry by entry.
-  assert _equalize.raw_energies(
-      optax.chain(optax.clip(1.0), cbp.cbp(1e-3))) is None
-  assert _equalize.raw_energies(
-      optax.inject_hyperparams(cbp.cbp)(learning_rate=1e-3)) is None
-  assert _equalize.raw_energies(optax.adamw(1e-3)) is None
-  assert _equalize.raw_energies(None) is None
+  # state is not a chain's: entry by entry.
+  assert not witnessed(optax.chain(optax.clip(1.0), cbp.cbp(1e-3)))
+  assert not witnessed(optax.inject_hyperparams(cbp.cbp)(learning_rate=1e-3))
+  assert not witnessed(optax.MultiSteps(cbp.cbp(1e-3), 2))
+  assert not witnessed(optax.adamw(1e-3))
+  assert _step.gradients_finite(None, lambda s: s) is None
+
+
+def test_leaves_in_no_block_are_witnessed_by_the_state():
+  # kernel_blocks leaves the bias out of M1: its squared norm is recorded
+  # apart, so a NaN there is seen without the layout.
+  params = {'d': {'kernel': jnp.ones((2, 2)), 'bias': jnp.zeros(2)}}
+  tx = cbp.cbp(1e-3, block_fn=cbp.kernel_blocks)
+  state = tx.init(params)
+  check = _step.gradients_finite(state, lambda s: s)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, good = tx.update(grads, state, params)
+  assert bool(check(grads, good))
+  bad_grads = {'d': {'kernel': grads['d']['kernel'],
+                     'bias': jnp.array([1.0, jnp.nan])}}
+  _, bad = tx.update(bad_grads, state, params)
+  assert jnp.isfinite(bad[0].energy).all()  # the kernel's block is fine
+  assert not bool(check(bad_grads, bad))
 
 
 @pytest.mark.slow

@@ -236,7 +236,7 @@ def train_step(
     state, out = _step.conditioned_update(
         loss_of, state.params, apply_step, skip_step, _step.select, state,
         grads_finite=_step.gradients_finite(
-            state.tx, lambda applied: applied.opt_state))
+            state.opt_state, lambda applied: applied.opt_state))
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())

@@ -386,7 +386,8 @@ def train_step(
         loss_of, params[0], apply_step, skip_step, _select,
         model, optimizer, nodes,
         grads_finite=_step.gradients_finite(
-            optimizer.tx, lambda _: nnx.as_pure(optimizer.opt_state)))
+            nnx.as_pure(optimizer.opt_state),
+            lambda _: nnx.as_pure(optimizer.opt_state)))
     if centered_layers(model):
       # The transport reads the kernels after the skip select, which is
       # where the update's pass over each kernel writes them: the updated

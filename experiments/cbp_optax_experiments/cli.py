@@ -168,7 +168,8 @@ def _require_matplotlib():
   except ImportError as e:
     raise SystemExit(
         f'cbp-optax compare --out needs matplotlib for loss_curves.png ({e}). '
-        "Install the experiments with their dependencies: pip install ./experiments") from e
+        'Install the experiments with their dependencies: '
+        'pip install ./experiments') from e
   return plt
 
 
@@ -399,7 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise
     raise SystemExit(
         f'cbp-optax {args.command} needs {missing}, which is not installed '
-        f"({e}). Install the experiments with their dependencies: pip install ./experiments"
+        f'({e}). Install the experiments with their dependencies: '
+        'pip install ./experiments'
     ) from e
 
 

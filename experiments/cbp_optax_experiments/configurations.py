@@ -2,8 +2,7 @@
 
 They are spelled out here, not in ``cbp_optax``, so the library's public
 surface holds what a user trains with; the studies (the transformer
-ablation, the workload suite's ``former_cbp_transformer`` arm) and their
-tests measure them.
+ablation) and their tests measure them.
 """
 
 from typing import Any, Optional
@@ -12,10 +11,9 @@ import optax
 
 import cbp_optax as cbp
 
-# What cbp.cbp_transformer was until it became a name of cbp_robust: cbp with
-# these arguments changed (arguments of cbp_study, which has the study-only
-# relative_damping). The transformer ablation measures each entry alone and
-# together; cbp_robust beat the combination there.
+# The transformer ablation's combination: cbp with these arguments changed
+# (arguments of cbp_study, which has the study-only relative_damping). The
+# ablation measures each entry alone and together.
 TRANSFORMER_COMBINATION = dict(
     damping=1e-8,
     relative_damping=0.03,
@@ -46,10 +44,10 @@ def cbp_study(
 
   ``relative_damping`` (a damping relative to each tensor's stored second
   moment, eq. 11's ``zeta + delta * rms(v_hat)``) serves the ablation
-  studies only; ``cbp.cbp`` deprecates it, ``cbp.precondition`` keeps it.
-  With ``relative_damping=0`` this is ``cbp.cbp`` with the same arguments,
-  update for update and state for state, on trees without float16 leaves
-  (tests/test_extensions.py checks it).
+  studies only; ``cbp.cbp`` has no such argument, ``cbp.precondition``
+  keeps it. With ``relative_damping=0`` this is ``cbp.cbp`` with the same
+  arguments, update for update and state for state, on trees without float16
+  leaves.
   """
   transforms = [
       cbp.equalize(decay, min_scale, max_scale, block_fn=block_fn,

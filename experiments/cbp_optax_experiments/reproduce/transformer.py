@@ -423,9 +423,7 @@ def m1_profile(optimizer, model, centered: bool) -> dict[str, Any]:
   """Per-block raw gradient RMS-energy norm sqrt(q_l) and the equalized
   s_l sqrt(q_l), from M1's state (``cbp.equalize_stats``)."""
   params = nnx.state(model, nnx.Param)
-  # make_tx's cbp.cbp clips M1's scales to Algorithm 1's [0.1, 4].
   found = cbp.equalize_stats(optimizer.opt_state, params,
-                             min_scale=0.1, max_scale=4.0,
                              stacked=stacked_for(model, centered))
   names = list(found)
   raw = np.sqrt(np.array([float(found[n].energy) for n in names]))

@@ -253,6 +253,7 @@ RECOMMENDED: tuple[Arm, ...] = (
 # cbp_robust's M3 rules (cbp.cbp_robust's defaults, chosen on dev:
 # splits.CHOSEN_ON), for the candidate built on M3.
 _ROBUST_M3 = dict(b2=0.999, damping=1e-8, zero_moment='normalized')
+_ROBUST_CLIP = 3.0
 
 
 def _schedule_free_cbp_robust(lr, ctx):
@@ -260,12 +261,14 @@ def _schedule_free_cbp_robust(lr, ctx):
   preconditioner without momentum, built as ``schedule_free_adamw`` builds its
   base (``_schedule_free_adamw`` here): the M3 direction
   ``g / (sqrt(v_{t-1}) + 1e-8)`` (lagged second moment, the zero moment of
-  step 1 replaced by the current gradient's: ``zero_moment='normalized'``) in
-  place of ``scale_by_rms``, the same kernel-only decay, warm-up then constant rate,
+  step 1 replaced by the current gradient's: ``zero_moment='normalized'``),
+  each coordinate clipped to [-3, 3] as in cbp_robust, in place of
+  ``scale_by_rms``, the same kernel-only decay, warm-up then constant rate,
   ``b1=0.9`` and optax's ``weight_lr_power=2``."""
   rate = optax.warmup_constant_schedule(0.0, lr, ctx.warmup)
   base = optax.chain(
       cbp.precondition(b1=0.0, stacked=ctx.stacked, **_ROBUST_M3),
+      optax.clip(_ROBUST_CLIP),
       optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
       optax.scale_by_learning_rate(rate))
   return optax.contrib.schedule_free(base, learning_rate=rate, b1=0.9)
