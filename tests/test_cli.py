@@ -126,7 +126,7 @@ def test_compare_out_without_matplotlib_names_the_extra_before_training(
   monkeypatch.setattr(datasets, 'find_mnist', lambda *a, **k: pytest.fail(
       'loaded data before checking for matplotlib'))
   with pytest.raises(SystemExit,
-                     match=r"pip install 'cbp-optax\[experiments\]'"):
+                     match=r'pip install \./experiments'):
     cli.main(['compare', *TINY, '--out', str(tmp_path / 'out')])
   assert not (tmp_path / 'out').exists()
 

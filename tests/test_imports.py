@@ -74,6 +74,6 @@ def test_flax_and_orbax_are_extras_not_core_dependencies():
   assert 'flax' not in core and 'orbax' not in core, core
   extras = project['optional-dependencies']
   assert extras['flax'] == ['flax>=0.11']
-  for extra in ('test', 'dev'):
+  for extra in ('test',):
     assert 'flax>=0.11' in extras[extra]
     assert 'orbax-checkpoint>=0.6' in extras[extra]
