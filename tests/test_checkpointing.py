@@ -187,35 +187,3 @@ def test_checkpoint_manager_resumes_the_newest_step(tmp_path):
     DOC['step'](reference_model, reference_optimizer, DOC['x'], DOC['y'])
   assert_bit_equal(nnx.state((model, optimizer)),
                    nnx.state((reference_model, reference_optimizer)))
-
-
-def test_cbp_robust_checkpoint_of_0_1_restores_through_its_old_layout(
-    tmp_path):
-  # 0.1's cbp_robust clipped inside precondition; the clip is optax.clip now,
-  # one EmptyState more in the chain's state.
-  with pytest.warns(DeprecationWarning, match='optax.clip'):
-    old_tx = optax.chain(
-        cbp.equalize(min_scale=1.0, max_scale=1.0),
-        cbp.precondition(damping=1e-8, zero_moment='normalized',
-                         update_clip=3.0),
-        optax.scale_by_learning_rate(1e-2))
-  new = linen_state('cbp_robust')
-  params = new.params
-  old = new.replace(tx=old_tx, opt_state=old_tx.init(params))
-  grads = [jax.tree.map(lambda p, t=t: jnp.cos(p + t) * 10.0 ** t, params)
-           for t in range(4)]
-  for g in grads[:2]:
-    old, new = old.apply_gradients(grads=g), new.apply_gradients(grads=g)
-  DOC['save_linen'](str(tmp_path / 'c'), old)
-  with pytest.raises(Exception):  # another tree: Orbax refuses it
-    DOC['restore_linen'](str(tmp_path / 'c'), linen_state('cbp_robust'))
-  with pytest.warns(DeprecationWarning, match='optax.clip'):
-    restored = DOC['restore_cbp_robust_0_1'](
-        str(tmp_path / 'c'), linen_state('cbp_robust'), 1e-2)
-  for g in grads[2:]:
-    restored = restored.apply_gradients(grads=g)
-    new = new.apply_gradients(grads=g)
-  # apply_gradients counts steps in a Python int; Orbax gave it back as int32.
-  assert int(restored.step) == int(new.step) == 4
-  assert_bit_equal((restored.params, restored.opt_state),
-                   (new.params, new.opt_state))

@@ -242,7 +242,7 @@ def gradient_profile(
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from cbp_optax import diagnostics
+    >>> from cbp_optax_experiments import diagnostics
     >>> grads = {'dense_0': {'kernel': jnp.full((2, 2), 0.5),
     ...                      'bias': jnp.zeros(2)},
     ...          'dense_1': {'kernel': jnp.full((2, 1), 3.0)}}
@@ -286,7 +286,7 @@ def update_profile(
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax
-    >>> from cbp_optax import diagnostics
+    >>> from cbp_optax_experiments import diagnostics
     >>> params = {'a': {'w': jnp.ones(4)}, 'b': {'w': jnp.ones(4)}}
     >>> grads = {'a': {'w': jnp.full(4, 1e-3)}, 'b': {'w': jnp.ones(4)}}
     >>> tx = optax.adam(0.1)
@@ -352,7 +352,7 @@ def hessian_trace(
   Examples:
     >>> import jax
     >>> import jax.numpy as jnp
-    >>> from cbp_optax import diagnostics
+    >>> from cbp_optax_experiments import diagnostics
     >>> loss = lambda p: 0.5 * jnp.sum(jnp.array([1.0, 2.0, 3.0]) * p['w']**2)
     >>> out = diagnostics.hessian_trace(loss, {'w': jnp.ones(3)},
     ...                                 jax.random.key(0), num_samples=8)
@@ -430,7 +430,7 @@ def top_eigenvalue(
   Examples:
     >>> import jax
     >>> import jax.numpy as jnp
-    >>> from cbp_optax import diagnostics
+    >>> from cbp_optax_experiments import diagnostics
     >>> h = jnp.array([1.0, 4.0])
     >>> loss = lambda p: 0.5 * (h[0] * p['a']['w']**2 + h[1] * p['b']['w']**2)
     >>> params = {'a': {'w': 1.0}, 'b': {'w': 1.0}}
@@ -495,7 +495,7 @@ def parameter_movement(
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from cbp_optax import diagnostics
+    >>> from cbp_optax_experiments import diagnostics
     >>> init = {'a': {'w': jnp.array([3.0, 4.0])}, 'b': {'w': jnp.ones(4)}}
     >>> now = {'a': {'w': jnp.array([3.0, 4.5])}, 'b': {'w': jnp.ones(4)}}
     >>> out = diagnostics.parameter_movement(now, init)
@@ -553,7 +553,7 @@ def mean_alignment(inputs: chex.Array) -> MeanAlignment:
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from cbp_optax import diagnostics
+    >>> from cbp_optax_experiments import diagnostics
     >>> a = jnp.array([[4.0, 1.0], [2.0, -1.0], [4.0, -1.0], [2.0, 1.0]])
     >>> out = diagnostics.mean_alignment(a)  # mean (3, 0), Cov = I
     >>> round(float(out.cosine), 4), round(float(out.mean_norm), 4)
