@@ -19,7 +19,9 @@ beside the normalized final metric. ``--split`` runs one split of ``splits.SPLIT
 ``--out`` that already holds results.json replaces the (workload, arm) pairs
 measured now and keeps the others; every run is also saved as its own file
 under ``--out``/runs, so the same command started again after an
-interruption resumes where it stopped. ``--score-only`` rewrites results.md
+interruption resumes where it stopped (a stored run is used only while the
+code that made it is unchanged: the suite's, and an ``--arm``'s function and
+module, ``arms.code_fingerprint``). ``--score-only`` rewrites results.md
 and the profiles from results.json without training (with the targets now
 fixed in the code, for a full-size run).
 
@@ -209,7 +211,8 @@ def make_parser() -> argparse.ArgumentParser:
                       help='output folder, created if missing (without it: '
                       'workloads, or workloads/SPLIT with --split); its '
                       'results.json is merged (same --quick, --seeds and '
-                      '--split) and its runs/ are reused')
+                      '--split) and its runs/ are reused (an --arm\'s only '
+                      'while its function and module are unchanged)')
   parser.add_argument('--set-targets', action='store_true',
                       help='ignore the targets fixed in the code and set '
                       'each workload\'s from this run\'s baselines (how '

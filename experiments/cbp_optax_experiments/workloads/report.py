@@ -254,6 +254,8 @@ def arm_entry(arm: arms_lib.Arm, outcome: protocol.ArmOutcome,
       'centered': outcome.centered,
       'description': arm.description,
       'wall_seconds': outcome.wall_seconds,
+      # A user arm's code (arms.code_fingerprint): which version ran.
+      **({'code_fingerprint': arm.fingerprint} if arm.fingerprint else {}),
   }
 
 
