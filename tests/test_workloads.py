@@ -257,3 +257,67 @@ def test_convolutional_workloads_loop_and_say_why():
   ok, why = protocol.batchable(cnn)
   assert not ok and 'grouped convolution' in why
   assert protocol.batchable(definitions.workload('spiral', quick=True))[0]
+
+
+_EDITED_ARM = '''
+import optax
+
+
+def make(schedule):
+  {body}
+'''
+
+
+def test_workloads_an_edited_user_arm_is_trained_again(tmp_path,
+                                                       monkeypatch):
+  # The same --arm NAME=module:function into the same --out after the
+  # function changed (a frozen optimizer -> Adam): its stored runs are not
+  # reused, the table reports the new optimizer.
+  import importlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  module = 'user_arm_edited_between_runs'
+  source = tmp_path / 'code' / f'{module}.py'
+  source.parent.mkdir()
+  monkeypatch.syspath_prepend(str(source.parent))
+  out = tmp_path / 'out'
+  argv = ['--quick', '--workloads', 'spiral', '--arms', 'adamw,mine',
+          '--arm', f'mine={module}:make', '--seeds', '2', '--out', str(out),
+          '--no-progress']
+
+  def run(body):
+    source.write_text(_EDITED_ARM.format(body=body))
+    sys.modules.pop(module, None)  # a new process imports the file again
+    importlib.invalidate_caches()
+    assert cli.main(argv) == 0
+    return json.loads((out / 'results.json').read_text())[
+        'workloads']['spiral']['arms']['mine']
+
+  frozen_arm = run('del schedule\n  return optax.set_to_zero()')
+  # Never moved: every evaluation is the initial metric.
+  for curve, initial in zip(frozen_arm['curves'],
+                            frozen_arm['initial_metric']):
+    assert curve == [initial] * len(curve)
+  adam_arm = run('return optax.adam(schedule)')
+  # Adam trained: its curves moved away from the initial metric.
+  assert any(curve != [initial] * len(curve) for curve, initial in zip(
+      adam_arm['curves'], adam_arm['initial_metric']))
+  assert adam_arm['code_fingerprint'] != frozen_arm['code_fingerprint']
+  # Both versions' runs are kept, each under its own identity.
+  assert len(list((out / 'runs' / 'spiral' / 'mine').iterdir())) == 2
+
+
+def test_workloads_user_arm_fingerprint_follows_its_code(tmp_path,
+                                                         monkeypatch):
+  import sys  # pylint: disable=g-import-not-at-top
+  monkeypatch.syspath_prepend(str(tmp_path))
+  fingerprints = []
+  for i, body in enumerate(('return optax.sgd(schedule)',
+                            'return optax.sgd(schedule)',
+                            'return optax.adam(schedule)')):
+    name = f'user_arm_fingerprint_{i}'
+    (tmp_path / f'{name}.py').write_text(_EDITED_ARM.format(body=body))
+    arm = arms_lib.user_arm(f'mine={name}:make')
+    fingerprints.append(arm.fingerprint)
+    sys.modules.pop(name, None)
+  assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+  assert arms_lib.builtin_arms()['adamw'].fingerprint == ''

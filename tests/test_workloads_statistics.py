@@ -300,3 +300,104 @@ def test_the_rule_refuses_test_results_and_too_few_seeds():
   rec = decision.recommend(results, _TWO, resamples=100)
   assert rec.arm == 'cheap' and 'did not run w1' in rec.left_out['costly']
   assert decision.maybe_recommend({'workloads': {}}) is None
+
+
+# ---------------------------------------------------------------------------
+# cbp-optax workloads --compare-runs
+
+import json  # noqa: E402
+
+from cbp_optax_experiments.workloads import cli  # noqa: E402
+
+
+def _results_file(path, results):
+  """``results`` with the fields a results.json must have, written there."""
+  results = copy.deepcopy(results)
+  results['meta'] = {'quick': False, 'split': 'dev', 'seeds': list(range(10))}
+  for entry in results['workloads'].values():
+    entry.update(metric='validation accuracy', target=0.9, eval_every=100,
+                 grid=[1e-3], description='synthetic', target_source='hand')
+    for arm in entry['arms'].values():
+      n = len(arm['seeds'])
+      arm.update(learning_rate=1e-3, best_metric=[0.9] * n,
+                 curves=[[0.5] * 10] * n)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(results))
+  return path
+
+
+def _section(text, title):
+  """The indented lines under the line starting with ``title``."""
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith(title))
+  out = []
+  for line in lines[start + 1:]:
+    if not line.startswith(' '):
+      break
+    out.append(line.strip())
+  return out
+
+
+def test_workloads_compare_runs_of_the_same_results_is_stable(tmp_path,
+                                                              capsys):
+  a = _results_file(tmp_path / 'a' / 'results.json', _three_arms())
+  b = _results_file(tmp_path / 'b' / 'results.json', _three_arms())
+  # A file or the folder holding results.json.
+  assert cli.main(['--compare-runs', str(a), str(b.parent)]) == 0
+  out = capsys.readouterr().out
+  per_arm = _section(out, 'Intervals')
+  assert sorted(line.split()[0] for line in per_arm) == sorted(
+      ['fast', 'slow', 'fast_centered', 'recommended'])
+  assert all(line.split()[1] == 'overlap' for line in per_arm)
+  assert _section(out, 'Paired verdicts') == ['none']
+  assert 'Stable: yes' in out
+
+
+def test_workloads_compare_runs_lists_disjoint_arms_and_flips(tmp_path,
+                                                              capsys):
+  first = _three_arms()
+  second = copy.deepcopy(first)
+  for entry in second['workloads'].values():
+    entry['arms']['fast']['steps_to_target'] = [400] * 10
+  a = _results_file(tmp_path / 'a.json', first)
+  b = _results_file(tmp_path / 'b.json', second)
+  assert cli.main(['--compare-runs', str(a), str(b)]) == 0
+  out = capsys.readouterr().out
+  per_arm = {line.split()[0]: line for line in _section(out, 'Intervals')
+             if not line.startswith(('score', 'steps'))}
+  assert 'DISJOINT' in per_arm['fast']
+  assert per_arm['slow'].split()[1] == 'overlap'
+  assert 'steps to target of fast on w0' in out
+  # The recipe, 0-5% slower than fast in A, is 4x faster than it in B.
+  assert _section(out, 'Paired verdicts') == [
+      f'recommended vs fast: {stats.WORSE} -> {stats.BETTER}']
+  assert 'Stable: no' in out
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--quick'], '--compare-runs compares two results.json as they stand: '
+     'it takes no --quick'),
+    (['--out', 'x'], 'it takes no --out'),
+    (['--score-only'], 'it takes no --score-only'),
+])
+def test_workloads_compare_runs_refuses_other_flags(tmp_path, capsys, extra,
+                                                    message):
+  a = _results_file(tmp_path / 'a.json', _three_arms())
+  with pytest.raises(SystemExit) as info:
+    cli.main(['--compare-runs', str(a), str(a), *extra])
+  assert info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_workloads_compare_runs_of_a_missing_or_damaged_file(tmp_path,
+                                                             capsys):
+  a = _results_file(tmp_path / 'a.json', _three_arms())
+  with pytest.raises(SystemExit) as info:
+    cli.main(['--compare-runs', str(a), str(tmp_path / 'nowhere.json')])
+  assert info.value.code == 2
+  assert 'nowhere.json: no such file' in capsys.readouterr().err
+  (tmp_path / 'bad.json').write_text('{"workloads": {}}')
+  with pytest.raises(SystemExit) as info:
+    cli.main(['--compare-runs', str(a), str(tmp_path / 'bad.json')])
+  assert info.value.code == 2
+  assert 'bad.json is damaged: meta is missing' in capsys.readouterr().err

@@ -9,6 +9,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 import optax
 import pytest
 
@@ -663,3 +664,89 @@ def test_the_vmapped_path_gives_the_looped_results(tmp_path):
   b = off['workloads']['spiral']['arms']['adamw']
   assert a['learning_rate'] == b['learning_rate']
   np.testing.assert_allclose(a['curves'], b['curves'], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Muon's matrix view of attention kernels: a stack is read from the model
+
+
+def _axes(dims):
+  as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
+  return as_tuple(dims.reduction_axis), as_tuple(dims.output_axis)
+
+
+class _AttentionBlock(nnx.Module):
+  def __init__(self, width, heads, rngs):
+    self.attn = nnx.MultiHeadAttention(heads, width, decode=False, rngs=rngs)
+    self.up = nnx.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return self.up(x + self.attn(x, deterministic=True))
+
+
+class _ListOfBlocks(nnx.Module):
+  """Two attention blocks in a plain list named ``blocks`` (not a stack)."""
+
+  def __init__(self, *, rngs):
+    self.blocks = nnx.List([_AttentionBlock(8, 2, rngs) for _ in range(2)])
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x.mean(axis=1))
+
+
+@pytest.mark.parametrize('centered', [False, True])
+def test_workloads_attention_muon_dims_of_a_list_named_blocks(centered):
+  # A list of blocks is no layer stack, whatever its name: each attention
+  # kernel is a matrix over its own input and output axes.
+  def loss_fn(model, index, rngs):
+    del index, rngs
+    return jnp.mean(model(jnp.ones((2, 4, 8))) ** 2)
+
+  task = tasks.nnx_task(lambda rngs: _ListOfBlocks(rngs=rngs), centered,
+                        loss_fn, lambda key: 0, lambda model: jnp.zeros(()),
+                        muon_dims=tasks.attention_muon_dims)
+  params, _ = task.init(jax.random.key(0))
+  dims = task.muon_dims(params)
+  layer = ('layer',) if centered else ()
+  for i in (0, 1):
+    attn = dims['blocks'][i]['attn']
+    for name in ('query', 'key', 'value'):  # (in, heads, head_dim)
+      got = attn[name]
+      for key in layer + ('kernel',):
+        got = got[key]
+      assert _axes(got) == ((0,), (1, 2)), (name, got)
+    out = attn['out']
+    for key in layer + ('kernel',):
+      out = out[key]
+    assert _axes(out) == ((0, 1), (2,))  # (heads, head_dim, out)
+    up = dims['blocks'][i]['up']
+    for key in layer + ('kernel',):
+      up = up[key]
+    assert _axes(up) == ((0,), (1,))
+  # Muon takes them: every attention kernel is orthogonalized as a matrix.
+  tx = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=task.muon_dims)
+  tx.init(params)
+
+
+@pytest.mark.parametrize('centered', [False, True])
+def test_workloads_scanned_transformer_keeps_its_layer_axis_as_a_batch_axis(
+    offline, centered):
+  del offline
+  task = definitions.workload('transformer', quick=True).build(centered)
+  params, _ = task.init(jax.random.key(0))
+  dims = task.muon_dims(params)
+  found = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=lambda x: hasattr(x, 'shape')):
+    names = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
+    if 'query' in names and names[-1] == 'kernel':
+      got = dims
+      for k in path:
+        got = got[getattr(k, 'key', getattr(k, 'idx', None))]
+      assert leaf.ndim == 4  # (layers, in, heads, head_dim)
+      assert _axes(got) == ((1,), (2, 3)), (names, got)
+      found.append(names)
+  assert found

@@ -26,8 +26,12 @@ model (M2).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib
 import inspect
+import pathlib
+import types
 from typing import Any, Callable, Optional
 
 import optax
@@ -93,6 +97,10 @@ class Arm:
       metric is computed at (schedule-free's averaged iterate); None: params.
     description: one line for the report.
     grid_scale: the arm searches the workload's grid times this.
+    fingerprint: a hash of a user arm's code (``code_fingerprint``), part of
+      its stored runs' identity so that an edited function is run again;
+      empty for the built-in arms (the suite's own code is hashed by
+      ``protocol.code_fingerprint``).
   """
   name: str
   make: Callable[[Any, Context], optax.GradientTransformation]
@@ -101,6 +109,7 @@ class Arm:
   eval_params: Optional[Callable[[Any, Any], Any]] = None
   description: str = ''
   grid_scale: float = 1.0
+  fingerprint: str = ''
 
   def grid(self, workload: Any) -> list[float]:
     """The learning rates this arm tries first on ``workload``."""
@@ -292,8 +301,56 @@ CANDIDATES: tuple[Arm, ...] = (
 )
 
 
+def _code_bytes(code: types.CodeType) -> bytes:
+  """A code object's bytecode, names and constants, nested code (inner
+  functions, lambdas, comprehensions) included."""
+  parts = [code.co_code, repr(code.co_names).encode(),
+           repr(code.co_varnames).encode()]
+  for const in code.co_consts:
+    parts.append(_code_bytes(const) if isinstance(const, types.CodeType)
+                 else repr(const).encode())
+  return b'\0'.join(parts)
+
+
+def code_fingerprint(factory: Callable[..., Any]) -> str:
+  """A hash of the code behind a user arm's ``factory``: its bytecode (nested
+  functions and constants included), its defaults, and the source of the
+  module that defines it (the helpers it calls there). Editing the function
+  or its module changes it; code in other modules it imports does not.
+
+  Args:
+    factory: the user's ``function(schedule)`` (a ``functools.partial`` of
+      one included).
+
+  Returns:
+    16 hex digits.
+  """
+  digest = hashlib.sha256()
+  target = factory
+  while isinstance(target, functools.partial):
+    digest.update(repr((target.args, sorted(target.keywords.items()))
+                       ).encode())
+    target = target.func
+  code = getattr(target, '__code__', None)
+  if code is None:  # a callable object: the code of its __call__
+    code = getattr(getattr(target, '__call__', None), '__code__', None)
+  if code is not None:
+    digest.update(_code_bytes(code))
+  digest.update(repr(getattr(target, '__defaults__', None)).encode())
+  digest.update(repr(getattr(target, '__kwdefaults__', None)).encode())
+  module = inspect.getmodule(target)
+  source = getattr(module, '__file__', None)
+  if source and pathlib.Path(source).is_file():
+    digest.update(pathlib.Path(source).read_bytes())
+  return digest.hexdigest()[:16]
+
+
 def user_arm(spec: str, centered: bool = False) -> Arm:
   """``NAME=module:function`` -> an arm calling ``function(schedule)``.
+
+  The arm's ``fingerprint`` is ``code_fingerprint(function)``: a run into an
+  ``--out`` whose stored runs were made by another version of the function
+  trains it again.
 
   Raises:
     ValueError: a malformed spec, or a module / function that is not found.
@@ -311,4 +368,5 @@ def user_arm(spec: str, centered: bool = False) -> Arm:
   return Arm(name, lambda lr, ctx: factory(ctx.schedule(lr)),
              centered=centered,
              description=f'user arm {target}'
-             + (' on the centered model' if centered else ''))
+             + (' on the centered model' if centered else ''),
+             fingerprint=code_fingerprint(factory))

@@ -2,7 +2,8 @@
 
 ``cbp-optax workloads [--quick] [--split dev|test] [--workloads all|a,b]
 [--arms all|a,b] [--seeds N] [--out DIR] [--arm NAME=module:function
-[--centered NAME]] [--set-targets] [--score-only] [--vmap auto|on|off]``
+[--centered NAME]] [--set-targets] [--score-only] [--vmap auto|on|off]``;
+``cbp-optax workloads --compare-runs A/results.json B/results.json``
 
 Each arm tunes its learning rate on the workload's grid (tuning seed), then
 runs on the evaluation seeds 0..N-1 (``DEFAULT_SEEDS``, paired across arms;
@@ -19,9 +20,16 @@ beside the normalized final metric. ``--split`` runs one split of ``splits.SPLIT
 ``--out`` that already holds results.json replaces the (workload, arm) pairs
 measured now and keeps the others; every run is also saved as its own file
 under ``--out``/runs, so the same command started again after an
-interruption resumes where it stopped. ``--score-only`` rewrites results.md
+interruption resumes where it stopped (a stored run is used only while the
+code that made it is unchanged: the suite's, and an ``--arm``'s function and
+module, ``arms.code_fingerprint``). ``--score-only`` rewrites results.md
 and the profiles from results.json without training (with the targets now
-fixed in the code, for a full-size run).
+fixed in the code, for a full-size run). ``--compare-runs A B`` trains
+nothing either: it prints whether two runs of the same split (the same code
+and seeds at another float32 rounding, say) reach the same seed-level
+conclusions (``statistics.stability``): per arm, whether its intervals
+overlap, and every pooled paired verdict that flips between better and
+worse.
 
 Every argument is checked before anything trains (names against the
 registries ``definitions.REGISTRY``, ``splits.SPLITS`` and
@@ -56,6 +64,7 @@ from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import report
 from cbp_optax_experiments.workloads import splits
+from cbp_optax_experiments.workloads import statistics
 
 ALL = 'all'
 RUNS = 'runs'  # under --out: one file per run (protocol.RecordStore)
@@ -209,7 +218,8 @@ def make_parser() -> argparse.ArgumentParser:
                       help='output folder, created if missing (without it: '
                       'workloads, or workloads/SPLIT with --split); its '
                       'results.json is merged (same --quick, --seeds and '
-                      '--split) and its runs/ are reused')
+                      '--split) and its runs/ are reused (an --arm\'s only '
+                      'while its function and module are unchanged)')
   parser.add_argument('--set-targets', action='store_true',
                       help='ignore the targets fixed in the code and set '
                       'each workload\'s from this run\'s baselines (how '
@@ -218,6 +228,15 @@ def make_parser() -> argparse.ArgumentParser:
                       help='rescore --out/results.json into results.md and '
                       'the profile PNGs; no training (takes only --out, '
                       '--split and --no-progress)')
+  parser.add_argument('--compare-runs', type=pathlib.Path, nargs=2,
+                      default=None, metavar=('A', 'B'),
+                      help='no training: whether two results.json (files, '
+                      'or folders holding one) reach the same seed-level '
+                      'conclusions: per arm, whether its score and '
+                      'steps-to-target intervals overlap, and each pooled '
+                      'paired verdict that flips between better and worse '
+                      '(takes no other flag but --no-progress; exit status '
+                      '0 either way)')
   parser.add_argument('--data-dir', type=pathlib.Path, default=None,
                       metavar='DIR',
                       help='folder with the MNIST IDX files (without it: '
@@ -245,6 +264,7 @@ def parse(argv: Optional[Sequence[str]],
           ) -> argparse.Namespace:
   """The arguments, with ``--out`` defaulted (``default_out``)."""
   args = (parser or make_parser()).parse_args(argv)
+  args.out_given = args.out is not None
   if args.out is None:
     args.out = default_out(args.split)
   if args.workloads is None:
@@ -589,6 +609,71 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
   return results
 
 
+def _results_path(path: pathlib.Path) -> pathlib.Path:
+  return path / report.RESULTS if path.is_dir() else path
+
+
+def _check_compare_runs(args: argparse.Namespace
+                        ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The two results.json to compare; a training or scoring flag beside
+  --compare-runs is an error (it would be ignored)."""
+  given = [flag for flag, value in (
+      ('--quick', args.quick), ('--split', args.split is not None),
+      ('--workloads', args.workloads != ALL), ('--arms', args.arms != ALL),
+      ('--arm', args.arm), ('--centered', args.centered),
+      ('--seeds', args.seeds is not None), ('--out', args.out_given),
+      ('--set-targets', args.set_targets), ('--score-only', args.score_only),
+      ('--data-dir', args.data_dir is not None),
+      ('--vmap', args.vmap != 'auto')) if value]
+  if given:
+    raise ValueError('--compare-runs compares two results.json as they '
+                     f'stand: it takes no {", ".join(given)}')
+  loaded = []
+  for path in args.compare_runs:
+    file = _results_path(path)
+    if not (file.exists() or file.is_symlink()):
+      raise ValueError(f'--compare-runs {path}: no '
+                       + (f'{report.RESULTS} in that folder' if path.is_dir()
+                          else 'such file'))
+    loaded.append(report.load_file(file))
+  return loaded[0], loaded[1]
+
+
+def compare_runs_text(first_name: str, second_name: str,
+                      first: dict[str, Any], second: dict[str, Any]) -> str:
+  """``statistics.stability`` of two results, as ``--compare-runs`` prints
+  it: per arm, whether its intervals overlap (and which do not), the pooled
+  verdicts that flip between better and worse, and the other changes."""
+  check = statistics.stability(first, second)
+  arms = check['arms']
+  lines = [f'A: {first_name}', f'B: {second_name}',
+           'Intervals (score in both profiles, steps to target per '
+           'workload), per arm:']
+  width = max((len(arm) for arm in arms), default=0)
+  for arm, disjoint in arms.items():
+    lines.append(f'  {arm:<{width}}  '
+                 + ('overlap' if not disjoint else
+                    f'DISJOINT ({len(disjoint)})'))
+    lines += [f'      {line}' for line in disjoint]
+  if not arms:
+    lines.append('  (no arm in both)')
+  for label, a, b in (('A', first, second), ('B', second, first)):
+    only = sorted({arm for e in a['workloads'].values() for arm in e['arms']}
+                  - set(arms))
+    if only:
+      lines.append(f'  only in {label} (not compared): {", ".join(only)}')
+  lines.append('Paired verdicts (pooled) that flip between '
+               f'{statistics.BETTER} and {statistics.WORSE}:')
+  lines += [f'  {line}' for line in check['flips']] or ['  none']
+  other = [line for line in check['changed'] if line not in check['flips']]
+  if other:
+    lines.append('Other pooled verdicts that changed:')
+    lines += [f'  {line}' for line in other]
+  lines.append('Stable: ' + ('yes (every interval overlaps, no verdict '
+                             'flips)' if check['stable'] else 'no'))
+  return '\n'.join(lines)
+
+
 # ---------------------------------------------------------------------------
 # The run
 
@@ -769,9 +854,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = make_parser()
   args = parse(argv, parser)
   try:
-    checked = _check_score_only(args) if args.score_only else plan(args)
+    if args.compare_runs:
+      first, second = _check_compare_runs(args)
+    else:
+      checked = _check_score_only(args) if args.score_only else plan(args)
   except ValueError as e:  # report.ResultsError included
     parser.error(str(e))
+  if args.compare_runs:
+    print(compare_runs_text(*map(str, map(_results_path, args.compare_runs)),
+                            first, second))
+    return 0
   if args.score_only:
     return _score_only(args, checked)
   return _train(args, checked)

@@ -340,8 +340,9 @@ class RecordStore:
   as one JSON file under ``root`` (None: nothing is stored).
 
   A record is used only if the identity it was written under (the
-  workload's and arm's definitions, ``context``: data source, ``--quick``,
-  ``RECORD_VERSION``, and ``code_fingerprint``) equals the current one, and
+  workload's and arm's definitions, a user arm's code fingerprint included,
+  ``context``: data source, ``--quick``, ``RECORD_VERSION``, and
+  ``code_fingerprint``) equals the current one, and
   it holds what that run writes (the run's seed and rate, one loss per step
   and one metric per evaluation; a positive step cost); any other, stale or
   damaged, is recomputed and overwritten: a store is a cache.
@@ -354,6 +355,11 @@ class RecordStore:
 
   def identity(self, workload: definitions.Workload,
                arm: arms_lib.Arm) -> dict[str, Any]:
+    arm_identity = {'name': arm.name, 'description': arm.description,
+                    'centered': arm.centers(workload),
+                    'grid_scale': arm.grid_scale}
+    if arm.fingerprint:  # a user arm's code (arms.code_fingerprint)
+      arm_identity['code'] = arm.fingerprint
     return {'version': RECORD_VERSION, 'code': code_fingerprint(),
             'context': self.context,
             'workload': {'name': workload.name, 'steps': workload.steps,
@@ -361,9 +367,7 @@ class RecordStore:
                          'grid': list(workload.grid),
                          'description': workload.description,
                          'metric': workload.metric},
-            'arm': {'name': arm.name, 'description': arm.description,
-                    'centered': arm.centers(workload),
-                    'grid_scale': arm.grid_scale}}
+            'arm': arm_identity}
 
   def _path(self, identity, name: str) -> pathlib.Path:
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()

@@ -194,6 +194,16 @@ def load(out: pathlib.Path) -> Optional[dict[str, Any]]:
   path = pathlib.Path(out) / RESULTS
   if not (path.exists() or path.is_symlink()):
     return None
+  return load_file(path)
+
+
+def load_file(path: pathlib.Path) -> dict[str, Any]:
+  """The results.json at ``path``, checked (as ``load``).
+
+  Raises:
+    ResultsError: as ``load``, and when there is no file at ``path``.
+  """
+  path = pathlib.Path(path)
   try:
     results = json.loads(path.read_text())
   except json.JSONDecodeError as e:
@@ -254,6 +264,8 @@ def arm_entry(arm: arms_lib.Arm, outcome: protocol.ArmOutcome,
       'centered': outcome.centered,
       'description': arm.description,
       'wall_seconds': outcome.wall_seconds,
+      # A user arm's code (arms.code_fingerprint): which version ran.
+      **({'code_fingerprint': arm.fingerprint} if arm.fingerprint else {}),
   }
 
 

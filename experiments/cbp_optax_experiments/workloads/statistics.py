@@ -419,24 +419,32 @@ def stability(first: Mapping[str, Any], second: Mapping[str, Any]
     ``intervals_overlap``: every arm's score intervals (both profiles, as
     stored by ``report.rescore`` or recomputed) overlap between the runs,
     and so do the per-(workload, arm) steps-to-target intervals;
-    ``disjoint``: the ones that do not; ``flips``: the pooled comparisons
-    significantly better in one run and significantly worse in the other;
-    ``changed``: pooled verdicts that differ in any way; ``stable``: overlap
-    everywhere and no flip.
+    ``disjoint``: the ones that do not; ``arms``: for each arm in both
+    runs, the lines of ``disjoint`` that are its own (none: its intervals
+    overlap); ``flips``: the pooled comparisons significantly better in one
+    run and significantly worse in the other; ``changed``: pooled verdicts
+    that differ in any way; ``stable``: overlap everywhere and no flip.
   """
-  disjoint = []
+  disjoint: list[str] = []
+  per_arm: dict[str, list[str]] = {}
+
+  def check(arm: str, x, y, line: str) -> None:
+    per_arm.setdefault(arm, [])
+    if not _overlap(x, y):
+      disjoint.append(line)
+      per_arm[arm].append(line)
+
   for profile, wall in (('steps', False), ('wall_clock', True)):
     a, b = (_stored_intervals(r, profile, wall) for r in (first, second))
     for arm in sorted(set(a) & set(b)):
-      if not _overlap(a[arm], b[arm]):
-        disjoint.append(f'score ({profile}) of {arm}: {a[arm]} vs {b[arm]}')
+      check(arm, a[arm], b[arm],
+            f'score ({profile}) of {arm}: {a[arm]} vs {b[arm]}')
   for name in sorted(set(first['workloads']) & set(second['workloads'])):
     a, b = (arm_intervals(r['workloads'][name]) for r in (first, second))
     for arm in sorted(set(a) & set(b)):
       x = a[arm]['steps_to_target']['interval']
       y = b[arm]['steps_to_target']['interval']
-      if not _overlap(x, y):
-        disjoint.append(f'steps to target of {arm} on {name}: {x} vs {y}')
+      check(arm, x, y, f'steps to target of {arm} on {name}: {x} vs {y}')
   va, vb = (pooled_verdicts(r.get('comparisons') or compare(r))
             for r in (first, second))
   flips, changed = [], []
@@ -446,6 +454,7 @@ def stability(first: Mapping[str, Any], second: Mapping[str, Any]
     if {va[pair], vb[pair]} == {BETTER, WORSE}:
       flips.append(f'{pair[0]} vs {pair[1]}: {va[pair]} -> {vb[pair]}')
   return {'intervals_overlap': not disjoint, 'disjoint': disjoint,
+          'arms': dict(sorted(per_arm.items())),
           'flips': flips, 'changed': changed,
           'stable': not disjoint and not flips}
 

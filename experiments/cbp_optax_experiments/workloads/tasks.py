@@ -55,7 +55,8 @@ class Task(NamedTuple):
     batch: ``batch(batch_key)``: the minibatch a step with that key sees.
     stacked: ``stacked=`` argument for ``cbp.cbp`` (layer-stacked leaves), or
       None.
-    muon_dims: ``muon_weight_dimension_numbers`` for ``optax.contrib.muon``.
+    muon_dims: ``muon_weight_dimension_numbers`` for ``optax.contrib.muon``
+      (a function of the parameters).
   """
   init: Callable[[jax.Array], tuple[Any, Any]]
   loss: Callable[..., tuple[jax.Array, Any]]
@@ -136,24 +137,30 @@ def default_muon_dims(params):
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
-def attention_muon_dims(params):
-  """Muon dimension numbers of a model with ``nnx.MultiHeadAttention``: axis 0
-  of a leaf under ``blocks`` is the layer (a batch axis: the scanned
-  transformer); attention kernels (in, heads, head_dim) and (heads,
-  head_dim, out) are matrices over their input/output axes."""
-  def dims(path, x):
-    if not kernel_path(path) or x.ndim < 2:
-      return None
-    names = [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
-    offset = 1 if 'blocks' in names else 0
-    if 'out' in names:  # (heads, head_dim, out)
-      reduction, output = (offset, offset + 1), x.ndim - 1
-    elif x.ndim - offset == 3:  # query/key/value: (in, heads, head_dim)
-      reduction, output = offset, (offset + 1, offset + 2)
-    else:
-      reduction, output = tuple(range(offset, x.ndim - 1)), x.ndim - 1
-    return optax.contrib.MuonDimensionNumbers(reduction, output)
-  return jax.tree_util.tree_map_with_path(dims, params)
+@dataclasses.dataclass(frozen=True)
+class FromModel:
+  """Muon dimension numbers read from the built model, not from parameter
+  names: ``nnx_task`` calls ``fn(model)`` on its concrete model and uses the
+  ``dims(params)`` it returns.
+
+  Attributes:
+    fn: ``fn(model) -> dims``, like ``cbp.nnx.muon_dimension_numbers``.
+  """
+  fn: Callable[[Any], Callable[[Any], Any]]
+
+
+def _model_muon_dims(model):
+  return cbp.nnx.muon_dimension_numbers(model)
+
+
+# Muon dimension numbers of an NNX model with ``nnx.MultiHeadAttention``,
+# from each layer's own configuration (``cbp.nnx.muon_dimension_numbers``):
+# attention kernels (in, heads, head_dim) and (heads, head_dim, out) are
+# matrices over their input/output axes, and an axis is a layer-stack (batch)
+# axis only where the layer's kernel has one beyond its own shape (a scanned
+# stack), whatever the module holding it is called; a plain list of blocks
+# has none.
+attention_muon_dims = FromModel(_model_muon_dims)
 
 
 # ---------------------------------------------------------------------------
@@ -284,7 +291,9 @@ def nnx_task(make_model: Callable[[nnx.Rngs], nnx.Module], centered: bool,
 
   ``make_model(rngs)`` builds it (``cbp.nnx.center`` is applied when
   ``centered``); ``loss_fn(model, batch, rngs)`` runs in training mode with
-  ``rngs.dropout``; ``metric(model)`` runs in evaluation mode.
+  ``rngs.dropout``; ``metric(model)`` runs in evaluation mode. ``muon_dims``
+  is a function of the parameters, or a :class:`FromModel` read from the
+  built model (``attention_muon_dims``).
   """
   def build(key):
     model = make_model(nnx.Rngs(params=key))
@@ -296,6 +305,8 @@ def nnx_task(make_model: Callable[[nnx.Rngs], nnx.Module], centered: bool,
   concrete = build(jax.random.key(0))
   graphdef, _, _ = nnx.split(concrete, nnx.Param, ...)
   stacked = stacked_fn(concrete) if stacked_fn is not None else None
+  if isinstance(muon_dims, FromModel):
+    muon_dims = muon_dims.fn(concrete)
 
   def split(model):
     # Plain arrays: a later merge builds fresh Variables at its own trace
