@@ -39,7 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised without Flax only
 from cbp_optax._step import StepOutput
 from cbp_optax.linen._wrapper import Centered
 from cbp_optax.linen._wrapper import CenteringMean
-from cbp_optax.linen._wrapper import COLLECTION
+from cbp_optax.linen._wrapper import COLLECTION  # noqa: F401  (not in __all__)
 from cbp_optax.linen._center import center
 from cbp_optax.linen._center import CenteredModel
 from cbp_optax.linen._center import stacked_blocks
@@ -50,7 +50,6 @@ from cbp_optax.linen._train_step import train_step
 from cbp_optax.linen._train_step import TrainState
 
 __all__ = [
-    'COLLECTION',
     'Centered',
     'CenteredModel',
     'CenteringMean',

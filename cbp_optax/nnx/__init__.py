@@ -39,11 +39,8 @@ except ImportError as e:  # pragma: no cover - exercised without Flax only
 from cbp_optax._step import StepOutput
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import CenteringMean
-from cbp_optax.nnx._wrapper import RecordedCount
-from cbp_optax.nnx._wrapper import RecordedMean
-from cbp_optax.nnx._wrapper import TransportResidual
 from cbp_optax.nnx._center import center
-from cbp_optax.nnx._center import centered_layers
+from cbp_optax.nnx._center import centered_layers  # noqa: F401  (not in __all__)
 from cbp_optax.nnx._center import CenterReport
 from cbp_optax.nnx._center import stacked_blocks
 from cbp_optax.nnx._transport import eval_model
@@ -57,12 +54,8 @@ __all__ = [
     'Centered',
     'CenteringMean',
     'Optimizer',
-    'RecordedCount',
-    'RecordedMean',
     'StepOutput',
-    'TransportResidual',
     'center',
-    'centered_layers',
     'eval_model',
     'muon_dimension_numbers',
     'stacked_blocks',
