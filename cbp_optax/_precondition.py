@@ -29,8 +29,6 @@ import optax
 
 from cbp_optax import _checks
 from cbp_optax.blocks import centered_after_init
-from cbp_optax.blocks import StackedFn
-from cbp_optax.blocks import strip_variable_suffix
 
 
 class PreconditionState(NamedTuple):
@@ -99,14 +97,6 @@ def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
   )
 
 
-def _root_mean_square(v_hat: chex.Array, is_stacked: bool) -> chex.Array:
-  """``sqrt(mean(v_hat))`` over the leaf, or over each slice of a stack."""
-  if v_hat.ndim == 0:
-    return jnp.sqrt(v_hat)
-  axes = tuple(range(1, v_hat.ndim)) if is_stacked else None
-  return jnp.sqrt(jnp.mean(v_hat, axis=axes, keepdims=True))
-
-
 def _check_matches_state(updates: Any, state: PreconditionState) -> None:
   updates_def = jax.tree.structure(updates)
   state_def = jax.tree.structure(state.mu)
@@ -155,7 +145,6 @@ class _Rules(NamedTuple):
   b1: Any
   b2: Any
   damping: Any
-  relative_damping: Any  # None: the relative term is left out of the graph
   zero_moment: str  # one of ZERO_MOMENT_RULES
 
 
@@ -176,7 +165,7 @@ def _where(pred: chex.Array, a: chex.Array, b: chex.Array) -> chex.Array:
 
 
 def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
-                 g, m, v, p, is_stacked):
+                 g, m, v, p):
   """One leaf's direction and new moments (eqs. 11-12; steps 6-9)."""
   b1, b2, damping = rules.b1, rules.b2, rules.damping
   out_dtype = _checks.output_dtype(g, p)
@@ -190,9 +179,6 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
     # No history yet: the current gradient's own moment (Adam's step 1).
     v_hat = _where(v == 0, g_square, v_hat)
   denom = jnp.sqrt(v_hat) + damping
-  if rules.relative_damping is not None:
-    denom = denom + rules.relative_damping * _root_mean_square(v_hat,
-                                                               is_stacked)
   if normalized:
     step = m_hat / denom
   else:
@@ -204,19 +190,14 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
           v_new.astype(v.dtype))
 
 
-def _check_arguments(b1, b2, damping, stats_dtype, zero_moment,
-                     relative_damping, stacked) -> Any:
+def _check_arguments(b1, b2, damping, stats_dtype, zero_moment) -> Any:
   """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
   factory = 'cbp.precondition'
   _checks.check_decay('b1', b1, factory=factory)
   _checks.check_decay('b2', b2, factory=factory)
   _checks.check_positive('damping', damping, factory=factory)
   check_zero_moment(zero_moment, factory=factory)
-  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
-  _checks.check_nonnegative('relative_damping', relative_damping,
-                            factory=factory)
-  _checks.check_callable('stacked', stacked, factory=factory)
-  return stats_dtype
+  return _checks.check_stats_dtype(stats_dtype, factory=factory)
 
 
 def precondition(
@@ -226,8 +207,6 @@ def precondition(
     *,
     stats_dtype: Optional[Any] = None,
     zero_moment: str = 'damped',
-    relative_damping: float = 0.0,
-    stacked: Optional[StackedFn] = None,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
@@ -294,14 +273,6 @@ def precondition(
       in :math:`[0, G^2]`, so Lemma 1's bounds hold unchanged; the lag of
       Theorem 3 is given up at that one step of each coordinate only. A
       string, so ``optax.inject_hyperparams`` keeps it static.
-    relative_damping: opt-in :math:`\delta \ge 0` (0, the default, is
-      Algorithm 1), used by the ablation studies: the damping becomes
-      :math:`\zeta + \delta r`, with :math:`r` the root mean square of the
-      tensor's :math:`\hat v` (of each slice of a ``stacked`` leaf). Lemma
-      1's bounds become :math:`1/((1 + \delta) G + \zeta) \le P_t \le
-      1/\zeta`.
-    stacked: ``stacked(path, leaf) -> bool`` declares layer-stacked leaves
-      (one :math:`r` per slice); used only with ``relative_damping``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
@@ -350,13 +321,8 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype, zero_moment,
-                                 relative_damping, stacked)
-  # A concrete 0 leaves the relative term out of the graph: the default is
-  # Algorithm 1's computation, op for op.
-  with_relative = _checks.concrete_float(relative_damping) != 0.0
-  rules = _Rules(b1, b2, damping, relative_damping if with_relative else None,
-                 zero_moment)
+  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype, zero_moment)
+  rules = _Rules(b1, b2, damping, zero_moment)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
@@ -376,26 +342,17 @@ def precondition(
     nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)
     mu_correction = 1.0 - b1 ** count_inc
 
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    g_leaves = [leaf for _, leaf in paths_and_leaves]
-    stacked_flags = [
-        with_relative and stacked is not None
-        and bool(stacked(strip_variable_suffix(path), g))
-        for path, g in paths_and_leaves
-    ]
+    g_leaves, treedef = jax.tree.flatten(updates)
     # The parameters only give non-float gradients their dtype, but a tree
     # that does not match is a mistake: refused, as equalize refuses it.
     _checks.check_params_match('precondition', updates, params)
-    p_leaves = [None] * len(g_leaves)
-    if params is not None:
-      p_leaves = jax.tree.leaves(params)
+    p_leaves = ([None] * len(g_leaves) if params is None
+                else jax.tree.leaves(params))
     results = [
         _leaf_update(rules, first_step, mu_correction, nu_correction,
-                     g, m, v, p, is_stacked)
-        for g, m, v, p, is_stacked in zip(
-            g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
-            p_leaves, stacked_flags,
-        )
+                     g, m, v, p)
+        for g, m, v, p in zip(g_leaves, jax.tree.leaves(state.mu),
+                              jax.tree.leaves(state.nu), p_leaves)
     ]
     steps, mu, nu = (
         treedef.unflatten([r[i] for r in results]) for i in range(3)
