@@ -138,7 +138,8 @@ def cbp(
   Choosing the learning rate: because of the lag of Algorithm 1, a
   coordinate whose gradient was exactly zero until now is scaled by up to
   :math:`1/\zeta` the first time it is non-zero, so Adam's learning rate can
-  be far too large. Start around :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`,
+  be far too large (on Rosenbrock from the origin, :math:`\eta = 0.1` sends
+  the second coordinate to about 421). Start around :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`,
   or see :func:`precondition` for the remedies.
 
   Hyperparameters: every argument but ``learning_rate`` and ``weight_decay``
