@@ -72,11 +72,8 @@ def is_narrow(dtype: Any) -> bool:
 def saturating_cast(x: chex.Array, dtype: Any) -> chex.Array:
   """``x.astype(dtype)``, but finite values beyond ``dtype``'s range saturate.
 
-  The direction ``P_t m_hat`` can reach ``max_scale / damping`` (4000 by
-  default) times the gradient, beyond float16's range (65504). Cast to float16
-  it would become an infinity, i.e. a NaN parameter after the update; here it
-  becomes float16's largest finite value instead. NaN and infinities stay as
-  they are (``optax.apply_if_finite`` and the fused steps see them).
+  ``P_t m_hat`` can exceed float16's range; NaN and infinities stay as they
+  are (``optax.apply_if_finite`` and the fused steps see them).
   """
   dtype = jnp.dtype(dtype)
   if not is_narrow(dtype) or jnp.finfo(x.dtype).max <= jnp.finfo(dtype).max:
@@ -88,9 +85,8 @@ def saturating_cast(x: chex.Array, dtype: Any) -> chex.Array:
 
 
 def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
-  # zeros_like, unlike zeros(shape), keeps the parameters' sharding (an
-  # Explicit-axes mesh types it), so the state has one type at init and after
-  # every update: jit does not recompile and lax.scan carries it.
+  # zeros_like keeps the parameters' sharding: one state type at init and
+  # after every update.
   return jax.tree.map(
       lambda leaf: jnp.zeros_like(leaf, dtype=_moment_dtype(leaf, stats_dtype)),
       tree,
@@ -217,39 +213,22 @@ def precondition(
   second moment is refreshed with the current gradient only after the update
   is formed (Algorithm 1, steps 6-9).
 
-  Differs from Adam in the lag (Adam divides by :math:`\hat v_t`, which contains
-  the current gradient), in :math:`P_1 = I`, and in the damping :math:`\zeta`
-  outside the square root playing the role that bounds the operator (Lemma 1):
-  :math:`1/(G + \zeta) \le P_t \le 1/\zeta`.
+  Differs from Adam in the lag (Adam divides by :math:`\hat v_t`), in
+  :math:`P_1 = I`, and in the damping :math:`\zeta` outside the square root,
+  which bounds the operator (Lemma 1): :math:`1/(G + \zeta) \le P_t \le
+  1/\zeta`.
 
   Choosing the learning rate: because of the lag, a coordinate whose stored
-  second moment is still zero (its gradient was exactly zero at every earlier
-  step, e.g. a coordinate that only starts moving at step 2) is multiplied by
-  the upper bound :math:`1/\zeta` (1000 at the default damping) the first
-  time its gradient is non-zero. Adam, which divides by the current
-  gradient's magnitude, takes a step of about the learning rate there; CBP
-  takes :math:`\eta (1 - \beta_1) g / ((1 - \beta_1^t) \zeta)`. On
-  Rosenbrock from the origin at :math:`\eta = 0.1` (optax's rate for Adam)
-  the second coordinate jumps to about 421 and the run diverges; the paper's
-  Table 8 divergence at :math:`\zeta = 10^{-4}` is the same mechanism. This
-  is Algorithm 1 as written. Where gradients can be exactly zero at the start
-  (sparse features, gated or dead units, hand-written objectives), use a
-  learning rate well below Adam's, a larger ``damping`` (the bound is
-  :math:`1/\zeta`), a warm-up schedule on the learning rate, or the opt-in
-  ``zero_moment='identity'``, which gives such a coordinate :math:`P = 1`,
-  as every coordinate has at step 1 (with it, CBP converges on that
-  Rosenbrock run at :math:`\eta = 0.1`). The
-  default, ``'damped'``, is Algorithm 1 exactly.
+  second moment is still zero (its gradients were exactly zero so far) is
+  multiplied by :math:`1/\zeta` the first time its gradient is non-zero; the
+  paper's Table 8 divergence at :math:`\zeta = 10^{-4}` is this mechanism.
+  Where gradients can be exactly zero at the start, use a learning rate well
+  below Adam's, a larger ``damping``, a warm-up, or
+  ``zero_moment='identity'``.
 
   Dtypes: the moments are float32 for low-precision parameters
-  (``stats_dtype`` overrides), and the update has the gradient's dtype, as
-  optax's transforms do, so the transform works under ``lax.cond``,
-  ``optax.apply_if_finite`` and ``optax.MultiSteps`` for every float dtype.
-  float16 cannot hold every direction (up to ``max_scale / damping`` times the
-  gradient exceeds 65504): it is computed in float32 and saturates at
-  float16's largest finite value rather than overflowing. :func:`cbp_optax.cbp`
-  avoids that by running the whole chain in float32 and casting only the final,
-  learning-rate-scaled update back to float16.
+  (``stats_dtype`` overrides); the update has the gradient's dtype and
+  saturates at float16's largest finite value rather than overflowing.
 
   Args:
     b1: momentum decay :math:`\beta_1` in [0, 1); 0 gives the momentum-free
@@ -258,35 +237,25 @@ def precondition(
     damping: :math:`\zeta > 0`.
     stats_dtype: a real floating dtype for both moments; defaults to float32
       for low-precision parameters and to the parameter dtype otherwise.
-    zero_moment: what :math:`P` is for a coordinate whose stored second
-      moment is exactly zero (every coordinate at step 1; later, one whose
-      gradients were all zero so far). ``'damped'`` (the default) is
-      Algorithm 1: :math:`P_1 = I` at step 1, and :math:`1/\zeta`, the
-      damping's bound, after it. ``'identity'`` (opt-in, not part of
-      Algorithm 1): :math:`P = 1` at every step, the step-1 rule
-      :math:`P_1 = I` per coordinate. ``'normalized'`` (opt-in, not part of
-      Algorithm 1; :func:`cbp_optax.cbp_robust`'s): :math:`P` is formed from
-      the current gradient's own moment, :math:`\tilde v = \tilde g_t^2`, in
-      place of :math:`\hat v_{t-1}` (Adam's first step:
-      :math:`\hat m_1 / (|\tilde g_1| + \zeta)`, about :math:`\pm 1` per
-      coordinate, instead of the raw gradient's size). :math:`\tilde v` lies
-      in :math:`[0, G^2]`, so Lemma 1's bounds hold unchanged; the lag of
-      Theorem 3 is given up at that one step of each coordinate only. A
-      string, so ``optax.inject_hyperparams`` keeps it static.
+    zero_moment: :math:`P` where the stored second moment is exactly zero.
+      ``'damped'`` (the default) is Algorithm 1: :math:`P_1 = I` at step 1,
+      :math:`1/\zeta` after it. ``'identity'`` (opt-in): :math:`P = 1`.
+      ``'normalized'`` (opt-in, :func:`cbp_optax.cbp_robust`'s): :math:`P`
+      from the current gradient's own moment :math:`\tilde g_t^2` (Adam's
+      first step); Lemma 1's bounds hold, the lag of Theorem 3 is given up
+      at that one step of each coordinate. A string, so
+      ``optax.inject_hyperparams`` keeps it static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
     :class:`PreconditionState`.
 
   Raises:
-    TypeError: a hyperparameter that is not a real number (a bool, a string,
-      a schedule; schedule ``b1``, ``b2`` or ``damping`` with
-      ``optax.inject_hyperparams``), a ``zero_moment`` that is not a string,
-      or a ``stats_dtype`` that is not a real floating dtype.
-    ValueError: a hyperparameter array that is not a scalar, a concrete
-      value out of range, an unknown ``zero_moment``; at update, gradients that do not match the state,
-      or the ``params`` given to ``update`` (leaves and shapes, as
-      :func:`cbp_optax.equalize` checks them).
+    TypeError: a hyperparameter that is not a real number (or a schedule),
+      a ``zero_moment`` that is not a string, or a non-float ``stats_dtype``.
+    ValueError: a non-scalar or out-of-range hyperparameter, an unknown
+      ``zero_moment``; at update, gradients or ``params`` that do not match
+      the state.
 
   Examples:
     Momentum-free (``b1=0``) so the update is :math:`P_t g_t`. Step 1 returns
