@@ -26,10 +26,6 @@ References:
   §4.2, eqs. (8)-(10), and Algorithm 1.
 """
 
-# The implementation lives in one private module per job, mirrored by
-# cbp_optax.nnx: _wrapper (the centered layer), _center, _transport,
-# _train_step (the fused step).
-
 try:
   import flax  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised without Flax only
