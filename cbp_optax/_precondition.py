@@ -105,11 +105,8 @@ def _check_matches_state(updates: Any, state: PreconditionState) -> None:
         f'transform was initialized with.\n  gradients: {updates_def}\n  '
         f'state:     {state_def}'
     )
-  for path_and_g, m in zip(
-      jax.tree_util.tree_flatten_with_path(updates)[0],
-      jax.tree.leaves(state.mu),
-  ):
-    path, g = path_and_g
+  for (path, g), m in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                          jax.tree.leaves(state.mu)):
     if jnp.shape(g) != jnp.shape(m):
       raise ValueError(
           f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
@@ -124,16 +121,12 @@ ZERO_MOMENT_RULES = ('damped', 'identity', 'normalized')
 
 def check_zero_moment(zero_moment: Any, *, factory: str) -> None:
   """Refuses a ``zero_moment`` that is not one of :data:`ZERO_MOMENT_RULES`."""
-  if not isinstance(zero_moment, str):
-    raise TypeError(
+  is_str = isinstance(zero_moment, str)
+  if not is_str or zero_moment not in ZERO_MOMENT_RULES:
+    what = '' if is_str else f'the {type(zero_moment).__name__} '
+    raise (ValueError if is_str else TypeError)(
         f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
-        f'the {type(zero_moment).__name__} {zero_moment!r}.'
-    )
-  if zero_moment not in ZERO_MOMENT_RULES:
-    raise ValueError(
-        f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
-        f'{zero_moment!r}.'
-    )
+        f'{what}{zero_moment!r}.')
 
 
 class _Rules(NamedTuple):
@@ -323,9 +316,8 @@ def precondition(
         for g, m, v, p in zip(g_leaves, jax.tree.leaves(state.mu),
                               jax.tree.leaves(state.nu), p_leaves)
     ]
-    steps, mu, nu = (
-        treedef.unflatten([r[i] for r in results]) for i in range(3)
-    )
+    steps, mu, nu = (treedef.unflatten([r[i] for r in results])
+                     for i in range(3))
     return steps, PreconditionState(count=count_inc, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
