@@ -26,12 +26,9 @@ def _narrow_in_float32(
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` on float32 copies of float16 gradients.
 
-  The update comes back in each gradient's dtype (optax's dtype contract, so
-  ``lax.cond``, ``apply_if_finite`` and ``MultiSteps`` work), cast only after
-  the learning rate, where it is small; a value still beyond float16's range
-  saturates (``saturating_cast`` in ``_precondition``). Trees without
-  float16 leaves go through ``inner`` untouched: the same computation, bit
-  for bit, as the bare chain. The state is ``inner``'s.
+  The update is cast back to each gradient's dtype after the learning rate,
+  saturating (:func:`saturating_cast`); trees without float16 leaves go
+  through ``inner`` untouched, bit for bit.
   """
   inner = optax.with_extra_args_support(inner)
 
@@ -63,17 +60,10 @@ _NUMBERS = ('b1', 'b2', 'damping', 'decay', 'min_scale', 'max_scale',
 def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
   """Refuses what ``optax.inject_hyperparams`` can make of an argument.
 
-  It takes every callable for a schedule: a schedule of a number-only
-  hyperparameter is refused naming ``inject_hyperparams(factory)``, and a
-  function argument not in its ``static_args`` (``block_fn``, ``stacked``,
-  ``mask``; the dtype ``jnp.float32`` is callable too) arrives here as its
-  value at the step count and is refused naming ``static_args``. Range
-  checks are left to the transforms of the chain.
-
-  Args:
-    factory: the factory named in the messages, ``'cbp.cbp'`` (also for
-      :func:`cbp_robust`, a ``functools.partial`` of it).
-    arguments: the factory's arguments by name.
+  A schedule of a number-only hyperparameter is refused naming
+  ``inject_hyperparams(factory)``; a function argument not in its
+  ``static_args`` arrives as its value at the step count and is refused
+  naming ``static_args``. Range checks are left to the chain's transforms.
 
   Raises:
     TypeError: a schedule where none is supported, or a function argument
@@ -145,36 +135,22 @@ def cbp(
   optimizer step: wrap the layers with ``cbp_optax.nnx.Centered`` or
   ``cbp_optax.linen.Centered`` and train with the fused step of those modules.
 
-  Choosing the learning rate: the preconditioner of step :math:`t` uses the
-  second moment stored before step :math:`t` (the lag of Algorithm 1), so a
+  Choosing the learning rate: because of the lag of Algorithm 1, a
   coordinate whose gradient was exactly zero until now is scaled by up to
-  :math:`1/\zeta` = 1000 (default damping) the first time it is non-zero:
-  Adam's learning rate can be far too large (on Rosenbrock from the origin,
-  :math:`\eta = 0.1` sends the second coordinate to about 421). Start around
-  :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`, or use a larger ``damping``, a
-  learning-rate warm-up, or the opt-in ``zero_moment='identity'`` where
-  gradients can be exactly zero at the start; see :func:`precondition`.
+  :math:`1/\zeta` the first time it is non-zero, so Adam's learning rate can
+  be far too large (on Rosenbrock from the origin, :math:`\eta = 0.1` sends
+  the second coordinate to about 421). Start around :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`,
+  or see :func:`precondition` for the remedies.
 
   Hyperparameters: every argument but ``learning_rate`` and ``weight_decay``
-  must be a number; to schedule ``b1``, ``b2``, ``damping``, ``decay``,
-  ``min_scale`` or ``max_scale`` use
-  ``optax.inject_hyperparams(cbp.cbp)(learning_rate=..., b1=schedule)``.
-  Concrete values are validated here; values traced by
-  ``inject_hyperparams`` only by shape. ``inject_hyperparams`` takes every
-  callable argument for a schedule and passes the factory its value at the
-  step count: name ``block_fn``, ``stacked`` and ``mask`` (and a dtype such
-  as ``jnp.float32``, also callable; or pass ``stats_dtype='float32'``) in
-  its ``static_args`` when you pass them,
-  ``optax.inject_hyperparams(cbp.cbp, static_args=('block_fn', 'mask'))``.
-  Such an argument that arrives as a value is refused with that call, never
-  used as it came (a mask function called with the step count returns one
-  bool, which would decay every parameter or none).
+  is a number; schedule the others with
+  ``optax.inject_hyperparams(cbp.cbp)(learning_rate=..., b1=schedule)``, and
+  name ``block_fn``, ``stacked``, ``mask`` (and a callable dtype such as
+  ``jnp.float32``) in its ``static_args``: one that arrives as a value is
+  refused with the call that fixes it.
 
-  Dtypes: updates have the gradients' dtype. float16 gradients run through
-  the chain as float32 (float16 cannot hold the preconditioned direction,
-  up to ``max_scale / damping`` times the gradient) and only the final,
-  learning-rate-scaled update is cast back to float16, saturating at its
-  largest finite value.
+  Dtypes: updates have the gradients' dtype; float16 gradients run through
+  the chain as float32 and only the final update is cast back, saturating.
 
   Args:
     learning_rate: :math:`\eta \ge 0`, a float or an optax schedule.
@@ -186,34 +162,21 @@ def cbp(
     min_scale: :math:`s_{\min} > 0` of eq. (6).
     max_scale: :math:`s_{\max} \ge s_{\min}` of eq. (6).
     weight_decay: decoupled (AdamW-style) weight decay :math:`\ge 0` (a
-      number or a schedule), added to the update before the learning rate is
-      applied. ``None`` (the default) leaves it out of the chain; any number,
-      0 included, puts ``optax.add_decayed_weights`` in the chain, so the
-      state has one structure whatever the value (as
-      ``optax.inject_hyperparams`` requires).
+      number or a schedule), before the learning rate; ``None`` leaves it
+      out of the chain (0 keeps it in, so the state's structure is fixed).
     mask: which parameters the weight decay applies to, as in
-      ``optax.add_decayed_weights``: a tree of booleans like the parameters,
-      or a function of the parameters returning one; only with
-      ``weight_decay``. A single bool is refused (to decay every parameter
-      leave ``mask`` out; to decay none, ``weight_decay``).
+      ``optax.add_decayed_weights``; only with ``weight_decay``. A single
+      bool is refused.
     block_fn: grouping of leaves into M1 blocks, see :func:`equalize`.
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
       float32, float64 for float64 parameters).
-    zero_moment: what :math:`P` is where the stored second moment is
-      exactly zero: ``'damped'`` (the default, Algorithm 1: :math:`P_1 = I`
-      at step 1, :math:`1/\zeta` after it), ``'identity'`` (opt-in:
-      :math:`P = 1`) or ``'normalized'`` (opt-in, :func:`cbp_robust`'s:
-      :math:`P` from the current gradient's own moment, Adam's first step);
-      see :func:`precondition`.
-    update_clip: opt-in :math:`c > 0` (``None``, the default, leaves it
-      out; not part of Algorithm 1): ``optax.clip(c)`` after
-      :func:`precondition`, so each coordinate of :math:`P_t \hat m_t` lies
-      in :math:`[-c, c]` and moves by at most :math:`c \eta`. It is
-      :math:`P'_t \hat m_t` with :math:`P'_t = \min(P_t, c / |\hat m_t|)`:
-      Lemma 1's upper bound holds and the lower one becomes
-      :math:`\min(1/(G + \zeta), c / G)`; where it binds, the lag of
-      Theorem 3 is given up on that coordinate at that step.
+    zero_moment: ``'damped'`` (Algorithm 1), ``'identity'`` or
+      ``'normalized'``; see :func:`precondition`.
+    update_clip: opt-in :math:`c > 0` (not part of Algorithm 1):
+      ``optax.clip(c)`` after :func:`precondition`, so each coordinate of
+      :math:`P_t \hat m_t` lies in :math:`[-c, c]`; Lemma 1's lower bound
+      becomes :math:`\min(1/(G + \zeta), c / G)`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
@@ -221,11 +184,8 @@ def cbp(
     state,] learning-rate state)``.
 
   Raises:
-    TypeError: a hyperparameter of the wrong type (bool, string, schedule
-      where none is supported), a non-float ``stats_dtype``, a
-      ``block_fn``, ``stacked`` or ``mask`` that is not a function (nor a
-      tree, for ``mask``): the message names ``static_args`` when it looks
-      like the value ``inject_hyperparams`` made of a function.
+    TypeError: a hyperparameter of the wrong type, a non-float
+      ``stats_dtype``, or a function argument that is not a function.
     ValueError: a non-scalar hyperparameter, a concrete value that is not
       finite or out of range, an unknown ``zero_moment``, or a ``mask``
       without ``weight_decay``.
@@ -294,45 +254,29 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
 
   ``functools.partial(cbp, damping=1e-8, min_scale=1.0, max_scale=1.0,
   zero_moment='normalized', update_clip=3.0)``: every argument is
-  :func:`cbp`'s, and each of these four can be passed back
-  (``cbp_robust(lr, damping=1e-3, zero_moment='damped', update_clip=None,
-  min_scale=0.1, max_scale=4.0)`` is :func:`cbp`, Algorithm 1). Use
-  :func:`cbp` to reproduce the paper. The step is Adam-sized, so start from a
-  tuned AdamW learning rate. Spelled out, it is the chain
+  :func:`cbp`'s, and each of the four can be passed back (with Algorithm
+  1's values it is :func:`cbp`). The step is Adam-sized, so start from a
+  tuned AdamW learning rate.
 
-  .. code-block:: python
+  * ``damping=1e-8``: eq. (11)'s :math:`\zeta` is Adam's :math:`\epsilon`.
+  * ``zero_moment='normalized'``: where the stored second moment is zero,
+    :math:`P` uses the current :math:`\tilde g_t^2`, so step 1 moves each
+    coordinate by about :math:`\eta`.
+  * ``update_clip=3.0``: ``optax.clip(3.0)`` after :func:`precondition`,
+    since the lagged :math:`\hat v_{t-1}` does not bound a growing gradient.
+  * ``min_scale=max_scale=1.0``: :math:`S_t = I`; the block energies are
+    still kept for :func:`cbp_optax.equalize_stats`.
 
-    optax.chain(
-        cbp.equalize(min_scale=1.0, max_scale=1.0),
-        cbp.precondition(damping=1e-8, zero_moment='normalized'),
-        optax.clip(3.0),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-
-  * ``damping=1e-8``: eq. (11)'s :math:`\zeta` is Adam's :math:`\epsilon`,
-    not :math:`10^{-3}` (which makes every coordinate with
-    :math:`\sqrt{\hat v} \ll \zeta` take an SGD-sized step). The lag is kept.
-  * ``zero_moment='normalized'``: where the stored second moment is zero
-    (every coordinate at step 1), :math:`P` uses the current
-    :math:`\tilde g_t^2` instead of :math:`P_1 = I`, so step 1 moves each
-    coordinate by about :math:`\eta`, as Adam's does.
-  * ``update_clip=3.0``: ``optax.clip(3.0)`` after :func:`precondition`
-    (about Adam's largest step), since the lagged :math:`\hat v_{t-1}` does
-    not bound a gradient that grows.
-  * ``min_scale=max_scale=1.0``: M1's scales are one (:math:`S_t = I`); the
-    block energies are still kept for :func:`cbp_optax.equalize_stats`.
-
-  Lemma 1's bounds hold with each (the clip changes the lower one to
-  :math:`\min(1/(G + \zeta), 3/G)`). Why each was chosen, with the
-  measurements, is in the docs page "Why cbp_robust departs from Algorithm 1".
+  Lemma 1's bounds hold (the clip makes the lower one
+  :math:`\min(1/(G + \zeta), 3/G)`); the docs page "Why cbp_robust departs
+  from Algorithm 1" gives the measurements.
 
   Its state is ``(EqualizeState, PreconditionState, EmptyState (the clip),
   [weight decay state,] EmptyState (the learning rate))``.
 
   Examples:
     Step 1 moves each coordinate by about the learning rate, whatever the
-    gradient's scale (Algorithm 1 moves them by ``1e-2 * g``: 300 and
-    1e-6 here):
+    gradient's scale:
 
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
@@ -344,10 +288,8 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     >>> print(updates['a'].round(4), updates['b'].round(4))
     [-0.01  0.01] [-0.01 -0.01]
 
-    From step 2 the preconditioner is the lagged one. A coordinate whose
-    gradient grew 1000-fold would move by 1.9 under Algorithm 1 (the lagged
-    :math:`\hat v_1` is 1000 times too small); the clip moves it by three
-    times the learning rate:
+    A coordinate whose gradient grew 1000-fold moves by three times the
+    learning rate (the clip), not by 1.9 (Algorithm 1's lagged step):
 
     >>> grads = {'a': jnp.array([3e4, -1e4]), 'b': jnp.array([1e-1, 2e-4])}
     >>> updates, state = tx.update(grads, state, params)

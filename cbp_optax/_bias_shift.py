@@ -57,11 +57,8 @@ def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Arra
 def needs_bias_residual(dtype: Any) -> bool:
   """Whether a bias of ``dtype`` keeps a float32 transport residual.
 
-  A 16-bit bias (bfloat16, float16) rounds at every transport, by up to half
-  its unit in the last place, and the roundings add up over thousands of
-  transports. Its residual carries the part of the exact bias the stored one
-  lacks into the next transport (compensated summation), so the stored bias
-  stays within one rounding of the exact one.
+  A 16-bit bias rounds at every transport; the residual carries what the
+  stored bias lacks into the next one (compensated summation).
   """
   return jnp.finfo(dtype).bits < 32
 
@@ -69,11 +66,8 @@ def needs_bias_residual(dtype: Any) -> bool:
 def _stored(x: jax.Array, wide: Any) -> jax.Array:
   """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds.
 
-  XLA may keep a narrow (16-bit) result in the wider precision it was
-  computed in (``xla_allow_excess_precision``): the mean just refreshed, or
-  a kernel just updated, would then enter the bias move unrounded while the
-  stored one is rounded, and the difference would add up over transports.
-  ``reduce_precision`` pins the stored value.
+  XLA may keep a 16-bit result in excess precision; ``reduce_precision``
+  pins the stored value, so the roundings do not add up over transports.
   """
   narrow = jnp.finfo(x.dtype)
   x = x.astype(wide)
@@ -84,12 +78,8 @@ def _stored(x: jax.Array, wide: Any) -> jax.Array:
 
 
 def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
-  """``b~ + W (mu_new - mu_old)`` for one layer, and the new residual.
-
-  In float32 at least, from the values as stored; a float32 or float64
-  layer computes exactly what ``bias + bias_shift(kernel, new - mean)``
-  does.
-  """
+  """``b~ + W (mu_new - mu_old)`` for one layer (in float32 at least), and
+  the new residual."""
   if residual is None:
     wide = jnp.promote_types(jnp.promote_types(kernel.dtype, mean.dtype),
                              jnp.float32)
@@ -119,10 +109,9 @@ def shift_bias(
 ) -> Any:
   """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
 
-  For one layer or one stack (each slice by its own kernel), given the old
-  and new means. :func:`transport` is :func:`ema` followed by this; a copy
-  of the parameters (an optimizer's, with its own kernel) is moved by this
-  with the same means, so that it keeps representing the same function.
+  For one layer or one stack (each slice by its own kernel). :func:`transport`
+  is the mean's EMA followed by this; an optimizer's copy of the parameters
+  moves by this with its own kernel.
 
   Args:
     spec: the layer, unstacked.
@@ -133,8 +122,7 @@ def shift_bias(
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
     residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`),
-      shaped like ``bias``; the move is then computed in float32 and what
-      the stored bias cannot hold is carried in the returned residual.
+      shaped like ``bias``.
 
   Returns:
     The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.

@@ -1,10 +1,7 @@
 """Construction-time validation of hyperparameters and input trees.
 
-Hyperparameters may arrive as tracers or arrays (``optax.inject_hyperparams``
-turns numeric arguments into state); only concrete values can be checked, and
-those are checked eagerly so that a bad value fails at construction time with
-a message naming the argument, never deep inside ``jit``. What is static even
-for a tracer (its shape and dtype) is checked always.
+Concrete values are checked eagerly, with a message naming the argument;
+tracers (``optax.inject_hyperparams``) by their shape and dtype only.
 """
 
 from __future__ import annotations
@@ -54,12 +51,10 @@ def check_scalar(
 
   Args:
     name: the argument's name, for the message.
-    value: a Python int or float, a real scalar NumPy or JAX array, a tracer
-      of one (from ``optax.inject_hyperparams``), or, when ``schedule_ok``, a
-      callable schedule.
+    value: a real number, a real scalar array or a tracer of one, or, when
+      ``schedule_ok``, a callable schedule.
     schedule_ok: whether a callable (an optax schedule) is accepted.
-    factory: the public factory that takes ``name`` (``'cbp.equalize'``), for
-      the ``inject_hyperparams`` call the message suggests.
+    factory: the public factory that takes ``name``, for the message.
 
   Returns:
     The value as a Python float when it is concrete, else None.
@@ -180,24 +175,6 @@ def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False,
                  factory=factory)
 
 
-def check_count(name: str, value: Any, *, minimum: int = 0,
-                maximum: Optional[int] = None) -> int:
-  """A count or size: a Python or NumPy integer (not a bool, float or
-  string) in ``[minimum, maximum]``; returned as an int."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (numbers.Integral, np.integer)):
-    raise TypeError(
-        f'{name} must be an integer >= {minimum}, got the '
-        f'{type(value).__name__} {value!r}.'
-    )
-  value = int(value)
-  if value < minimum or (maximum is not None and value > maximum):
-    bound = (f'in [{minimum}, {maximum}]' if maximum is not None
-             else f'>= {minimum}')
-    raise ValueError(f'{name} must be an integer {bound}, got {value}.')
-  return value
-
-
 def _short_repr(value: Any, limit: int = 80) -> str:
   text = repr(value)
   return text if len(text) <= limit else text[:limit - 3] + '...'
@@ -218,11 +195,8 @@ def is_injected_value(value: Any) -> bool:
 def static_args_remedy(factory: Optional[str], names: Any) -> str:
   """Why a function argument arrived as a value, and the call that fixes it.
 
-  Args:
-    factory: the factory ``inject_hyperparams`` wrapped, or None where it is
-      not known (a preset called with the step count does not know who
-      passed it): the call then names a placeholder, not a guess.
-    names: the arguments to name in ``static_args``.
+  ``factory`` is the factory ``inject_hyperparams`` wrapped, or None where
+  it is not known (the call then names a placeholder).
   """
   names = tuple(names)
   them = 'it' if len(names) == 1 else 'them'
@@ -243,16 +217,9 @@ def check_function(
     name: str, value: Any, *, optional: bool = False,
     factory: Optional[str] = None,
 ) -> None:
-  """A callable argument (a loss function, a ``block_fn``), or None when
-  ``optional``.
-
-  Args:
-    name: the argument's name, for the message.
-    value: the argument.
-    optional: whether None is accepted.
-    factory: the public factory that takes ``name``; a number or an array
-      (what ``optax.inject_hyperparams`` makes of a function not in its
-      ``static_args``) then gets the remedy.
+  """A callable argument, or None when ``optional``; with ``factory``, a
+  number or array (``inject_hyperparams``' value of a function) gets the
+  ``static_args`` remedy.
 
   Raises:
     TypeError: ``value`` is not callable (nor None, when ``optional``).
@@ -286,13 +253,8 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
 
 def mask_error(factory: str, value: Any) -> Optional[str]:
   """What is wrong with a weight-decay ``mask`` that is one leaf (a bool, a
-  number, an array), or None for a tree or a function.
-
-  ``optax.inject_hyperparams`` calls a mask function not in its
-  ``static_args`` with the step count, and a function that maps over its
-  input returns a single bool there: the decay would be applied to every
-  parameter or, silently, to none.
-  """
+  number, an array, e.g. a mask function ``inject_hyperparams`` called with
+  the step count), or None for a tree or a function."""
   if value is None or callable(value):
     return None
   leaves = jax.tree.leaves(value)

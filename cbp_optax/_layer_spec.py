@@ -7,12 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence, Union
 
-
-
-
 Shape = tuple[int, ...]
-
-
 DENSE, CONV = 'dense', 'conv'
 
 

@@ -29,8 +29,6 @@ import optax
 
 from cbp_optax import _checks
 from cbp_optax.blocks import centered_after_init
-from cbp_optax.blocks import StackedFn
-from cbp_optax.blocks import strip_variable_suffix
 
 
 class PreconditionState(NamedTuple):
@@ -74,11 +72,8 @@ def is_narrow(dtype: Any) -> bool:
 def saturating_cast(x: chex.Array, dtype: Any) -> chex.Array:
   """``x.astype(dtype)``, but finite values beyond ``dtype``'s range saturate.
 
-  The direction ``P_t m_hat`` can reach ``max_scale / damping`` (4000 by
-  default) times the gradient, beyond float16's range (65504). Cast to float16
-  it would become an infinity, i.e. a NaN parameter after the update; here it
-  becomes float16's largest finite value instead. NaN and infinities stay as
-  they are (``optax.apply_if_finite`` and the fused steps see them).
+  ``P_t m_hat`` can exceed float16's range; NaN and infinities stay as they
+  are (``optax.apply_if_finite`` and the fused steps see them).
   """
   dtype = jnp.dtype(dtype)
   if not is_narrow(dtype) or jnp.finfo(x.dtype).max <= jnp.finfo(dtype).max:
@@ -90,21 +85,12 @@ def saturating_cast(x: chex.Array, dtype: Any) -> chex.Array:
 
 
 def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
-  # zeros_like, unlike zeros(shape), keeps the parameters' sharding (an
-  # Explicit-axes mesh types it), so the state has one type at init and after
-  # every update: jit does not recompile and lax.scan carries it.
+  # zeros_like keeps the parameters' sharding: one state type at init and
+  # after every update.
   return jax.tree.map(
       lambda leaf: jnp.zeros_like(leaf, dtype=_moment_dtype(leaf, stats_dtype)),
       tree,
   )
-
-
-def _root_mean_square(v_hat: chex.Array, is_stacked: bool) -> chex.Array:
-  """``sqrt(mean(v_hat))`` over the leaf, or over each slice of a stack."""
-  if v_hat.ndim == 0:
-    return jnp.sqrt(v_hat)
-  axes = tuple(range(1, v_hat.ndim)) if is_stacked else None
-  return jnp.sqrt(jnp.mean(v_hat, axis=axes, keepdims=True))
 
 
 def _check_matches_state(updates: Any, state: PreconditionState) -> None:
@@ -119,11 +105,8 @@ def _check_matches_state(updates: Any, state: PreconditionState) -> None:
         f'transform was initialized with.\n  gradients: {updates_def}\n  '
         f'state:     {state_def}'
     )
-  for path_and_g, m in zip(
-      jax.tree_util.tree_flatten_with_path(updates)[0],
-      jax.tree.leaves(state.mu),
-  ):
-    path, g = path_and_g
+  for (path, g), m in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                          jax.tree.leaves(state.mu)):
     if jnp.shape(g) != jnp.shape(m):
       raise ValueError(
           f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
@@ -138,16 +121,12 @@ ZERO_MOMENT_RULES = ('damped', 'identity', 'normalized')
 
 def check_zero_moment(zero_moment: Any, *, factory: str) -> None:
   """Refuses a ``zero_moment`` that is not one of :data:`ZERO_MOMENT_RULES`."""
-  if not isinstance(zero_moment, str):
-    raise TypeError(
+  is_str = isinstance(zero_moment, str)
+  if not is_str or zero_moment not in ZERO_MOMENT_RULES:
+    what = '' if is_str else f'the {type(zero_moment).__name__} '
+    raise (ValueError if is_str else TypeError)(
         f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
-        f'the {type(zero_moment).__name__} {zero_moment!r}.'
-    )
-  if zero_moment not in ZERO_MOMENT_RULES:
-    raise ValueError(
-        f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
-        f'{zero_moment!r}.'
-    )
+        f'{what}{zero_moment!r}.')
 
 
 class _Rules(NamedTuple):
@@ -155,7 +134,6 @@ class _Rules(NamedTuple):
   b1: Any
   b2: Any
   damping: Any
-  relative_damping: Any  # None: the relative term is left out of the graph
   zero_moment: str  # one of ZERO_MOMENT_RULES
 
 
@@ -176,7 +154,7 @@ def _where(pred: chex.Array, a: chex.Array, b: chex.Array) -> chex.Array:
 
 
 def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
-                 g, m, v, p, is_stacked):
+                 g, m, v, p):
   """One leaf's direction and new moments (eqs. 11-12; steps 6-9)."""
   b1, b2, damping = rules.b1, rules.b2, rules.damping
   out_dtype = _checks.output_dtype(g, p)
@@ -190,9 +168,6 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
     # No history yet: the current gradient's own moment (Adam's step 1).
     v_hat = _where(v == 0, g_square, v_hat)
   denom = jnp.sqrt(v_hat) + damping
-  if rules.relative_damping is not None:
-    denom = denom + rules.relative_damping * _root_mean_square(v_hat,
-                                                               is_stacked)
   if normalized:
     step = m_hat / denom
   else:
@@ -204,19 +179,14 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
           v_new.astype(v.dtype))
 
 
-def _check_arguments(b1, b2, damping, stats_dtype, zero_moment,
-                     relative_damping, stacked) -> Any:
+def _check_arguments(b1, b2, damping, stats_dtype, zero_moment) -> Any:
   """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
   factory = 'cbp.precondition'
   _checks.check_decay('b1', b1, factory=factory)
   _checks.check_decay('b2', b2, factory=factory)
   _checks.check_positive('damping', damping, factory=factory)
   check_zero_moment(zero_moment, factory=factory)
-  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
-  _checks.check_nonnegative('relative_damping', relative_damping,
-                            factory=factory)
-  _checks.check_callable('stacked', stacked, factory=factory)
-  return stats_dtype
+  return _checks.check_stats_dtype(stats_dtype, factory=factory)
 
 
 def precondition(
@@ -226,8 +196,6 @@ def precondition(
     *,
     stats_dtype: Optional[Any] = None,
     zero_moment: str = 'damped',
-    relative_damping: float = 0.0,
-    stacked: Optional[StackedFn] = None,
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
@@ -238,39 +206,22 @@ def precondition(
   second moment is refreshed with the current gradient only after the update
   is formed (Algorithm 1, steps 6-9).
 
-  Differs from Adam in the lag (Adam divides by :math:`\hat v_t`, which contains
-  the current gradient), in :math:`P_1 = I`, and in the damping :math:`\zeta`
-  outside the square root playing the role that bounds the operator (Lemma 1):
-  :math:`1/(G + \zeta) \le P_t \le 1/\zeta`.
+  Differs from Adam in the lag (Adam divides by :math:`\hat v_t`), in
+  :math:`P_1 = I`, and in the damping :math:`\zeta` outside the square root,
+  which bounds the operator (Lemma 1): :math:`1/(G + \zeta) \le P_t \le
+  1/\zeta`.
 
   Choosing the learning rate: because of the lag, a coordinate whose stored
-  second moment is still zero (its gradient was exactly zero at every earlier
-  step, e.g. a coordinate that only starts moving at step 2) is multiplied by
-  the upper bound :math:`1/\zeta` (1000 at the default damping) the first
-  time its gradient is non-zero. Adam, which divides by the current
-  gradient's magnitude, takes a step of about the learning rate there; CBP
-  takes :math:`\eta (1 - \beta_1) g / ((1 - \beta_1^t) \zeta)`. On
-  Rosenbrock from the origin at :math:`\eta = 0.1` (optax's rate for Adam)
-  the second coordinate jumps to about 421 and the run diverges; the paper's
-  Table 8 divergence at :math:`\zeta = 10^{-4}` is the same mechanism. This
-  is Algorithm 1 as written. Where gradients can be exactly zero at the start
-  (sparse features, gated or dead units, hand-written objectives), use a
-  learning rate well below Adam's, a larger ``damping`` (the bound is
-  :math:`1/\zeta`), a warm-up schedule on the learning rate, or the opt-in
-  ``zero_moment='identity'``, which gives such a coordinate :math:`P = 1`,
-  as every coordinate has at step 1 (with it, CBP converges on that
-  Rosenbrock run at :math:`\eta = 0.1`). The
-  default, ``'damped'``, is Algorithm 1 exactly.
+  second moment is still zero (its gradients were exactly zero so far) is
+  multiplied by :math:`1/\zeta` the first time its gradient is non-zero; the
+  paper's Table 8 divergence at :math:`\zeta = 10^{-4}` is this mechanism.
+  Where gradients can be exactly zero at the start, use a learning rate well
+  below Adam's, a larger ``damping``, a warm-up, or
+  ``zero_moment='identity'``.
 
   Dtypes: the moments are float32 for low-precision parameters
-  (``stats_dtype`` overrides), and the update has the gradient's dtype, as
-  optax's transforms do, so the transform works under ``lax.cond``,
-  ``optax.apply_if_finite`` and ``optax.MultiSteps`` for every float dtype.
-  float16 cannot hold every direction (up to ``max_scale / damping`` times the
-  gradient exceeds 65504): it is computed in float32 and saturates at
-  float16's largest finite value rather than overflowing. :func:`cbp_optax.cbp`
-  avoids that by running the whole chain in float32 and casting only the final,
-  learning-rate-scaled update back to float16.
+  (``stats_dtype`` overrides); the update has the gradient's dtype and
+  saturates at float16's largest finite value rather than overflowing.
 
   Args:
     b1: momentum decay :math:`\beta_1` in [0, 1); 0 gives the momentum-free
@@ -279,43 +230,25 @@ def precondition(
     damping: :math:`\zeta > 0`.
     stats_dtype: a real floating dtype for both moments; defaults to float32
       for low-precision parameters and to the parameter dtype otherwise.
-    zero_moment: what :math:`P` is for a coordinate whose stored second
-      moment is exactly zero (every coordinate at step 1; later, one whose
-      gradients were all zero so far). ``'damped'`` (the default) is
-      Algorithm 1: :math:`P_1 = I` at step 1, and :math:`1/\zeta`, the
-      damping's bound, after it. ``'identity'`` (opt-in, not part of
-      Algorithm 1): :math:`P = 1` at every step, the step-1 rule
-      :math:`P_1 = I` per coordinate. ``'normalized'`` (opt-in, not part of
-      Algorithm 1; :func:`cbp_optax.cbp_robust`'s): :math:`P` is formed from
-      the current gradient's own moment, :math:`\tilde v = \tilde g_t^2`, in
-      place of :math:`\hat v_{t-1}` (Adam's first step:
-      :math:`\hat m_1 / (|\tilde g_1| + \zeta)`, about :math:`\pm 1` per
-      coordinate, instead of the raw gradient's size). :math:`\tilde v` lies
-      in :math:`[0, G^2]`, so Lemma 1's bounds hold unchanged; the lag of
-      Theorem 3 is given up at that one step of each coordinate only. A
-      string, so ``optax.inject_hyperparams`` keeps it static.
-    relative_damping: opt-in :math:`\delta \ge 0` (0, the default, is
-      Algorithm 1), used by the ablation studies: the damping becomes
-      :math:`\zeta + \delta r`, with :math:`r` the root mean square of the
-      tensor's :math:`\hat v` (of each slice of a ``stacked`` leaf). Lemma
-      1's bounds become :math:`1/((1 + \delta) G + \zeta) \le P_t \le
-      1/\zeta`.
-    stacked: ``stacked(path, leaf) -> bool`` declares layer-stacked leaves
-      (one :math:`r` per slice); used only with ``relative_damping``.
+    zero_moment: :math:`P` where the stored second moment is exactly zero.
+      ``'damped'`` (the default) is Algorithm 1: :math:`P_1 = I` at step 1,
+      :math:`1/\zeta` after it. ``'identity'`` (opt-in): :math:`P = 1`.
+      ``'normalized'`` (opt-in, :func:`cbp_optax.cbp_robust`'s): :math:`P`
+      from the current gradient's own moment :math:`\tilde g_t^2` (Adam's
+      first step); Lemma 1's bounds hold, the lag of Theorem 3 is given up
+      at that one step of each coordinate. A string, so
+      ``optax.inject_hyperparams`` keeps it static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
     :class:`PreconditionState`.
 
   Raises:
-    TypeError: a hyperparameter that is not a real number (a bool, a string,
-      a schedule; schedule ``b1``, ``b2`` or ``damping`` with
-      ``optax.inject_hyperparams``), a ``zero_moment`` that is not a string,
-      or a ``stats_dtype`` that is not a real floating dtype.
-    ValueError: a hyperparameter array that is not a scalar, a concrete
-      value out of range, an unknown ``zero_moment``; at update, gradients that do not match the state,
-      or the ``params`` given to ``update`` (leaves and shapes, as
-      :func:`cbp_optax.equalize` checks them).
+    TypeError: a hyperparameter that is not a real number (or a schedule),
+      a ``zero_moment`` that is not a string, or a non-float ``stats_dtype``.
+    ValueError: a non-scalar or out-of-range hyperparameter, an unknown
+      ``zero_moment``; at update, gradients or ``params`` that do not match
+      the state.
 
   Examples:
     Momentum-free (``b1=0``) so the update is :math:`P_t g_t`. Step 1 returns
@@ -350,13 +283,8 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype, zero_moment,
-                                 relative_damping, stacked)
-  # A concrete 0 leaves the relative term out of the graph: the default is
-  # Algorithm 1's computation, op for op.
-  with_relative = _checks.concrete_float(relative_damping) != 0.0
-  rules = _Rules(b1, b2, damping, relative_damping if with_relative else None,
-                 zero_moment)
+  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype, zero_moment)
+  rules = _Rules(b1, b2, damping, zero_moment)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
@@ -376,30 +304,20 @@ def precondition(
     nu_correction = jnp.where(first_step, 1.0, 1.0 - b2 ** count)
     mu_correction = 1.0 - b1 ** count_inc
 
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    g_leaves = [leaf for _, leaf in paths_and_leaves]
-    stacked_flags = [
-        with_relative and stacked is not None
-        and bool(stacked(strip_variable_suffix(path), g))
-        for path, g in paths_and_leaves
-    ]
+    g_leaves, treedef = jax.tree.flatten(updates)
     # The parameters only give non-float gradients their dtype, but a tree
     # that does not match is a mistake: refused, as equalize refuses it.
     _checks.check_params_match('precondition', updates, params)
-    p_leaves = [None] * len(g_leaves)
-    if params is not None:
-      p_leaves = jax.tree.leaves(params)
+    p_leaves = ([None] * len(g_leaves) if params is None
+                else jax.tree.leaves(params))
     results = [
         _leaf_update(rules, first_step, mu_correction, nu_correction,
-                     g, m, v, p, is_stacked)
-        for g, m, v, p, is_stacked in zip(
-            g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
-            p_leaves, stacked_flags,
-        )
+                     g, m, v, p)
+        for g, m, v, p in zip(g_leaves, jax.tree.leaves(state.mu),
+                              jax.tree.leaves(state.nu), p_leaves)
     ]
-    steps, mu, nu = (
-        treedef.unflatten([r[i] for r in results]) for i in range(3)
-    )
+    steps, mu, nu = (treedef.unflatten([r[i] for r in results])
+                     for i in range(3))
     return steps, PreconditionState(count=count_inc, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -26,18 +26,12 @@ def recommended(
 ) -> optax.GradientTransformation:
   r"""The recommended recipe's optimizer: Muon, for a centered model.
 
-  The recipe is two parts. On the model side, center every linear layer
-  (M2, eqs. (8)-(10): ``cbp_optax.nnx.center(model)`` or
-  ``cbp_optax.linen.center(module)``, with the bias transport after each
-  update, which the fused steps do), except in a model with BatchNorm layers,
-  which is left plain. On the optimizer side, this function builds
-  ``optax.contrib.muon``: orthogonalized momentum (Newton-Schulz iterations)
-  on the kernels and AdamW without weight decay on the other leaves, with the
-  update RMS matched to AdamW's (``consistent_rms=0.2``), so that a tuned
-  AdamW learning rate is the place to start, and with decoupled weight decay
-  on the kernels. Algorithm 1 itself is :func:`cbp_optax.cbp`. The
-  recommendation and its evidence are in the docs page on the workload
-  suite ("Workloads").
+  The model side is M2 (eqs. 8-10): ``cbp_optax.nnx.center(model)`` or
+  ``cbp_optax.linen.center(module)`` with the fused steps' transport (a model
+  with BatchNorm is left plain). This builds ``optax.contrib.muon`` with its
+  update RMS matched to AdamW's, so a tuned AdamW learning rate is the place
+  to start, and decoupled weight decay on the kernels. Algorithm 1 itself is
+  :func:`cbp_optax.cbp`; the evidence is in the docs page "Workloads".
 
   Args:
     learning_rate: a float or an optax schedule (a linear warm-up followed
@@ -46,11 +40,9 @@ def recommended(
     mask: which leaves ``weight_decay`` applies to (a tree of bools or a
       function of the parameters), as ``optax.contrib.muon``'s
       ``weight_decay_mask``; None: every Muon leaf.
-    dimension_numbers: Muon's weight dimension numbers. For a centered model
-      pass ``cbp_optax.nnx.muon_dimension_numbers(model)`` (or the Linen
-      one): it finds the kernels under the centering wrapper and treats
-      convolution and stacked kernels as matrices. None: optax's default
-      (every 2-D leaf is a matrix, the rest go to AdamW).
+    dimension_numbers: Muon's weight dimension numbers; for a centered model
+      ``cbp_optax.nnx.muon_dimension_numbers(model)`` (or the Linen one).
+      None: optax's default (every 2-D leaf is a matrix).
 
   Returns:
     An ``optax.GradientTransformation``.

@@ -37,20 +37,6 @@ def stack_axes_placements(
   ]
 
 
-def locate_stack_axes(
-    shape: Shape,
-    unstacked_shape: Shape,
-    preferred: Optional[tuple[int, ...]] = None,
-) -> Optional[tuple[int, ...]]:
-  """Which axes of ``shape`` are stack axes around ``unstacked_shape``.
-
-  ``preferred`` is taken when it fits; otherwise the first placement in
-  lexicographic order (leading axes first, as ``nnx.vmap``, ``nn.scan`` and
-  ``nn.vmap`` place them by default). None when no placement fits.
-  """
-  return resolve_stack_axes(shape, unstacked_shape, preferred)
-
-
 def resolve_stack_axes(
     shape: Shape,
     unstacked_shape: Shape,
@@ -59,14 +45,13 @@ def resolve_stack_axes(
     not_found: Optional[Callable[[], str]] = None,
     ambiguous: Optional[Callable[[list[tuple[int, ...]]], str]] = None,
 ) -> Optional[tuple[int, ...]]:
-  """The stack axes of ``shape`` around ``unstacked_shape``: every caller's rule.
+  """Which axes of ``shape`` are stack axes around ``unstacked_shape``.
 
-  ``preferred`` (where the caller knows them) when it is a placement that
-  fits; otherwise the only placement that fits. With ``not_found`` given, no
-  placement raises ``ValueError(not_found())`` (else None is returned); with
-  ``ambiguous`` given, several placements (a stack as long as a feature
-  size) raise ``ValueError(ambiguous(placements))`` (else the first, in
-  lexicographic order, is taken).
+  ``preferred`` when it is a placement that fits; otherwise the only one,
+  or the first in lexicographic order (leading axes first, as ``nnx.vmap``
+  and ``nn.scan`` place them). No placement: ``ValueError(not_found())``
+  when given, else None; several: ``ValueError(ambiguous(placements))``
+  when given.
   """
   placements = stack_axes_placements(shape, unstacked_shape)
   if preferred is not None and tuple(preferred) in placements:
@@ -80,7 +65,8 @@ def resolve_stack_axes(
   return placements[0]
 
 
-# Framework-free: each framework package says it in its own words.
+locate_stack_axes = resolve_stack_axes
+
 AMBIGUOUS_STACK_REMEDY = (
     'Record where the stack axis is: pass the means\' stack axes '
     '(mean_stack_axes), or create the centered layers inside the stacking '
@@ -136,10 +122,8 @@ def muon_dimension_numbers(
 ) -> Any:
   """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
 
-  The reduction axes are the kernel's input axes (a dense layer's
-  contracted axes; a convolution's window and input-channel axes), the
-  output axes its feature axes, and the stack axes of a layer stack are
-  batch axes (each slice its own matrix).
+  Reduction axes: the kernel's input axes (a convolution's window and input
+  channels); output axes: its feature axes; stack axes are batch axes.
 
   Args:
     spec: the layer, unstacked.

@@ -20,11 +20,9 @@ class StepOutput(NamedTuple):
     loss: the loss of the batch, computed before the update.
     aux: whatever else the loss function returned (metrics), or None.
     skipped: True when the loss, a gradient or a recorded batch mean was not
-      finite (under ``cbp.cbp`` and ``cbp.cbp_robust``: when a block energy
-      that M1 would store was not, which a non-finite gradient entry makes
-      so, and also an overflowing block norm or a state already holding a
-      non-finite energy); the step then left parameters, optimizer state and
-      centering means exactly as they were (but for the skip count).
+      finite (under ``cbp.cbp``: a block energy M1 would store was not); the
+      step then left parameters, optimizer state and centering means as they
+      were (but for the skip count).
 
   Examples:
     A loss function returning ``(loss, aux)`` gets its ``aux`` back:
@@ -97,27 +95,14 @@ def gradients_finite(
 ) -> Optional[Callable[[Any, Any], jax.Array]]:
   r"""``conditioned_update``'s ``grads_finite(grads, applied)`` for a state.
 
-  ``opt_state`` is the optimizer state before the step (its structure is the
-  one the step produces); ``opt_state_of(applied)`` finds the new optimizer
-  state in what ``apply_step`` produced.
-
-  For a transform whose first step is M1 on the raw gradients (``cbp.cbp``,
-  ``cbp.cbp_robust``, ``cbp.equalize`` or an optax chain that begins with
-  it), the answer is read from the state M1 just stored: the block energies
-  :math:`q_l = \rho q_l + (1 - \rho) \|g_l\|_F^2` (eq. 5) and the squared
-  norm of the leaves in no block. One non-finite gradient entry makes one of
-  them non-finite, so the pass over every gradient entry is not needed. The
-  check is on the state the step would store, so it also refuses:
-
-  * a block energy that overflows its float32 (or wider) statistics, from
-    entries beyond about 1.8e19: stored, it would make every later scale
-    NaN (eq. 6);
-  * a state whose energies were not finite to begin with (written by an
-    unchecked loop or restored from a broken checkpoint): every step is
-    skipped, and counted, until a good state is restored.
-
-  For any other state this returns None, and the fused step checks every
-  entry.
+  ``opt_state`` is the state before the step; ``opt_state_of(applied)``
+  finds the new one in what ``apply_step`` produced. For a transform whose
+  first step is M1 on the raw gradients (``cbp.cbp``, ``cbp.equalize``, a
+  chain beginning with it), the answer is read from the block energies
+  :math:`q_l` M1 just stored (eq. 5): a non-finite gradient entry makes one
+  non-finite, as do an overflowing block norm and a state that was not
+  finite to begin with. For any other state this returns None, and the
+  fused step checks every entry.
   """
   if _raw_equalize_state(opt_state) is None:
     return None
@@ -144,22 +129,13 @@ def conditioned_update(
 
   Differentiates ``loss_of(params) -> (loss, (aux, changed))``, where
   ``changed`` is the non-parameter state the forward pass wrote (recorded
-  means, batch statistics), checks that the loss, ``changed`` and the
-  gradients are finite (the gradients entry by entry, or through
-  ``grads_finite(grads, applied)`` when given, which may read the state
-  ``apply_step`` produced: see :func:`gradients_finite`), and keeps
+  means without their counts, batch statistics), checks that the loss,
+  ``changed`` and the gradients are finite (entry by entry, or through
+  ``grads_finite(grads, applied)``: :func:`gradients_finite`), and keeps
   ``apply_step(*operands, grads, changed)`` (update, then transport) or
-  ``skip_step(...)`` through ``select`` (:func:`select` or its NNX twin):
-  both are computed and every state leaf is selected elementwise, which XLA
-  fuses into the elementwise update that produces it. ``changed`` leaves
-  out the centered layers' counts of pooled positions: the step's transport
-  sets them to zero, and a count read here would keep the
-  untransported-model check alive in the step (see
-  :mod:`cbp_optax._untransported`). A ``lax.cond`` instead
-  makes XLA copy the state it passes through: inside an outer, undonated
-  ``jit`` (a user's ``nnx.jit`` step) every parameter-sized buffer was copied
-  each step (1.41x AdamW's step against 1.17x with the select, NNX MLP of
-  width 1024), and small ones even when donated.
+  ``skip_step(...)`` through ``select``: both are computed and selected
+  leaf by leaf, which XLA fuses into the update, where a ``lax.cond`` would
+  copy every state buffer it passes through inside an undonated outer jit.
 
   Returns:
     ``(select's result, StepOutput)``.
@@ -167,8 +143,7 @@ def conditioned_update(
   (loss, (aux, changed)), grads = jax.value_and_grad(
       loss_of, has_aux=True)(params)
   if grads_finite is None:
-    # Decided before the update, as always: the same program, bit for bit
-    # (deciding after it moved a float32 rounding of AdamW's fused update).
+    # Decided before the update: the same program as a plain step.
     ok = all_finite(loss, grads, changed)
     result = select(ok, apply_step, skip_step, *operands, grads, changed)
     return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
@@ -202,10 +177,8 @@ def select(ok: Any, apply_step: Callable[..., Any],
            skip_step: Callable[..., Any], *operands: Any) -> Any:
   """``lax.cond(ok, apply_step, skip_step, *operands)``'s value, as a select.
 
-  Both functions run and their results are selected leaf by leaf (see
-  :func:`conditioned_update` for why); they must return the same structure.
-  ``ok`` is a boolean scalar, or a function of ``apply_step``'s result
-  that returns one.
+  Both run and their results are selected leaf by leaf; ``ok`` is a
+  boolean scalar or a function of ``apply_step``'s result returning one.
   """
   applied = apply_step(*operands)
   skipped = skip_step(*operands)
@@ -216,10 +189,7 @@ def unaliased(tree: Any) -> Any:
   """``tree`` with every array that occurs in it twice copied, but the first.
 
   Donation refuses one buffer twice, and optimizers that keep a copy of the
-  parameters often keep the very arrays at ``init`` (SAM's cache, the initial
-  point of DoG, Prodigy, MADGRAD, Mechanic, COCOB): the first fused step
-  would fail. Without repeats (every step after the first) ``tree`` is
-  returned as it is.
+  parameters (SAM, DoG, Prodigy, ...) often hold the very arrays at init.
   """
   leaves = jax.tree.leaves(tree)
   if len({id(x) for x in leaves}) == len(leaves):
@@ -239,10 +209,8 @@ def unaliased(tree: Any) -> Any:
 def staged(tree: Any) -> bool:
   """True when called while an outer ``jit`` (or another transform) traces.
 
-  A leaf of ``tree`` that is a tracer says so; so does the current trace
-  (``jax.extend.core.find_top_trace``), which also covers an outer ``jit``
-  whose arguments are all closed over: outside every transform it is JAX's
-  eager ``EvalTrace``.
+  A tracer leaf says so; so does the current trace, which also covers an
+  outer ``jit`` whose arguments are all closed over.
   """
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
     return True
@@ -255,14 +223,10 @@ def jit_step(
 ) -> Callable[..., Any]:
   """``fun`` under ``jax.jit``, called directly or inside the user's own jit.
 
-  Called directly, ``fun`` runs as one executable with ``donate_argnums``
-  donated and, on CPU, :func:`compiler_options`; ``jax.jit``'s cache
-  compiles it once per argument signature. Called while an outer ``jit``
-  traces (a user's own ``nnx.jit`` / ``jax.jit`` train step), the same
-  function is traced into the outer program instead: XLA accepts compiler
-  options and donation only on the outermost executable, and the outer
-  program's own settings apply. Region analysis changes buffer assignment
-  only, so both give the same numbers, bit for bit.
+  Called directly, ``fun`` runs donated with :func:`compiler_options`;
+  inside an outer ``jit`` it is traced into the outer program, whose own
+  settings apply (XLA takes options and donation only at the top). Both give
+  the same numbers, bit for bit.
 
   Returns:
     ``call(*args)``, with ``call.lower`` lowering the direct executable.
@@ -283,17 +247,10 @@ def jit_step(
 def compiler_options() -> Optional[dict[str, Any]]:
   """Per-executable XLA options for the fused steps.
 
-  On CPU, XLA's copy insertion by default orders instructions by data
-  dependence only, and copies every donated buffer that is read after an
-  in-place write could have clobbered it: the lagged second moment of M3
-  (``P_t`` reads ``v_{t-1}`` while ``v_t`` goes into the same buffer) and the
-  branches of the skip conditional. Region analysis proves the read comes
-  first and drops the copies. It changes buffer assignment only: results are
-  bitwise identical (tested).
-
-  The fused steps apply them when called directly. Pass them to your own
-  top-level ``jax.jit`` too, where the state is donated
-  (``jax.jit(step, donate_argnums=0, compiler_options=...)``).
+  On CPU, region analysis lets XLA's copy insertion see that M3 reads
+  ``v_{t-1}`` before ``v_t`` overwrites its donated buffer, and drop the
+  copies; buffer assignment only, results bitwise identical. Pass them to
+  your own top-level ``jax.jit`` too where the state is donated.
 
   Returns:
     ``{'xla_cpu_copy_insertion_use_region_analysis': True}`` on CPU, else

@@ -1,44 +1,23 @@
 """M2: the activation-centering reparameterization, one framework-free core.
 
-A centered linear layer computes ``z = W (a - mu) + b~`` (eq. 8). ``mu`` is an
-EMA of the layer's input mean; when it moves, the bias is transported,
-``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so that the represented function is
-unchanged. Every layer kind the library can center exactly is described once
-here, as a :class:`LayerSpec`: which input axes ``mu`` lives on, the shapes of
-``mu``, the kernel and the bias, and how the kernel maps a shift of the input to
-a shift of the output. ``cbp_optax.nnx`` and ``cbp_optax.linen`` only read a
-layer's configuration into a spec and hold the state; the maths is here.
+A centered linear layer computes ``z = W (a - mu) + b~`` (eq. 8); when the
+EMA ``mu`` of its input mean moves, the bias is transported,
+``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so the function is unchanged.
+Every layer kind centered exactly is a :class:`LayerSpec`; ``cbp_optax.nnx``
+and ``cbp_optax.linen`` read a layer into a spec and hold the state.
 
-Two kinds exist:
+* ``'dense'``: a contraction of input axes with the kernel's leading axes
+  (Linear, LinearGeneral, Dense, DenseGeneral, attention projections); ``mu``
+  is laid out in ascending order of the contracted axes, as the kernel is.
+* ``'conv'``: any padding, stride, kernel dilation, feature groups and mask,
+  centered *after* its padding. Since a convolution of a constant image is
+  the same at every position, ``conv_valid(pad(a) - mu) = conv(a) -
+  (sum over the window of W) . mu`` (:func:`mean_correction`): the layer runs
+  as it is and a per-channel constant is subtracted; gradients are those of
+  the centered layer (eq. 9).
 
-* ``'dense'``: a contraction of some input axes with the leading axes of the
-  kernel (``nnx.Linear``, ``nnx.LinearGeneral``, ``nn.Dense``,
-  ``nn.DenseGeneral``, the projections of multi-head attention). Both Flax APIs
-  lay the kernel's input axes out in *ascending* order of the contracted input
-  axes, whatever order ``axis`` was given in, so ``mu`` is laid out that way
-  too.
-* ``'conv'``: a convolution with any padding, stride, kernel dilation, feature
-  groups and mask. It is centered *after* its padding: ``mu`` is subtracted
-  everywhere in the padded input, the border included, so that every output
-  position sees a full window of ``-mu`` shifts and the transport is exact at
-  the border too. That centered convolution is never formed explicitly: since
-  ``pad(a) - mu`` is ``pad(a)`` minus a constant image, and a convolution of a
-  constant image is the same at every output position,
-
-    ``conv_valid(pad(a) - mu) = conv(a) - (sum over the window of W) . mu``
-
-  (:func:`mean_correction`). The wrappers run the layer as it is, on the raw
-  input with its own padding, and subtract a per-output-channel constant. The
-  same holds for wrap and reflect padding, which commute with the shift.
-  Gradients are those of the centered layer: ``dW = (pad(a) - mu)^T delta``
-  (eq. 9) arrives as ``pad(a)^T delta`` minus ``mu`` times the summed ``delta``
-  at every window tap.
-
-Layer stacks (``nnx.vmap`` / ``nnx.scan``, Linen ``nn.scan`` / ``nn.vmap``)
-give the kernel, the bias and ``mu`` extra *stack axes*. A spec describes one
-slice; :func:`transport` finds the stack axes from the shapes (or takes them
-from the caller) and maps the per-layer maths over them, so each slice's bias
-moves by its own kernel.
+Layer stacks give the kernel, bias and ``mu`` extra stack axes; a spec
+describes one slice and :func:`transport` maps over the stack axes.
 
 References:
   Layerwise Conditioned Backpropagation: A Curvature-Aware
@@ -58,64 +37,37 @@ from jax import lax
 from cbp_optax import _checks
 from cbp_optax import _opt_state
 from cbp_optax._layer_spec import CONV
-from cbp_optax._layer_spec import DENSE
+from cbp_optax._layer_spec import DENSE  # noqa: F401  (for the adapters)
 from cbp_optax._layer_spec import LayerSpec
 from cbp_optax._layer_spec import Shape
 from cbp_optax._layer_spec import conv_spec
 from cbp_optax._layer_spec import dense_spec
 from cbp_optax._layer_spec import feature_axes
-from cbp_optax._layer_spec import normalize_axes
-from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY
-from cbp_optax._stacks import layer_axes
-from cbp_optax._stacks import locate_stack_axes
+from cbp_optax._layer_spec import normalize_axes  # noqa: F401  (for the adapters)
+from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY  # noqa: F401  (for the adapters)
+from cbp_optax._stacks import layer_axes  # noqa: F401  (for the adapters)
+from cbp_optax._stacks import locate_stack_axes  # noqa: F401  (for the adapters)
 from cbp_optax._stacks import muon_dimension_numbers
-from cbp_optax._stacks import stack_axes_placements
+from cbp_optax._stacks import stack_axes_placements  # noqa: F401  (for the adapters)
 from cbp_optax._bias_shift import bias_shift
-from cbp_optax._bias_shift import needs_bias_residual
+from cbp_optax._bias_shift import needs_bias_residual  # noqa: F401  (for the adapters)
 from cbp_optax._bias_shift import shift_bias
 from cbp_optax._untransported import UntransportedWarning
 
 
+# The documented surface; the other names here serve cbp_optax.nnx and
+# cbp_optax.linen.
 __all__ = [
-    'AMBIGUOUS_STACK_REMEDY',
-    'batch_mean',
-    'bias_shift',
     'CannotCenterError',
-    'centered_output',
-    'CenterReport',
-    'check_centerable',
-    'check_where',
-    'CONV',
-    'conv_spec',
-    'count_dtype',
-    'count_shape',
-    'DENSE',
-    'dense_spec',
-    'ema',
-    'feature_axes',
-    'input_count',
-    'layer_axes',
     'LayerSpec',
-    'locate_stack_axes',
-    'mean_correction',
-    'mean_dtype',
-    'MODEL_PATH',
-    'muon_dimension_numbers',
-    'needs_bias_residual',
-    'normalize_axes',
-    'record_mean',
-    'register_parameter_state',
-    'selected',
-    'Shape',
-    'shift_bias',
-    'skip_reason',
-    'stack_axes_placements',
-    'subtract_mean',
-    'transport',
     'UnclassifiedStateError',
-    'unsupported_layer_error',
     'UntransportedWarning',
-    'Where',
+    'conv_spec',
+    'dense_spec',
+    'muon_dimension_numbers',
+    'register_parameter_state',
+    'shift_bias',
+    'transport',
 ]
 
 
@@ -179,10 +131,8 @@ Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
 
 
 def check_where(where: Any) -> Where:
-  """``center``'s ``where`` as None, a type, a tuple of types or a callable.
-
-  A list of types is taken as a tuple; anything else (a path string, a
-  tuple mixing types and strings, an empty tuple) is refused.
+  """``center``'s ``where`` as None, a type, a tuple of types or a callable
+  (a list of types is taken as a tuple).
 
   Raises:
     TypeError: ``where`` is none of those.
@@ -211,11 +161,7 @@ def check_where(where: Any) -> Where:
 
 
 def selected(where: Where, path: str, layer: Any) -> bool:
-  """Whether ``center(..., where=where)`` centers ``layer`` at ``path``.
-
-  ``where`` is None (every supported layer), a type or tuple of types, or a
-  predicate ``where(path, layer) -> bool`` on paths like ``'blocks/attn/query'``.
-  """
+  """Whether ``center(..., where=where)`` centers ``layer`` at ``path``."""
   if where is None:
     return True
   if isinstance(where, (type, tuple)):
@@ -243,13 +189,11 @@ def batch_mean(
     dtype: Any,
     axis_name: Optional[Any] = None,
 ) -> jax.Array:
-  """The input mean ``centering`` records: over every axis but the feature axes.
+  """The input mean over every axis but the feature axes.
 
-  For a dense layer the mean is per input feature; for a convolution per input
-  channel over batch and spatial positions. Under ``jit`` with a sharded batch
-  this is already the global mean; inside ``shard_map``, ``pmap`` or ``vmap``,
-  name the mapped batch axis in ``axis_name`` to average across it too (equal
-  per-device batches assumed, as for BatchNorm).
+  Under ``jit`` with a sharded batch this is the global mean; inside
+  ``shard_map``, ``pmap`` or ``vmap``, ``axis_name`` averages across the
+  mapped batch axis too (equal per-device batches, as for BatchNorm).
   """
   axes = feature_axes(spec, inputs.ndim)
   reduce_axes = tuple(a for a in range(inputs.ndim) if a not in axes)
@@ -260,30 +204,20 @@ def batch_mean(
 
 
 def input_count(inputs: jax.Array, spec: LayerSpec) -> int:
-  """How many input positions :func:`batch_mean` averages (on this device).
-
-  The product of the sizes of every axis but the feature axes: the batch
-  size for a dense layer on ``(B, F)``, ``B * H * W`` for a convolution.
-  """
+  """How many input positions :func:`batch_mean` averages (on this device)."""
   axes = feature_axes(spec, inputs.ndim)
   return math.prod(d for a, d in enumerate(inputs.shape) if a not in axes)
 
 
 def count_dtype(mean_dtype: Any) -> jnp.dtype:
-  """The dtype of the recorded count: at least float32, as ``mu``'s otherwise.
-
-  A float, so that the count degrades gracefully instead of wrapping around
-  when a model records for very long without a transport.
-  """
+  """The recorded count's dtype: a float (it cannot wrap around), at least
+  float32."""
   return jnp.promote_types(mean_dtype, jnp.float32)
 
 
 def count_shape(mean_shape: Shape, stack_axes: Sequence[int] = ()) -> Shape:
-  """The shape of the recorded count: ``mu``'s, with each feature axis 1.
-
-  It keeps ``mu``'s stack axes, so every transform that slices ``mu`` along a
-  stack axis slices the count the same way, and broadcasts against ``mu``.
-  """
+  """The recorded count's shape: ``mu``'s with each feature axis 1 (its stack
+  axes kept, so it is sliced as ``mu`` is and broadcasts against it)."""
   return tuple(d if a in tuple(stack_axes) else 1
                for a, d in enumerate(mean_shape))
 
@@ -297,13 +231,10 @@ def record_mean(
 ) -> tuple[jax.Array, jax.Array]:
   """``(recorded, count)`` after one more call of the layer on ``inputs``.
 
-  ``recorded`` is the mean of every input the layer saw since the last
-  transport (``count`` positions); this call's :func:`batch_mean` joins it,
-  weighted by its :func:`input_count`, so a layer called several times in
-  one forward pass (an unrolled recurrent cell, a layer applied twice)
-  records the mean over all its calls. With ``count`` 0 (the first call
-  after a transport) the result is this call's batch mean exactly; a call
-  with no input positions changes nothing.
+  ``recorded`` is the mean of every input since the last transport
+  (``count`` positions); this call's :func:`batch_mean` joins it weighted by
+  its :func:`input_count`, so a layer called several times records the mean
+  over all its calls. With ``count`` 0 it is this call's mean exactly.
   """
   n = input_count(inputs, spec)
   if n == 0:
@@ -317,13 +248,8 @@ def record_mean(
 
 
 def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Array:
-  """``inputs - mu`` with ``mu`` laid along the feature axes.
-
-  In the inputs' dtype when it is a float one; integer or boolean inputs
-  (token ids, uint8 pixels) are centered in ``mu``'s float dtype, as the
-  layer would promote them: in theirs ``mu`` would be truncated and the
-  difference wrap around.
-  """
+  """``inputs - mu`` with ``mu`` laid along the feature axes, in the inputs'
+  dtype when it is a float one, else in ``mu``'s."""
   axes = feature_axes(spec, inputs.ndim)
   shape = [1] * inputs.ndim
   for axis in axes:
@@ -335,12 +261,7 @@ def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Ar
 
 
 def mean_correction(spec: LayerSpec, kernel: jax.Array, mean: jax.Array) -> jax.Array:
-  """What centering subtracts from the plain layer's output: ``W mu``.
-
-  For a convolution, ``conv(pad(a) - mu) = conv(pad(a)) - (sum_window W) . mu``
-  at every output position, for any padding, stride and kernel dilation; the
-  transport moves the bias by exactly the change of this correction.
-  """
+  """What centering subtracts from the plain layer's output: ``W mu``."""
   return bias_shift(spec, kernel, mean)
 
 
@@ -353,10 +274,9 @@ def centered_output(
 ) -> jax.Array:
   """``W (a - mu) + b~`` (eq. 8), given the plain layer ``layer_fn``.
 
-  A dense layer runs on the centered input. A convolution runs on the raw
-  input (its own padding, the plain layer's convolution and gradients) minus
-  the per-channel :func:`mean_correction`; ``kernel`` is called only then,
-  after ``layer_fn``, so that a lazily created kernel exists.
+  A dense layer runs on the centered input; a convolution on the raw input,
+  minus :func:`mean_correction` (``kernel`` is called after ``layer_fn``, so
+  that a lazily created kernel exists).
   """
   if spec.kind == CONV:
     outputs = layer_fn(inputs)
@@ -368,8 +288,7 @@ def centered_output(
 def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
   """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10).
 
-  In float32 at least: in bfloat16, ``0.99`` and ``0.01`` round to weights
-  that sum to 0.998, and the mean would settle at 85% of the inputs' mean.
+  In float32 at least (bfloat16 weights 0.99 and 0.01 do not sum to 1).
   """
   wide = jnp.promote_types(mean.dtype, jnp.float32)
   return (decay * mean.astype(wide)
@@ -451,11 +370,7 @@ def transport_layer(
     mean_stack_axes: Optional[tuple[int, ...]] = None,
     residual: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
-  """:func:`transport` for a ``decay`` its caller validated already.
-
-  The adapters validate ``mean_decay`` once, where it is given, and move
-  every layer with this.
-  """
+  """:func:`transport` for a ``decay`` its caller validated already."""
   new_mean = ema(mean, recorded, decay)
   moved = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
                      mean_stack_axes=mean_stack_axes, residual=residual)
@@ -467,22 +382,13 @@ def transport_layer(
 def register_parameter_state(state_type: type, *fields: str) -> None:
   """Declares the fields of an optimizer state type that hold parameters.
 
-  The transport (eq. 10) moves the biases of the parameters so that the
-  function is unchanged. An optimizer state that holds a copy or an average
-  of the parameters (an EMA of the weights, a Polyak or lookahead average,
-  an anchor point) represents a function too, and must move the same way,
-  each copy with its own kernel: ``b_k += W_k (mu_new - mu_old)``. Gradient
-  statistics (moments, momenta) must not move.
-
-  ``cbp_optax.nnx.transport(model, optimizer=...)``,
-  ``cbp_optax.linen.transport(..., opt_state=...)`` and the fused train
-  steps walk the optimizer state and move every field registered here, and
-  optax's own (``schedule_free``'s ``z``, SAM's cache, the initial points of
-  DoG, DoWG, Prodigy, MADGRAD, Mechanic and COCOB, ``LookaheadParams``).
-  A tree shaped like the parameters anywhere else, in a state type neither
-  optax's, cbp's, nor registered, is refused with an
-  :class:`UnclassifiedStateError` naming the type and field: a guess could
-  change the function silently.
+  An optimizer state that holds a copy or an average of the parameters (an
+  EMA of the weights, a lookahead average) represents a function too, and
+  the transport (eq. 10) must move each copy's biases with its own kernel;
+  gradient statistics must not move. The adapters' transports and fused
+  steps move every field registered here, and optax's own; a
+  parameter-shaped tree in a state type nobody registered is refused with
+  an :class:`UnclassifiedStateError`.
 
   Args:
     state_type: the state class of your transform (a ``NamedTuple``, or any
@@ -534,13 +440,7 @@ MODEL_PATH = '(model)'
 
 
 def skip_reason(layer: Any, error: Exception) -> str:
-  """The one-line reason ``center`` reports for a layer it left as it was.
-
-  A layer type the core does not know (norms, embeddings, custom layers,
-  subclasses) gets a short line naming the type; a known type configured so
-  that centering would be inexact gets the :class:`CannotCenterError`
-  message, which says why.
-  """
+  """The one-line reason ``center`` reports for a layer it left as it was."""
   if isinstance(error, CannotCenterError):
     return str(error)
   return (f'{type(layer).__name__}: not a layer type centering knows (exact '
@@ -556,8 +456,7 @@ class CenterReport(NamedTuple):
       that it left as it was (the model itself is ``'(model)'``); the reason
       is one line, the same for every layer of a type.
 
-  ``str(report)`` is a summary: the centered paths, then one line per
-  reason (per layer type) with the paths it applies to.
+  ``str(report)`` lists the centered paths, then one line per reason.
   """
 
   centered: list[str]

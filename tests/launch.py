@@ -43,7 +43,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, Optional, Sequence
+import numbers
+from typing import Any, IO, Mapping, Optional, Sequence
 
 from cbp_optax import _checks
 from tests._workers import Worker
@@ -260,6 +261,23 @@ def launch(
     raise
 
 
+def check_count(name: str, value: Any, *, minimum: int = 0,
+                maximum: Optional[int] = None) -> int:
+  """A count or size: a Python or NumPy integer (not a bool, float or
+  string) in ``[minimum, maximum]``; returned as an int."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+        f'{name} must be an integer >= {minimum}, got the '
+        f'{type(value).__name__} {value!r}.'
+    )
+  value = int(value)
+  if value < minimum or (maximum is not None and value > maximum):
+    bound = (f'in [{minimum}, {maximum}]' if maximum is not None
+             else f'>= {minimum}')
+    raise ValueError(f'{name} must be an integer {bound}, got {value}.')
+  return value
+
+
 def _check_launch(
     args: Sequence[str], num_processes: int, cpu_devices: Optional[int],
     timeout: float, cwd: Optional[str], stream: Optional[IO[str]],
@@ -268,14 +286,14 @@ def _check_launch(
 ) -> tuple[list[str], int, Optional[int], int, int]:
   """:func:`launch`'s arguments, checked (and normalized) before any start."""
   args = _check_program(args, cwd)
-  num_processes = _checks.check_count(
+  num_processes = check_count(
       'num_processes', num_processes, minimum=1, maximum=_MAX_PROCESSES)
   if cpu_devices is not None:
-    cpu_devices = _checks.check_count(
+    cpu_devices = check_count(
         'cpu_devices', cpu_devices, minimum=1, maximum=_MAX_CPU_DEVICES)
   _checks.check_positive('timeout', timeout)
-  init_timeout = _checks.check_count('init_timeout', init_timeout, minimum=1)
-  keep_lines = _checks.check_count('keep_lines', keep_lines, minimum=0)
+  init_timeout = check_count('init_timeout', init_timeout, minimum=1)
+  keep_lines = check_count('keep_lines', keep_lines, minimum=0)
   _checks.check_nonnegative('grace', grace)
   _checks.check_bool('stop_on_failure', stop_on_failure)
   if stream is not None and not callable(getattr(stream, 'write', None)):
@@ -383,7 +401,7 @@ def initialize_from_env(
   if collectives not in ('gloo', 'mpi'):
     raise ValueError(
         f"collectives must be 'gloo' or 'mpi', got {collectives!r}.")
-  _checks.check_count('heartbeat_timeout_seconds', heartbeat_timeout_seconds,
+  check_count('heartbeat_timeout_seconds', heartbeat_timeout_seconds,
                       minimum=1)
   address = os.environ.get(ENV_COORDINATOR)
   if not address:

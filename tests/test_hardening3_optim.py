@@ -140,12 +140,11 @@ def test_block_fn_preset_not_in_static_args_names_static_args(factory,
   assert 'inject_hyperparams(factory, ' in str(caught.value)
 
 
-@pytest.mark.parametrize('factory', [cbp.cbp, cbp.equalize, cbp.precondition])
+@pytest.mark.parametrize('factory', [cbp.cbp, cbp.equalize])
 def test_stacked_predicate_not_in_static_args_names_static_args(factory):
   args = (1e-2,) if factory is cbp.cbp else ()
-  kwargs = {'relative_damping': 0.1} if factory is cbp.precondition else {}
   stacked = cbp.blocks.stacked_predicate([('a',)])
-  tx = optax.inject_hyperparams(factory)(*args, stacked=stacked, **kwargs)
+  tx = optax.inject_hyperparams(factory)(*args, stacked=stacked)
   with pytest.raises(TypeError, match=r"static_args=\('stacked',\)"):
     tx.init(two_layers()[0])
 
@@ -403,7 +402,6 @@ def test_precondition_accepts_nnx_variables_at_init_and_arrays_at_update():
     (lambda: cbp.block_names({}, block_fn='layer'),
      "block_fn must be a function or None, got the str 'layer'"),
     (lambda: cbp.equalize(stacked=3), 'stacked must be a function or None'),
-    (lambda: cbp.precondition(stacked=[]), 'stacked must be a function'),
     (lambda: cbp.cbp_robust(1e-2, block_fn='x'), 'block_fn must be a'),
     (lambda: diagnostics.gradient_profile({}, block_fn=1.0),
      'block_fn must be a function or None, got the float 1.0'),

@@ -395,3 +395,24 @@ def test_the_library_imports_no_private_jax_or_flax_module():
           'flax.nnx', 'jax', 'jax.core'):
         assert all(a.name != 'graphlib' and not a.name.startswith('_')
                    for a in node.names), (path, ast.dump(node))
+
+
+# The public faces and how many names they document in total.
+FACES = ('cbp_optax', 'cbp_optax.nnx', 'cbp_optax.linen', 'cbp_optax.centering',
+         'cbp_optax.blocks')
+MAX_PUBLIC_NAMES = 50
+
+
+def test_the_public_surface_is_small():
+  import importlib  # pylint: disable=g-import-not-at-top
+  names = set()
+  for face in FACES:
+    module = importlib.import_module(face)
+    # blocks documents its presets through cbp_optax's __all__ when it has
+    # no __all__ of its own.
+    exported = getattr(module, '__all__', ())
+    assert len(set(exported)) == len(exported), face
+    for name in exported:
+      assert hasattr(module, name), (face, name)
+      names.add(f'{face}.{name}')
+  assert 0 < len(names) <= MAX_PUBLIC_NAMES, sorted(names)

@@ -110,9 +110,9 @@ def test_normalized_first_step_keeps_lemma_1_bounds(relative_damping):
   # every step including the first, and with coordinates revived late.
   rng = np.random.default_rng(2)
   damping = 1e-3
-  tx = cbp.precondition(b1=0.0, damping=damping,
-                        relative_damping=relative_damping,
-                        zero_moment='normalized')
+  tx = configurations.relative_precondition(
+      b1=0.0, damping=damping, relative_damping=relative_damping,
+      zero_moment='normalized')
   state = tx.init({'w': jnp.zeros(50)})
   bound = 0.0
   for t in range(30):

@@ -26,10 +26,6 @@ References:
   §4.2, eqs. (8)-(10), and Algorithm 1.
 """
 
-# The implementation lives in one private module per job, mirrored by
-# cbp_optax.nnx: _wrapper (the centered layer), _center, _transport,
-# _train_step (the fused step).
-
 try:
   import flax  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised without Flax only
@@ -39,7 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised without Flax only
 from cbp_optax._step import StepOutput
 from cbp_optax.linen._wrapper import Centered
 from cbp_optax.linen._wrapper import CenteringMean
-from cbp_optax.linen._wrapper import COLLECTION
+from cbp_optax.linen._wrapper import COLLECTION  # noqa: F401  (not in __all__)
 from cbp_optax.linen._center import center
 from cbp_optax.linen._center import CenteredModel
 from cbp_optax.linen._center import stacked_blocks
@@ -50,7 +46,6 @@ from cbp_optax.linen._train_step import train_step
 from cbp_optax.linen._train_step import TrainState
 
 __all__ = [
-    'COLLECTION',
     'Centered',
     'CenteredModel',
     'CenteringMean',

@@ -26,10 +26,6 @@ References:
   §4.2, eqs. (8)-(10), and Algorithm 1.
 """
 
-# The implementation lives in one private module per job, mirrored by
-# cbp_optax.linen: _wrapper (the centered layer), _center, _transport,
-# _train_step (the fused step).
-
 try:
   import flax  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised without Flax only
@@ -39,11 +35,8 @@ except ImportError as e:  # pragma: no cover - exercised without Flax only
 from cbp_optax._step import StepOutput
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import CenteringMean
-from cbp_optax.nnx._wrapper import RecordedCount
-from cbp_optax.nnx._wrapper import RecordedMean
-from cbp_optax.nnx._wrapper import TransportResidual
 from cbp_optax.nnx._center import center
-from cbp_optax.nnx._center import centered_layers
+from cbp_optax.nnx._center import centered_layers  # noqa: F401  (not in __all__)
 from cbp_optax.nnx._center import CenterReport
 from cbp_optax.nnx._center import stacked_blocks
 from cbp_optax.nnx._transport import eval_model
@@ -57,12 +50,8 @@ __all__ = [
     'Centered',
     'CenteringMean',
     'Optimizer',
-    'RecordedCount',
-    'RecordedMean',
     'StepOutput',
-    'TransportResidual',
     'center',
-    'centered_layers',
     'eval_model',
     'muon_dimension_numbers',
     'stacked_blocks',

@@ -276,7 +276,7 @@ def _schedule_free_cbp_robust(lr, ctx):
   ``b1=0.9`` and optax's ``weight_lr_power=2``."""
   rate = optax.warmup_constant_schedule(0.0, lr, ctx.warmup)
   base = optax.chain(
-      cbp.precondition(b1=0.0, stacked=ctx.stacked, **_ROBUST_M3),
+      cbp.precondition(b1=0.0, **_ROBUST_M3),
       optax.clip(_ROBUST_CLIP),
       optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
       optax.scale_by_learning_rate(rate))
