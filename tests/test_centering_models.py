@@ -55,7 +55,7 @@ class Stack(nnx.Module):
 
   The partition name records the stack axis in the means: a stack as long as
   a feature size (three convolutions of three channels) is ambiguous from
-  shapes alone, and refused without it (tests/test_hardening.py).
+  shapes alone, and refused without it (tests/test_checks.py).
   """
 
   def __init__(self, make_layer, depth, rngs, out_axes=0):

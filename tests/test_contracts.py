@@ -12,7 +12,7 @@ Checks of optax's suites that do not apply, and why:
   run diverges; it converges at 1e-3, which is what is checked here.
 * ``test_explicit_dtype`` with complex parameters or states: CBP optimizes
   real parameters; complex leaves and complex ``stats_dtype`` are refused
-  (tests/test_hardening.py).
+  (tests/test_checks.py).
 
 The sharding check runs in-process on a one-device mesh, and, as
 tests/test_sharding.py does, reruns itself in a subprocess with eight

@@ -1,4 +1,4 @@
-"""Faults injected into training: bad batches, poisoned gradients, overflow,
+"""The fused step under faults: bad batches, poisoned gradients, overflow,
 corrupted data streams, and mixed precision."""
 
 import functools

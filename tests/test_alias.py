@@ -1,4 +1,4 @@
-"""Hardening, round three (issue 33, items 5, 6, 13 and 14): the optimizer side.
+"""The optimizer factories (``cbp``, ``cbp_robust``): arguments, stats and checks.
 
 Arguments that ``optax.inject_hyperparams`` turns into something else, the
 scales ``equalize_stats`` reports, the checks of ``params`` at update, and

@@ -1,4 +1,4 @@
-"""Hardening, round three (issue 33): centering and BatchNorm statistics.
+"""``center`` (NNX and Linen): tied variables, repeated calls, keyword calls, stacks.
 
 Tied variables (item 1), a layer called several times in one forward pass
 (item 2), recalibration's zero-example and time-major batches (item 3),

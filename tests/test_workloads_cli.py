@@ -1,4 +1,4 @@
-"""Hardening, round three: the command line fails before it trains.
+"""``cbp-optax workloads``'s command line fails before it trains.
 
 ``cbp-optax workloads``: every argument is checked before anything trains (an
 empty or repeated name, a seed count below one, a user arm that shadows a

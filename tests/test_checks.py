@@ -1,4 +1,4 @@
-"""Adversarial input (issue 13): every bad input is refused with the exact
+"""Bad input, library-wide: every bad input is refused with the exact
 error type and a message naming the argument, path or leaf; nothing is lost.
 
 Each test here failed before the fix it names (the issue's item number).
