@@ -102,8 +102,11 @@ _OPTAX_REFUSED = {
     ),
 }
 
-# optax's state types audited to hold no copy of the parameters: gradient
-# statistics, counters, schedules, and wrappers of inner states.
+# optax's state types audited (against their sources) to hold no copy of the
+# parameters: gradient statistics (momenta such as ``trace`` included),
+# counters, schedules, and wrappers of inner states. With the two tables
+# above, this classifies every state type of optax, optax.contrib,
+# optax.transforms and optax.schedules.
 _OPTAX_STATISTICS = frozenset({
     'AccumulateAvgUpdatesState', 'AddNoiseState', 'ApplyIfFiniteState',
     'BacktrackingLinesearchInfo', 'ConditionallyMaskState',
@@ -125,7 +128,8 @@ _OPTAX_STATISTICS = frozenset({
     'ScaleBySM3State', 'ScaleByScheduleState',
     'ScaleBySimplifiedAdEMAMixState', 'ScaleByTrustRatioState',
     'ScaleByZoomLinesearchState', 'SnapshotState', 'SophiaState',
-    'SplitRealAndImaginaryState', 'WrappedScheduleState', 'ZeroNansState',
+    'SplitRealAndImaginaryState', 'TraceState', 'WrappedScheduleState',
+    'ZeroNansState',
     'ZoomLinesearchInfo',
 })
 

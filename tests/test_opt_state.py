@@ -1,0 +1,104 @@
+"""The optimizer-state audit of the bias transport (``cbp_optax._opt_state``).
+
+Every optax state type is classified (a gradient statistic, or a state with
+fields holding a copy of the parameters, or refused); the centered models
+(NNX and Linen) train with every momentum optimizer optax offers.
+"""
+
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import optax.schedules
+import optax.transforms
+import pytest
+from flax import nnx
+
+import cbp_optax as cbp
+from cbp_optax import _opt_state
+
+
+def optax_state_classes():
+  """Every NamedTuple or dataclass class named ``...State`` in optax."""
+  found = {}
+  for package in (optax, optax.contrib, optax.transforms, optax.schedules):
+    modules = [package]
+    for info in pkgutil.walk_packages(package.__path__,
+                                      package.__name__ + '.'):
+      if 'test' in info.name.split('.')[-1]:
+        continue
+      try:
+        modules.append(importlib.import_module(info.name))
+      except ImportError:
+        continue
+    for module in modules:
+      for value in vars(module).values():
+        if (inspect.isclass(value) and value.__name__.endswith('State')
+            and value.__module__.split('.')[0] == 'optax'
+            and (hasattr(value, '_fields')
+                 or dataclasses.is_dataclass(value)
+                 or value.__name__ == 'EmptyState')):
+          found[value.__qualname__] = value
+  return found
+
+
+def test_opt_state_every_optax_state_class_is_classified():
+  classes = optax_state_classes()
+  assert 'TraceState' in classes and 'ScaleByAdamState' in classes
+  unclassified = sorted(
+      name for name, cls in classes.items()
+      if _opt_state.parameter_fields(cls) is None
+      and name not in _opt_state._OPTAX_REFUSED)
+  assert not unclassified, unclassified
+
+
+def test_opt_state_parameter_fields_name_real_fields():
+  classes = optax_state_classes()
+  for name, fields in _opt_state._OPTAX_PARAMETER_FIELDS.items():
+    if name in classes and hasattr(classes[name], '_fields'):
+      assert set(fields) <= set(classes[name]._fields), name
+
+
+MOMENTUM = [
+    ('sgd_momentum', lambda: optax.sgd(0.1, momentum=0.9)),
+    ('nesterov', lambda: optax.sgd(0.1, momentum=0.9, nesterov=True)),
+    ('lars', lambda: optax.lars(0.1)),
+    ('rmsprop_momentum', lambda: optax.rmsprop(0.1, momentum=0.9)),
+    ('trace', lambda: optax.chain(optax.trace(0.9), optax.scale(-0.1))),
+]
+
+
+@pytest.mark.parametrize('make_tx', [m for _, m in MOMENTUM],
+                         ids=[n for n, _ in MOMENTUM])
+def test_opt_state_momentum_optimizers_train_centered_models(make_tx):
+  loss = lambda m, x: jnp.mean(m(x) ** 2)
+  x = jnp.ones((4, 3)) + 2.0
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.tanh,
+                         nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, make_tx())
+  out = cbp.nnx.train_step(loss)(model, optimizer, x)
+  assert not bool(out.skipped)
+  before = jax.tree.map(np.asarray, nnx.as_pure(optimizer.opt_state))
+  model(x)
+  cbp.nnx.transport(model, 0.0, optimizer=optimizer)
+  # The momentum is a gradient statistic: left bit for bit.
+  jax.tree.map(np.testing.assert_array_equal, before,
+               nnx.as_pure(optimizer.opt_state))
+  # Linen: the fused step and the functional transport.
+  net = cbp.linen.center(nn.Dense(2))
+  variables = net.init(jax.random.key(0), x)
+  state = cbp.linen.TrainState.create(
+      apply_fn=net.apply, params=variables['params'],
+      centering=variables['centering'], tx=make_tx())
+  state, _ = cbp.linen.train_step(lambda apply, x: jnp.mean(apply(x) ** 2))(
+      state, x)
+  cbp.linen.transport(state.params, state.centering,
+                      opt_state=state.opt_state)
