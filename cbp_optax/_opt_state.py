@@ -64,6 +64,9 @@ class TreeKind(NamedTuple):
     rebuild: ``rebuild(tree, key, child)``: ``tree`` with ``child`` at
       ``key`` for a mapping it knows, else None (then the mapping is copied
       as a ``dict`` and its type called on the copy).
+    moved: whether a box is moved already, as the model's own (a state that
+      holds the model's boxes themselves rather than copies of them): its
+      bias is then left, so that it moves once.
   """
 
   is_box: Callable[[Any], bool] = _never
@@ -71,6 +74,7 @@ class TreeKind(NamedTuple):
   store: Optional[Callable[[Any, Any], None]] = None
   mappings: tuple[type, ...] = ()
   rebuild: Optional[Callable[[Any, Any, Any], Any]] = None
+  moved: Callable[[Any], bool] = _never
 
 
 PLAIN = TreeKind()
@@ -349,7 +353,8 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
           'that splits one layer between optimizers): no bias move keeps the '
           'function of such a copy. Give the kernel and the bias of a '
           'centered layer the same optimizer.')
-    if move.shift is not None:
+    shared = kind.is_box(bias) and kind.moved(bias)
+    if move.shift is not None and not shared:
       new = move.shift(_value(kernel, kind), _value(bias, kind))
       copy = _replace(copy, move.path + move.bias_key, new, kind)
   return copy

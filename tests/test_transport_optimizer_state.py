@@ -316,6 +316,36 @@ def test_nnx_functional_transport_moves_the_optax_state_copies():
     assert_only_copy_biases_moved(state_before, opt_state, COPY_FIELDS)
 
 
+@pytest.mark.parametrize('name', ['every_covered'] + [
+    n for n, _, _ in COVERED if n in ('dog', 'prodigy', 'cocob', 'sam')])
+def test_nnx_functional_transport_of_a_state_holding_the_models_variables(
+    name):
+  # ``tx.init(nnx.state(model, nnx.Param))`` (Variables, not arrays): the
+  # copies of DoG, Prodigy, COCOB and SAM are the model's own Variables; each
+  # bias must move once (as the model's), not once more as the copy's.
+  make = (every_covered if name == 'every_covered'
+          else dict((n, m) for n, m, _ in COVERED)[name])
+  with jax.enable_x64(True):
+    model = NnxNet(nnx.Rngs(0))
+    cbp.nnx.center(model)
+    opt_state = make().init(nnx.state(model, nnx.Param))
+    x = inputs(X_SHAPE, 3)
+    function = lambda c: nnx_function(model, c, x)
+    nnx_record(model, inputs(X_SHAPE, 1, 1.0))
+    opt_state = cbp.nnx.transport(model, 0.5, opt_state=opt_state)
+    copies = {k: nnx.as_pure(c) for k, c in copies_of(opt_state).items()}
+    before = {k: function(c) for k, c in copies.items()}
+    model_before = function(nnx.as_pure(nnx.state(model, nnx.Param)))
+    nnx_record(model, inputs(X_SHAPE, 4, 6.0))
+    opt_state = cbp.nnx.transport(model, 0.0, opt_state=opt_state)
+    change = max_relative(function(nnx.as_pure(nnx.state(model, nnx.Param))),
+                          model_before)
+    assert change <= F64_TOLERANCE, change
+    for key, copy in copies_of(opt_state).items():
+      change = max_relative(function(nnx.as_pure(copy)), before[key])
+      assert change <= F64_TOLERANCE, (key, change)
+
+
 class _DenseNormDense(nnx.Module):
 
   def __init__(self, rngs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional, Sequence
 
+import jax
 from flax import nnx
 
 from cbp_optax import _opt_state
@@ -22,6 +23,10 @@ from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import transport_layer
 from cbp_optax.nnx._wrapper import SPEC_OF
+
+
+def _is_variable(node: Any) -> bool:
+  return isinstance(node, nnx.Variable)
 
 
 def _layer_moves(
@@ -88,7 +93,10 @@ def transport(
   ``nnx.Param`` state) pass that optax state as ``opt_state`` instead: its
   copies move the same way and the new state is returned. It must have been
   initialized on the whole ``nnx.Param`` state of ``model`` (a copy holding
-  a centered bias without its kernel is refused).
+  a centered bias without its kernel is refused). A state initialized on the
+  Variables themselves holds the model's own Variables where an optimizer
+  keeps the parameters as given (DoG, Prodigy, COCOB, SAM): those move once,
+  as the model's.
 
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
@@ -158,12 +166,18 @@ def transport_model(model: nnx.Module, mean_decay: Any,
         mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
   moves = _layer_moves(model, trained, shifts)
+  # A state initialized on ``nnx.state(model, nnx.Param)`` itself holds the
+  # model's Variables where it keeps the parameters as they are: those moved
+  # above, as the model's, and must not move twice.
+  own = {id(v) for v in jax.tree.leaves(nnx.state(model), is_leaf=_is_variable)
+         if _is_variable(v)}
+  kind = FLAX._replace(moved=lambda box: id(box) in own)
   if optimizer is not None:
     _opt_state.transport_state(optimizer.opt_state, moves,
-                               what='optimizer.opt_state', kind=FLAX)
+                               what='optimizer.opt_state', kind=kind)
     return None
   return _opt_state.transport_state(opt_state, moves, what='opt_state',
-                                    kind=FLAX)
+                                    kind=kind)
 
 
 def eval_model(model: nnx.Module,
