@@ -321,14 +321,62 @@ def _replace(tree: Any, path: Path, value: Any, kind: TreeKind) -> Any:
   return new if type(tree) is dict else type(tree)(new)
 
 
+def parameter_shapes(params: Any, kind: TreeKind = PLAIN
+                     ) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """Every array leaf of the model's parameter tree: its path's names and
+  its shape (what a copy of the parameters is matched against)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(params,
+                                                   is_leaf=kind.is_box)
+  return {path_names(path): tuple(np.shape(_value(leaf, kind)))
+          for path, leaf in leaves if _is_array(leaf, kind)}
+
+
+def _check_matches(copy: Any, shapes: dict[tuple[str, ...], tuple[int, ...]],
+                   where: str, kind: TreeKind) -> None:
+  """Refuses a copy whose leaves are not the model's parameters."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(copy, is_leaf=kind.is_box)
+  for path, leaf in leaves:
+    if not _is_array(leaf, kind):
+      continue
+    names = path_names(path)
+    shape = tuple(np.shape(_value(leaf, kind)))
+    if shapes.get(names) == shape:
+      continue
+    found = ('the model has no parameter there' if names not in shapes
+             else f'the model\'s is shaped {shapes[names]}, the copy\'s '
+             f'{shape}')
+    raise UnclassifiedStateError(
+        f'transport: {where} is a copy of parameters, but its leaf at '
+        f'{path_str(names)!r} matches none of the model\'s ({found}): the '
+        'optimizer (or opt_state) was built for another tree than the model '
+        'given to the transport, such as a submodule (model.head) while the '
+        'whole model is transported, and its copies would be left unmoved. '
+        'Build the optimizer on the model that is transported (select the '
+        'part it trains with wrt=, or optax.masked / optax.partition), or '
+        'transport the same tree the optimizer was built for.')
+
+
 def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
-                   kind: TreeKind = PLAIN) -> Any:
+                   kind: TreeKind = PLAIN,
+                   shapes: Optional[dict[tuple[str, ...],
+                                         tuple[int, ...]]] = None) -> Any:
   """Moves every centered bias in one parameter copy by its own kernel.
+
+  Args:
+    copy: a copy (or an average) of the parameters, or of a part of them.
+    moves: the centered layers.
+    where: the copy's place, for messages.
+    kind: how the trees box their leaves.
+    shapes: :func:`parameter_shapes` of the model's parameters, to refuse
+      a copy of another tree; None not to check.
+
+  Returns:
+    The copy with every centered bias moved (boxes written in place).
 
   Raises:
     UnclassifiedStateError: a copy that holds a layer's bias without its
       kernel (or its kernel without its bias), whose function no bias
-      move keeps.
+      move keeps, or a copy of another tree than the model's.
   """
   if copy is None:
     return copy
@@ -336,6 +384,8 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
     raise UnclassifiedStateError(
         f'transport: {where} is registered as holding parameters but holds '
         f'a {type(copy).__name__}, not a tree like the parameters.')
+  if shapes is not None:
+    _check_matches(copy, shapes, where, kind)
   for move in moves:
     bias = _lookup(copy, move.path + move.bias_key, kind)
     kernel = _lookup(copy, move.path + move.kernel_key, kind)
@@ -408,13 +458,15 @@ def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
 
 def transport_state(
     state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state',
-    kind: TreeKind = PLAIN,
+    kind: TreeKind = PLAIN, params: Any = None,
 ) -> Any:
   """``state`` with every parameter copy transported (see the module doc).
 
   With ``LayerMove.shift`` None it only classifies, raising what the
   transport would raise. Boxed leaves (``kind``) are written in place; other
-  trees are rebuilt.
+  trees are rebuilt. With ``params`` (the model's parameter tree), a copy
+  whose leaves are not the model's parameters by path and shape (a state
+  built for another tree) is refused.
 
   Raises:
     UnclassifiedStateError: a parameter-shaped tree that is neither in a
@@ -423,13 +475,14 @@ def transport_state(
   """
   if not moves:
     return state
+  shapes = None if params is None else parameter_shapes(params, kind)
 
   def walk(node, owner, label):
     if _stop(node, kind):
       return node
     if owner is not None and owner[2] and owner[1] in owner[2]:
       # A field that holds parameters: the copy itself.
-      return transport_copy(node, moves, label, kind)
+      return transport_copy(node, moves, label, kind, shapes)
     if parameter_shaped(node, moves, kind):
       if owner is None or owner[2] is None:
         raise UnclassifiedStateError(_unclassified(

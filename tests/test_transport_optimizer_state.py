@@ -635,6 +635,38 @@ def test_copy_that_splits_a_layer_between_optimizers_is_refused():
     cbp.nnx.Optimizer(small_nnx(), tx)
 
 
+def test_optimizer_built_for_a_submodule_is_refused_on_the_whole_model():
+  # An optimizer (or opt_state) built for model.head, and the transport
+  # called on the whole model: no path of z matches, and z was left unmoved.
+  tx = lambda: optax.contrib.schedule_free_sgd(0.1)
+  expected = "'layer/bias'.*built for another tree"
+  model = small_nnx()
+  head = model.layers[2]
+  optimizer = cbp.nnx.Optimizer(head, tx())
+  model(jnp.ones((4, 3)) + 2.0)
+  with pytest.raises(core.UnclassifiedStateError, match=expected):
+    cbp.nnx.transport(model, 0.0, optimizer=optimizer)
+  opt_state = tx().init(nnx.as_pure(nnx.state(head, nnx.Param)))
+  with pytest.raises(core.UnclassifiedStateError, match=expected):
+    cbp.nnx.transport(model, 0.0, opt_state=opt_state)
+  step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+  with pytest.raises(core.UnclassifiedStateError, match=expected):
+    step(model, optimizer, jnp.ones((4, 3)))
+  # Linen: an opt_state built on params['Dense_1'].
+  net = cbp.linen.center(LinenNet(jnp.float32))
+  variables = net.init(jax.random.key(0), inputs(X_SHAPE, 0,
+                                                 dtype=jnp.float32))
+  head_state = tx().init(variables['params']['Dense_0'])
+  with pytest.raises(core.UnclassifiedStateError,
+                     match="'bias'.*built for another tree"):
+    cbp.linen.transport(variables['params'], variables['centering'],
+                        opt_state=head_state)
+  # The optimizer of the whole model, restricted with wrt=, is accepted.
+  model = small_nnx()
+  cbp.nnx.Optimizer(model, tx(), wrt=nnx.All(nnx.Param,
+                                             nnx.PathContains('2')))
+
+
 # ----------------------------------------------------------------------------
 # Schedule-free through the library's own paths
 

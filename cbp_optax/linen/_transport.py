@@ -143,8 +143,9 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before any tracing, an optimizer state the transport cannot
   classify (see :func:`transport`)."""
+  fast = params.fast if _lookahead(params) else params
   _opt_state.transport_state(opt_state, _moves(params, centering),
-                             what='opt_state', kind=FLAX)
+                             what='opt_state', kind=FLAX, params=fast)
 
 
 def transport(

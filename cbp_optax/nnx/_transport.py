@@ -62,7 +62,7 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
   moves = _layer_moves(model, optimizer.wrt)
   _opt_state.transport_state(optimizer.opt_state, moves,
                              what='optimizer.opt_state',
-                             kind=FLAX)
+                             kind=FLAX, params=nnx.state(model, nnx.Param))
 
 
 
@@ -156,7 +156,8 @@ def transport_model(model: nnx.Module, mean_decay: Any,
   else:
     trained = nnx.Param
     _opt_state.transport_state(opt_state, _layer_moves(model, trained),
-                               what='opt_state', kind=FLAX)
+                               what='opt_state', kind=FLAX,
+                               params=nnx.state(model, nnx.Param))
   shifts = []
   for _, layer in centered_paths(model):
     old = layer.mean[...]
