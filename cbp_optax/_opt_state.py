@@ -29,6 +29,7 @@ with a :class:`TreeKind`, which its adapter passes in.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -154,6 +155,30 @@ class UnclassifiedStateError(TypeError):
   """An optimizer state the transport cannot tell statistic from parameters."""
 
 
+def _declared_fields(state_type: type) -> Optional[tuple[str, ...]]:
+  """The fields a state type declares (a NamedTuple's, a dataclass's --
+  Flax's and chex's included); None for another kind of class, whose
+  fields are checked at its first state instead."""
+  if hasattr(state_type, '_fields'):
+    return tuple(state_type._fields)
+  if dataclasses.is_dataclass(state_type):
+    return tuple(f.name for f in dataclasses.fields(state_type))
+  return None
+
+
+def _check_fields_present(state_type: type, fields: Sequence[str],
+                          names: Sequence[Any], label: str) -> None:
+  """Refuses a registered field that a state of that type does not have
+  (a type that declares no fields is checked here, at the first state)."""
+  missing = [f for f in fields if f not in names]
+  if missing:
+    raise ValueError(
+        f'register_parameter_state: {state_type.__qualname__} was registered '
+        f'with the field {missing[0]!r}, which its state at {label} does not '
+        f'have (its pytree children: {", ".join(str(n) for n in names)}); '
+        'a state type must flatten with its field names as keys.')
+
+
 def register_parameter_state(state_type: type, *fields: str) -> None:
   """Declares which fields of an optimizer state type hold parameters.
 
@@ -166,7 +191,7 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
   if bad:
     raise TypeError('register_parameter_state: fields are attribute names '
                     f'(strings), got {bad[0]!r}.')
-  known = getattr(state_type, '_fields', None)
+  known = _declared_fields(state_type)
   if known is not None:
     missing = [f for f in fields if f not in known]
     if missing:
@@ -500,6 +525,9 @@ def transport_state(
           f'transported: {_OPTAX_REFUSED[state_type.__qualname__]}. Train a '
           'centered model with another optimizer, or leave centering out.')
     fields = parameter_fields(state_type)
+    if fields and state_type in _PARAMETER_FIELDS:
+      _check_fields_present(state_type, fields,
+                            [key_name(k) for k, _ in children], label)
     inner = []
     for key, child in children:
       name = key_name(key)

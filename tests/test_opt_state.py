@@ -102,3 +102,47 @@ def test_opt_state_momentum_optimizers_train_centered_models(make_tx):
       state, x)
   cbp.linen.transport(state.params, state.centering,
                       opt_state=state.opt_state)
+
+
+def test_opt_state_register_parameter_state_checks_dataclass_fields():
+  import chex
+  import flax
+
+  @flax.struct.dataclass
+  class FlaxEma:
+    count: jax.Array
+    ema: optax.Params
+
+  @chex.dataclass
+  class ChexEma:
+    count: jax.Array
+    ema: optax.Params
+
+  for state_type in (FlaxEma, ChexEma):
+    with pytest.raises(ValueError, match="no field 'emma'"):
+      cbp.centering.register_parameter_state(state_type, 'emma')
+    cbp.centering.register_parameter_state(state_type, 'ema')
+
+
+def test_opt_state_registered_field_missing_from_the_state_is_refused():
+  # A pytree class that declares no fields: its registered field is
+  # checked against the state's children at the first transport.
+  @jax.tree_util.register_pytree_with_keys_class
+  class Ema:
+
+    def __init__(self, ema):
+      self.ema = ema
+
+    def tree_flatten_with_keys(self):
+      return ((jax.tree_util.GetAttrKey('ema'), self.ema),), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+      return cls(*children)
+
+  cbp.centering.register_parameter_state(Ema, 'emma')
+  model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+  cbp.nnx.center(model)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  with pytest.raises(ValueError, match="field 'emma'"):
+    cbp.nnx.transport(model, 0.0, opt_state=Ema(params))
