@@ -481,6 +481,22 @@ def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
       'unchanged) or a gradient statistic (to be left). ' + remedy)
 
 
+def _unstructured(owner: Optional[tuple[type, Any]], label: str,
+                  what: str) -> str:
+  place = ('directly in a chain or wrapper' if owner is None else
+           f'in the field {owner[1]!r} of the state type '
+           f'{owner[0].__module__}.{owner[0].__qualname__}')
+  return (
+      f'transport: the optimizer state holds {what} at {label}, {place}. '
+      'The transport cannot tell whether it is a copy of the parameters (to '
+      'be moved with the biases) or a gradient statistic, and it cannot '
+      'move a copy stored in that form. Keep a copy of the parameters as a '
+      'tree like them in a field of a state type, and declare it with '
+      "cbp_optax.centering.register_parameter_state(StateType, 'field'); "
+      'register_parameter_state(StateType) with no field declares that the '
+      'state holds gradient statistics only.')
+
+
 def transport_state(
     state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state',
     kind: TreeKind = PLAIN, params: Any = None,
@@ -502,18 +518,42 @@ def transport_state(
     return state
   shapes = None if params is None else parameter_shapes(params, kind)
 
+  leaf_shapes = None if shapes is None else list(shapes.values())
+  size = None if shapes is None else sum(
+      int(np.prod(shape)) for shape in leaf_shapes)
+
+  def unknown(owner):
+    return owner is None or owner[2] is None
+
   def walk(node, owner, label):
     if _stop(node, kind):
+      if (size is not None and size > 1 and unknown(owner)
+          and _is_array(node, kind)
+          and np.shape(_value(node, kind)) == (size,)):
+        raise UnclassifiedStateError(_unstructured(
+            owner and owner[:2], label,
+            f'a vector of {size} entries, as many as the parameters (a '
+            'raveled copy, as jax.flatten_util.ravel_pytree makes)'))
       return node
     if owner is not None and owner[2] and owner[1] in owner[2]:
       # A field that holds parameters: the copy itself.
       return transport_copy(node, moves, label, kind, shapes)
     if parameter_shaped(node, moves, kind):
-      if owner is None or owner[2] is None:
+      if unknown(owner):
         raise UnclassifiedStateError(_unclassified(
             owner and owner[:2], label))
       return node  # a gradient statistic of a known type
     children, treedef = _children(node)
+    if (leaf_shapes is not None and len(leaf_shapes) > 1 and unknown(owner)
+        and isinstance(node, (list, tuple)) and not hasattr(node, '_fields')
+        and len(children) == len(leaf_shapes)
+        and all(_is_array(c, kind) for _, c in children)
+        and sorted(tuple(np.shape(_value(c, kind))) for _, c in children)
+        == sorted(leaf_shapes)):
+      raise UnclassifiedStateError(_unstructured(
+          owner and owner[:2], label,
+          f'a {type(node).__name__} of {len(children)} arrays shaped like '
+          'the parameters\' leaves (a copy as jax.tree.leaves gives it)'))
     if _is_container(node, kind):
       inner = [walk(child, owner, f'{label}[{key_name(k)!r}]')
                for k, child in children]

@@ -9,10 +9,12 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 import numpy as np
 import optax
 import optax.contrib
@@ -146,3 +148,47 @@ def test_opt_state_registered_field_missing_from_the_state_is_refused():
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   with pytest.raises(ValueError, match="field 'emma'"):
     cbp.nnx.transport(model, 0.0, opt_state=Ema(params))
+
+
+class RavelEmaState(NamedTuple):
+  ema: jax.Array
+
+
+def raveled_ema():
+  # An EMA of the parameters, kept raveled: no structure to move.
+  return optax.GradientTransformation(
+      lambda params: RavelEmaState(ravel_pytree(params)[0]),
+      lambda updates, state, params=None: (updates, state))
+
+
+def leaves_ema():
+  # The same kept as a list of leaves, directly in the chain.
+  return optax.GradientTransformation(
+      lambda params: [jnp.copy(x) for x in jax.tree.leaves(params)],
+      lambda updates, state, params=None: (updates, state))
+
+
+@pytest.mark.parametrize('make_tx, expected', [
+    (raveled_ema, 'a vector of 26 entries'),
+    (leaves_ema, 'a list of 4 arrays'),
+], ids=['raveled', 'leaves'])
+def test_opt_state_unstructured_copies_are_refused(make_tx, expected):
+  def small():
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.tanh,
+                           nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    cbp.nnx.center(model)
+    return model
+
+  tx = lambda: optax.chain(optax.adam(1e-2), make_tx())
+  with pytest.raises(cbp.centering.UnclassifiedStateError,
+                     match=expected + '.*register_parameter_state'):
+    cbp.nnx.Optimizer(small(), tx())
+  model = small()
+  opt_state = tx().init(nnx.as_pure(nnx.state(model, nnx.Param)))
+  with pytest.raises(cbp.centering.UnclassifiedStateError, match=expected):
+    cbp.nnx.transport(model, 0.0, opt_state=opt_state)
+  net = cbp.linen.center(nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(2)]))
+  variables = net.init(jax.random.key(0), jnp.ones((4, 3)))
+  with pytest.raises(cbp.centering.UnclassifiedStateError, match=expected):
+    cbp.linen.transport(variables['params'], variables['centering'],
+                        opt_state=tx().init(variables['params']))

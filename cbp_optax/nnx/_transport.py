@@ -62,7 +62,8 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
   moves = _layer_moves(model, optimizer.wrt)
   _opt_state.transport_state(optimizer.opt_state, moves,
                              what='optimizer.opt_state',
-                             kind=FLAX, params=nnx.state(model, nnx.Param))
+                             kind=FLAX,
+                             params=nnx.state(model, optimizer.wrt))
 
 
 
