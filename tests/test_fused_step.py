@@ -499,3 +499,41 @@ def test_staged_tells_an_outer_trace_from_eager_calls():
   jax.grad(record)(1.0)
   assert seen == [True, True, True]
   assert not _step.staged((x,))
+
+
+class _MaskedConv(nnx.Module):
+  """A model holding plain array attributes: a Conv's mask, nnx.data."""
+
+  def __init__(self):
+    mask = np.ones((3, 3, 2, 3), np.float32)
+    mask[0, 0] = 0.0
+    self.conv = nnx.Conv(2, 3, (3, 3), mask=jnp.asarray(mask),
+                         rngs=nnx.Rngs(0))
+    self.scale = nnx.data(jnp.asarray([1.0, 2.0, 3.0]))
+
+  def __call__(self, x):
+    return self.conv(x).mean((1, 2)) * self.scale
+
+
+def test_nnx_fused_step_on_a_model_with_plain_array_attributes():
+  loss = lambda m, x: jnp.mean((m(x) - 1.0) ** 2)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 5, 5, 2))
+                  + 2.0, jnp.float32)
+  fused, unfused = _MaskedConv(), _MaskedConv()
+  for model in (fused, unfused):
+    cbp.nnx.center(model)
+  fused_opt = cbp.nnx.Optimizer(fused, optax.adam(1e-2))
+  unfused_opt = nnx.Optimizer(unfused, optax.adam(1e-2), wrt=nnx.Param)
+  step = cbp.nnx.train_step(loss, mean_decay=0.5)
+
+  @nnx.jit
+  def unfused_step(model, optimizer, x):
+    grads = nnx.grad(loss)(model, x)
+    optimizer.update(model, grads)
+    cbp.nnx.transport(model, 0.5, optimizer=optimizer)
+
+  for _ in range(3):
+    assert not bool(step(fused, fused_opt, x).skipped)
+    unfused_step(unfused, unfused_opt, x)
+  np.testing.assert_allclose(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(fused.scale, jnp.asarray([1.0, 2.0, 3.0]))

@@ -184,20 +184,38 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
   nodes = _graph_nodes(args)
   graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
-  values = [variable.get_raw_value() for variable in variables]
+  # A module's plain array attributes (``nnx.data``, a Conv's mask) are
+  # leaves of the graph too: constants of the step, passed undonated (a
+  # donated one would be deleted, and there is no Variable to write back).
+  values = [variable.get_raw_value() if isinstance(variable, nnx.Variable)
+            else None for variable in variables]
+  constants = {i: leaf for i, leaf in enumerate(variables)
+               if not isinstance(leaf, nnx.Variable)}
   if donate:
     values = _step.unaliased(values)
-  return variables, (graphdef, values, _slots(args, nodes))
+    if constants:
+      donated = {id(x) for x in jax.tree.leaves(values)}
+      constants = {i: jnp.copy(x) if id(x) in donated else x
+                   for i, x in constants.items()}
+  return variables, (graphdef, values, (constants, _slots(args, nodes)))
 
 
 def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
-                    values: list[Any], slotted_args: Any) -> tuple[Any, Any]:
-  """``step`` as a function of :func:`_flat_arguments`' values: the new
-  values and the step's output."""
+                    values: list[Any], extra: Any) -> tuple[Any, Any]:
+  """``step`` as a function of :func:`_flat_arguments`' values (and its
+  constants and slotted arguments, ``extra``): the new values and the
+  step's output."""
+  constants, slotted_args = extra
+  values = list(values)
+  for i, constant in constants.items():
+    values[i] = constant
   model, optimizer, nodes = nnx.unflatten(graphdef, values)
   out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
   new_graphdef, new_values = nnx.flatten((model, optimizer, nodes),
                                               with_paths=False)
+  if constants and new_graphdef == graphdef:
+    new_values = [None if i in constants else value
+                  for i, value in enumerate(new_values)]
   if new_graphdef != graphdef:
     # The forward pass created or replaced a variable (a lazily built
     # cache): hand back the whole state, for nnx.update to add it.
@@ -218,7 +236,8 @@ def _write_back(args: Sequence[Any], variables: Sequence[Any],
     nnx.update((model, optimizer, _graph_nodes(rest)), new_values)
     return
   for variable, value in zip(variables, new_values, strict=True):
-    variable.set_raw_value(value)
+    if isinstance(variable, nnx.Variable):
+      variable.set_raw_value(value)
 
 
 class _CompiledStep:
@@ -400,8 +419,8 @@ def train_step(
               lambda model, optimizer: None, model, optimizer)
     return out
 
-  def pure_step(graphdef, values, slotted_args):
-    return _on_flat_values(step, graphdef, values, slotted_args)
+  def pure_step(graphdef, values, extra):
+    return _on_flat_values(step, graphdef, values, extra)
 
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
