@@ -192,3 +192,26 @@ def test_opt_state_unstructured_copies_are_refused(make_tx, expected):
   with pytest.raises(cbp.centering.UnclassifiedStateError, match=expected):
     cbp.linen.transport(variables['params'], variables['centering'],
                         opt_state=tx().init(variables['params']))
+
+
+def test_opt_state_second_transport_with_nothing_recorded_leaves_mu():
+  # (The transport's counterpart of the state audit: a transport with no
+  # new recording moves neither mu nor any bias, in NNX and in Linen.)
+  x = jnp.ones((4, 3)) + 2.0
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.tanh,
+                         nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+  cbp.nnx.center(model)
+  model(x)
+  cbp.nnx.transport(model, 0.5)
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  cbp.nnx.transport(model, 0.5)
+  jax.tree.map(np.testing.assert_array_equal, before,
+               nnx.to_pure_dict(nnx.state(model)))
+  net = cbp.linen.center(nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(2)]))
+  variables = net.init(jax.random.key(0), x)
+  _, changed = net.apply(variables, x, mutable=['centering'])
+  params, centering = cbp.linen.transport(variables['params'],
+                                          changed['centering'], 0.5)
+  again = cbp.linen.transport(params, centering, 0.5)
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.map(np.asarray, (params, centering)), again)

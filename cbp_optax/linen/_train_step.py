@@ -97,7 +97,8 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
 
   def transport_step(state):
     params, centering, opt_state = transport_collections(
-        state.params, state.centering, mean_decay, state.opt_state)
+        state.params, state.centering, mean_decay, state.opt_state,
+        recorded_only=False)
     return state.replace(params=params, centering=centering,
                          opt_state=opt_state)
 

@@ -415,7 +415,7 @@ def train_step(
       # fewer per centered layer). A skipped step discards its transport.
       _select(jnp.logical_not(out.skipped),
               lambda model, optimizer: transport_model(
-                  model, mean_decay, optimizer, None),
+                  model, mean_decay, optimizer, None, recorded_only=False),
               lambda model, optimizer: None, model, optimizer)
     return out
 

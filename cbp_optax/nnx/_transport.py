@@ -145,11 +145,13 @@ def transport(
 
 def transport_model(model: nnx.Module, mean_decay: Any,
                     optimizer: Optional[nnx.Optimizer],
-                    opt_state: Any) -> Any:
-  """:func:`transport` for a ``mean_decay`` validated already."""
+                    opt_state: Any, recorded_only: bool = True) -> Any:
+  """:func:`transport` for a ``mean_decay`` validated already (a fused step,
+  which keeps no count of recorded positions, passes ``recorded_only``
+  False)."""
   if optimizer is None and opt_state is None:
     for layer in centered_layers(model):
-      transport_layer(layer, mean_decay)
+      transport_layer(layer, mean_decay, recorded_only)
     return None
   if optimizer is not None:
     check_optimizer_state(model, optimizer, 'transport')
@@ -162,7 +164,7 @@ def transport_model(model: nnx.Module, mean_decay: Any,
   shifts = []
   for _, layer in centered_paths(model):
     old = layer.mean[...]
-    transport_layer(layer, mean_decay)
+    transport_layer(layer, mean_decay, recorded_only)
     shifts.append(functools.partial(
         core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
         mask=getattr(layer.layer, 'mask', None),
