@@ -597,6 +597,26 @@ def find_states(state: Any, state_type: type,
   return found
 
 
+def check_fusable(state: Any, where: str, kind: TreeKind = PLAIN) -> None:
+  """Refuses an optimizer a fused step cannot run: ``optax.lookahead``,
+  whose parameters are a ``LookaheadParams`` pair (fast and slow) rather
+  than the model's parameters.
+
+  Raises:
+    TypeError: ``state`` holds a ``LookaheadState``.
+  """
+  if find_states(state, optax.LookaheadState, kind):
+    raise TypeError(
+        f'{where}: optax.lookahead updates an optax.LookaheadParams pair '
+        '(fast and slow parameters), not the model\'s parameters, and the '
+        'fused step differentiates and updates the model\'s own: it cannot '
+        'run it. Write the step by hand on LookaheadParams (differentiate '
+        'at .fast, tx.update(grads, opt_state, lookahead_params)) and '
+        'transport both with cbp_optax.linen.transport(lookahead_params, '
+        'centering, opt_state=opt_state), which moves the fast and the slow '
+        'parameters each by its own kernel.')
+
+
 def evaluation_params(state: Any, params: Any) -> Any:
   """The parameters to evaluate: schedule-free's ``x`` if ``state`` has one.
 

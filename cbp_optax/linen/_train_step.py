@@ -15,6 +15,7 @@ from flax.training import train_state
 from cbp_optax import _checks
 from cbp_optax import _opt_state
 from cbp_optax import _step
+from cbp_optax._flax_state import FLAX
 from cbp_optax._step import StepOutput
 
 from cbp_optax.linen._transport import check_opt_state
@@ -220,11 +221,16 @@ def train_step(
           flax.core.unfreeze(state.centering)))
       model_state = _like(state.model_state, {
           k: changed.get(k, v) for k, v in state.model_state.items()})
-      return loss, (aux, (centering, model_state))
+      return loss, (aux, (centering, model_state, loss))
 
     def apply_step(state, grads, changed):
-      centering, model_state = changed
-      updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+      centering, model_state, loss = changed
+      # The loss as value=, for an optimizer that takes extra arguments
+      # (optax.polyak_sgd, optax.contrib.momo, reduce_on_plateau).
+      extra = ({'value': loss} if isinstance(
+          state.tx, optax.GradientTransformationExtraArgs) else {})
+      updates, opt_state = state.tx.update(grads, state.opt_state,
+                                           state.params, **extra)
       params = optax.apply_updates(state.params, updates)
       return state.replace(step=state.step + 1, params=params,
                            opt_state=opt_state, centering=centering,
@@ -247,12 +253,14 @@ def train_step(
   def train(*args):
     _check_state_first(args)
     state = args[0]
-    if state.centering:
-      # Classified once per tx (again while tracing, for any other state).
-      classified.check(
-          state.tx, state.apply_fn,
-          lambda: check_opt_state(state.params, state.centering,
-                                  state.opt_state))
+    def classify():
+      _opt_state.check_fusable(state.opt_state, 'train_step', FLAX)
+      if state.centering:
+        check_opt_state(state.params, state.centering, state.opt_state)
+
+    # Classified once per tx (again while tracing, for any other state).
+    classified.check(state.tx, (state.apply_fn, bool(state.centering)),
+                     classify)
     if donate:
       args = (_step.unaliased(state),) + args[1:]
     return jitted(*args)

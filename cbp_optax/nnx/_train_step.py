@@ -10,9 +10,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from cbp_optax import _checks
+from cbp_optax._flax_state import FLAX
 from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
@@ -143,6 +145,15 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
     )
 
 
+def _step_extra_args(tx: Any, loss: jax.Array) -> dict[str, Any]:
+  """The loss as ``value=``, for an optimizer that takes extra arguments
+  (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, and chains of them)."""
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    return {'value': loss}
+  return {}
+
+
 def _select(ok: Any, apply_step: Callable[..., None],
             skip_step: Callable[..., None], *operands: Any) -> None:
   """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a select.
@@ -160,6 +171,12 @@ def _select(ok: Any, apply_step: Callable[..., None],
   nnx.update(nodes, start)
   skip_step(*operands)
   skipped = nnx.as_pure(nnx.state(nodes))
+  applied_leaves, treedef = jax.tree.flatten(applied)
+  skipped_leaves, skipped_def = jax.tree.flatten(skipped)
+  if treedef != skipped_def and len(applied_leaves) == len(skipped_leaves):
+    # An update that turned a list in the optimizer state into a graph
+    # node (optax.sm3's accumulators): the same leaves, in the same order.
+    skipped = jax.tree.unflatten(treedef, skipped_leaves)
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
@@ -178,9 +195,11 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
         f'optimizer first, got {len(args)} argument(s).')
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
-  classified.check(
-      optimizer, (weakref.ref(model), optimizer.tx),
-      lambda: check_optimizer_state(model, optimizer, 'train_step'))
+  def classify():
+    _opt_state.check_fusable(optimizer.opt_state, 'train_step', FLAX)
+    check_optimizer_state(model, optimizer, 'train_step')
+
+  classified.check(optimizer, (weakref.ref(model), optimizer.tx), classify)
   nodes = _graph_nodes(args)
   graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
@@ -390,11 +409,12 @@ def train_step(
       # zero: kept, they would keep the untransported-model check.
       changed = nnx.state((inner_model, inner_nodes), nnx.All(
           nnx.Not(optimizer.wrt), nnx.Not(RecordedCount)))
-      return loss, (aux, changed)
+      return loss, (aux, (changed, loss))
 
     def apply_step(model, optimizer, nodes, grads, changed):
+      changed, loss = changed
       nnx.update((model, nodes), changed)
-      optimizer.update(model, grads)
+      optimizer.update(model, grads, **_step_extra_args(optimizer.tx, loss))
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
