@@ -282,6 +282,9 @@ class LayerMove(NamedTuple):
       must hold its own).
     shift: ``shift(kernel, bias) -> bias + kernel (mu_new - mu_old)``; None
       to check only.
+    kernel_path: the kernel's full path where the parameter tree holds it
+      elsewhere (a kernel shared between layers sits at its first owner's
+      path); None for ``path + kernel_key``.
   """
 
   path: Path
@@ -291,6 +294,7 @@ class LayerMove(NamedTuple):
   kernel: Any
   kernel_trained: bool
   shift: Optional[Callable[[Any, Any], Any]]
+  kernel_path: Optional[Path] = None
 
 
 def _lookup(tree: Any, path: Path, kind: TreeKind) -> Any:
@@ -413,7 +417,8 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
     _check_matches(copy, shapes, where, kind)
   for move in moves:
     bias = _lookup(copy, move.path + move.bias_key, kind)
-    kernel = _lookup(copy, move.path + move.kernel_key, kind)
+    kernel = _lookup(copy, move.kernel_path or move.path + move.kernel_key,
+                     kind)
     has_bias, has_kernel = _is_array(bias, kind), _is_array(kernel, kind)
     if not has_bias and not has_kernel:
       continue  # this copy does not hold the layer (a partition)

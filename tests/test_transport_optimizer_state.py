@@ -1063,3 +1063,42 @@ def test_muon_with_the_helper_trains_centered_models():
     state, out = step(state, x)
     losses.append(float(out.loss))
   assert losses[-1] < losses[0], losses
+
+
+class _SharedKernel(nnx.Module):
+  """Two dense layers sharing one kernel (tied weights), each its own bias."""
+
+  def __init__(self, rngs):
+    self.first = nnx.Linear(3, 3, param_dtype=F64, rngs=rngs)
+    self.second = nnx.Linear(3, 3, param_dtype=F64, rngs=rngs)
+    self.second.kernel = self.first.kernel
+    self.head = nnx.Linear(3, 2, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.second(jnp.tanh(self.first(x)))))
+
+
+@pytest.mark.parametrize('name', ['schedule_free_sgd', 'sam'])
+def test_nnx_shared_kernel_copies_move_by_the_copys_kernel(name):
+  # The second layer's kernel sits at the first's path in every copy: its
+  # bias must move by the copy's kernel, not the model's.
+  make = dict((n, m) for n, m, _ in COVERED)[name]
+  with jax.enable_x64(True):
+    model = _SharedKernel(nnx.Rngs(0))
+    cbp.nnx.center(model)
+    optimizer = cbp.nnx.Optimizer(model, make())
+    nnx.update(model, perturbed(nnx.state(model, nnx.Param), 1))
+    record = nnx.jit(lambda m, x: m(x))
+    record(model, inputs((5, 3), 1, 1.0))
+    cbp.nnx.transport(model, 0.5, optimizer=optimizer)
+    x = inputs((5, 3), 3)
+    function = lambda c: nnx_function(model, c, x)
+    copies = {k: nnx.as_pure(c) for k, c in
+              copies_of(optimizer.opt_state).items()}
+    assert copies
+    before = {k: function(c) for k, c in copies.items()}
+    record(model, inputs((5, 3), 4, 6.0))
+    cbp.nnx.transport(model, 0.0, optimizer=optimizer)
+    for key, copy in copies_of(optimizer.opt_state).items():
+      change = max_relative(function(nnx.as_pure(copy)), before[key])
+      assert change <= F64_TOLERANCE, (key, change)

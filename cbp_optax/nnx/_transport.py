@@ -40,15 +40,23 @@ def _layer_moves(
     return []
   trained = {tuple(path) for path, _ in
              nnx.to_flat_state(nnx.state(model, wrt))}
+  # Where each Variable sits in the parameter tree: a kernel shared between
+  # layers appears once, at its first owner's path, and so in every copy.
+  where = {id(v): tuple(path) for path, v in
+           nnx.to_flat_state(nnx.state(model, nnx.Param))}
   shifts = shifts if shifts is not None else [None] * len(layers)
   moves = []
   for (path, layer), shift in zip(layers, shifts):
+    kernel_path = where.get(id(layer.layer.kernel),
+                            path + ('layer', 'kernel'))
     moves.append(_opt_state.LayerMove(
         path=path, kernel_key=('layer', 'kernel'), bias_key=('layer', 'bias'),
         bias_shape=tuple(layer.layer.bias.shape),
         kernel=layer.layer.kernel[...],
-        kernel_trained=path + ('layer', 'kernel') in trained,
-        shift=shift))
+        kernel_trained=kernel_path in trained,
+        shift=shift,
+        kernel_path=(None if kernel_path == path + ('layer', 'kernel')
+                     else kernel_path)))
   return moves
 
 
