@@ -1102,3 +1102,17 @@ def test_nnx_shared_kernel_copies_move_by_the_copys_kernel(name):
     for key, copy in copies_of(optimizer.opt_state).items():
       change = max_relative(function(nnx.as_pure(copy)), before[key])
       assert change <= F64_TOLERANCE, (key, change)
+
+
+def test_nnx_muon_dimension_numbers_taken_before_center():
+  # Taken before center, the helper sees the centered paths once muon asks.
+  before, after = MuonNet(nnx.Rngs(0)), MuonNet(nnx.Rngs(0))
+  early = cbp.nnx.muon_dimension_numbers(before)
+  cbp.nnx.center(before)
+  cbp.nnx.center(after)
+  late = cbp.nnx.muon_dimension_numbers(after)
+  params = nnx.as_pure(nnx.state(before, nnx.Param))
+  got = early(params)
+  assert got['conv']['layer']['kernel'] is not None
+  assert jax.tree.leaves(got, is_leaf=lambda x: x is None) == jax.tree.leaves(
+      late(params), is_leaf=lambda x: x is None)

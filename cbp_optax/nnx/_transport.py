@@ -6,6 +6,7 @@ that read a centered model (``eval_model``, ``muon_dimension_numbers``).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -261,7 +262,8 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
   parameters get None (AdamW).
 
   Args:
-    model: the model (before or after :func:`center`).
+    model: the model, before or after :func:`center`: the views are read
+      from it when muon asks for them.
 
   Returns:
     ``dims(params)``, a callable for ``optax.contrib.muon(...,
@@ -281,6 +283,22 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
     ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
     ...     wrt=nnx.Param)
   """
+  # Read when muon calls it (at init, and while tracing its update), from
+  # the model as it is then: taken before or after center, it sees the
+  # centered paths; a model gone by then leaves the table of this call.
+  model_ref = weakref.ref(model)
+  fallback = _muon_table(model)
+
+  def dims(params):
+    current = model_ref()
+    table = fallback if current is None else _muon_table(current)
+    return _opt_state.dimension_numbers_fn(table, FLAX)(params)
+
+  return dims
+
+
+def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
+  """:func:`muon_dimension_numbers`'s table: kernel path -> its view."""
   table = {}
   for path, module in nnx.iter_modules(model):
     path = tuple(path)
@@ -299,4 +317,4 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
       if axes is not None:
         table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
-  return _opt_state.dimension_numbers_fn(table, FLAX)
+  return table
