@@ -168,8 +168,9 @@ def transport(
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
   ``b~ += W (mu_new - mu_old)`` with the weights in ``params`` (pass the
   *updated* parameters; Algorithm 1, steps 10-11, eq. 10). Layer stacks are
-  transported slice by slice. The model's output is unchanged for every
-  input.
+  transported slice by slice; a layer that recorded nothing since its last
+  transport keeps its ``mu`` and bias. The model's output is unchanged for
+  every input.
 
   Pass the ``opt_state`` whenever it may hold copies of the parameters
   (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point

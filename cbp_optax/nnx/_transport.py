@@ -86,7 +86,9 @@ def transport(
   ``b~ += W (mu_new - mu_old)`` with the current (updated) weights
   (Algorithm 1, steps 10-11), so the model's output is unchanged. Layer
   stacks are transported slice by slice. Call it after the optimizer update,
-  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does.
+  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does. A
+  layer that recorded nothing since its last transport keeps its ``mu``
+  and bias.
 
   Pass the ``optimizer`` whenever its state holds copies of the parameters
   (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
@@ -121,8 +123,10 @@ def transport(
 
   Raises:
     cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
-      optimizer's state holds a parameter-shaped tree that is neither a
-      registered copy nor a known statistic (before anything moves).
+      optimizer's state holds a parameter-shaped tree (or a raveled copy,
+      or a list of the parameters' leaves) that is neither a registered
+      copy nor a known statistic, or a copy of another tree than ``model``
+      (an optimizer built for a submodule), before anything moves.
 
   Examples:
     >>> import jax.numpy as jnp
