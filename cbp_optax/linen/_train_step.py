@@ -74,6 +74,21 @@ def _old_counts(new: Any, old: Any) -> Any:
           for k, v in new.items()} if isinstance(old, Mapping) else new
 
 
+def _tx_update(state: TrainState, grads: Any, loss: jax.Array) -> Any:
+  """``state.tx.update``, with the loss as ``value=`` for an optimizer that
+  takes it (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, chains of them); one that takes
+  other extra arguments (SAM) and refuses ``value`` is updated without."""
+  if isinstance(state.tx, optax.GradientTransformationExtraArgs):
+    try:
+      return state.tx.update(grads, state.opt_state, state.params,
+                             value=loss)
+    except TypeError as error:
+      if "'value'" not in str(error):
+        raise
+  return state.tx.update(grads, state.opt_state, state.params)
+
+
 def _check_state_first(args: tuple[Any, ...]) -> None:
   if not args or not isinstance(args[0], TrainState):
     got = f'a {type(args[0]).__name__}' if args else 'no argument'
@@ -225,12 +240,7 @@ def train_step(
 
     def apply_step(state, grads, changed):
       centering, model_state, loss = changed
-      # The loss as value=, for an optimizer that takes extra arguments
-      # (optax.polyak_sgd, optax.contrib.momo, reduce_on_plateau).
-      extra = ({'value': loss} if isinstance(
-          state.tx, optax.GradientTransformationExtraArgs) else {})
-      updates, opt_state = state.tx.update(grads, state.opt_state,
-                                           state.params, **extra)
+      updates, opt_state = _tx_update(state, grads, loss)
       params = optax.apply_updates(state.params, updates)
       return state.replace(step=state.step + 1, params=params,
                            opt_state=opt_state, centering=centering,

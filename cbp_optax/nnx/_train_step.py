@@ -145,13 +145,20 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
     )
 
 
-def _step_extra_args(tx: Any, loss: jax.Array) -> dict[str, Any]:
-  """The loss as ``value=``, for an optimizer that takes extra arguments
-  (``optax.polyak_sgd``, ``optax.contrib.momo``,
-  ``optax.contrib.reduce_on_plateau``, and chains of them)."""
-  if isinstance(tx, optax.GradientTransformationExtraArgs):
-    return {'value': loss}
-  return {}
+def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
+            loss: jax.Array) -> None:
+  """``optimizer.update``, with the loss as ``value=`` for an optimizer that
+  takes it (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, chains of them); one that takes
+  other extra arguments (SAM) and refuses ``value`` is updated without."""
+  if isinstance(optimizer.tx, optax.GradientTransformationExtraArgs):
+    try:
+      optimizer.update(model, grads, value=loss)
+      return
+    except TypeError as error:
+      if "'value'" not in str(error):
+        raise
+  optimizer.update(model, grads)
 
 
 def _select(ok: Any, apply_step: Callable[..., None],
@@ -414,7 +421,7 @@ def train_step(
     def apply_step(model, optimizer, nodes, grads, changed):
       changed, loss = changed
       nnx.update((model, nodes), changed)
-      optimizer.update(model, grads, **_step_extra_args(optimizer.tx, loss))
+      _update(optimizer, model, grads, loss)
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
