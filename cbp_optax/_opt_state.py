@@ -37,6 +37,10 @@ import jax
 import numpy as np
 import optax
 
+from cbp_optax._optax_states import OPTAX_PARAMETER_FIELDS
+from cbp_optax._optax_states import OPTAX_REFUSED
+from cbp_optax._optax_states import OPTAX_STATISTICS
+from cbp_optax._optax_states import WRAPPER_FIELDS
 from cbp_optax._paths import key_name
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
@@ -84,67 +88,6 @@ PLAIN = TreeKind()
 _PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
 # Grows with every registration, so that a cached classification is redone.
 _VERSION = 0
-
-# optax's state types holding a copy of the parameters, by qualified name:
-# matched with the module too, so a user's type of the same name is not.
-_OPTAX_PARAMETER_FIELDS = {
-    'ScheduleFreeState': ('z',),
-    'SAMState': ('cache',),
-    'DoGState': ('init_params',),
-    'DoWGState': ('init_params',),
-    'ScaleByDistanceOverGradientsState': ('init_params',),
-    'MadgradState': ('x0',),
-    'MechanicState': ('x0',),
-    'ProdigyState': ('params0',),
-    'COCOBState': ('init_particles',),
-    'LookaheadParams': ('fast', 'slow'),
-}
-
-_OPTAX_REFUSED = {
-    'ScaleByLBFGSState': (
-        'it keeps the previous parameters and a memory of parameter '
-        'differences along an extra axis, which the transport does not move'
-    ),
-}
-
-# optax's state types audited (against their sources) to hold no copy of the
-# parameters: gradient statistics (momenta such as ``trace`` included),
-# counters, schedules, and wrappers of inner states. With the two tables
-# above, this classifies every state type of optax, optax.contrib,
-# optax.transforms and optax.schedules.
-_OPTAX_STATISTICS = frozenset({
-    'AccumulateAvgUpdatesState', 'AddNoiseState', 'ApplyIfFiniteState',
-    'BacktrackingLinesearchInfo', 'ConditionallyMaskState',
-    'ConditionallyTransformState', 'DAdaptAdamWState',
-    'DifferentiallyPrivateAggregateState', 'EmaState', 'EmptyState',
-    'FactoredState', 'GaLoreState', 'HutchinsonState',
-    'InjectHyperparamsState', 'InjectStatefulHyperparamsState',
-    'LookaheadState', 'MaskedNode', 'MaskedState', 'MomoAdamState',
-    'MomoState', 'MonitorState', 'MultiStepsState', 'MuonState',
-    'PartitionState', 'PerElementMeanAndSumSqDiffGradsState',
-    'PerElementMeanAndVarianceEMAState', 'ReduceLROnPlateauState',
-    'ScaleByAdaDeltaState', 'ScaleByAdamState', 'ScaleByAdanState',
-    'ScaleByAdemamixState', 'ScaleByAmsgradState',
-    'ScaleByBacktrackingLinesearchState', 'ScaleByBeliefState',
-    'ScaleByLionState', 'ScaleByNovogradState',
-    'ScaleByOptimisticGradientState', 'ScaleByRStdDevState',
-    'ScaleByRStdDevWithCountState', 'ScaleByRmsState',
-    'ScaleByRmsWithCountState', 'ScaleByRpropState', 'ScaleByRssState',
-    'ScaleBySM3State', 'ScaleByScheduleState',
-    'ScaleBySimplifiedAdEMAMixState', 'ScaleByTrustRatioState',
-    'ScaleByZoomLinesearchState', 'SnapshotState', 'SophiaState',
-    'SplitRealAndImaginaryState', 'TraceState', 'WrappedScheduleState',
-    'ZeroNansState',
-    'ZoomLinesearchInfo',
-})
-
-# Fields of optax's wrappers that hold the inner optimizer's state: what they
-# hold is classified by its own type, not as a statistic of the wrapper.
-_WRAPPER_FIELDS = frozenset({
-    'adv_state', 'base_optimizer_state', 'fast_state', 'hyperparams_states',
-    'inner_opt_state', 'inner_state', 'inner_states', 'measure_states',
-    'opt_state',
-})
 
 _CBP_STATISTICS = frozenset({'EqualizeState', 'PreconditionState'})
 
@@ -259,9 +202,9 @@ def parameter_fields(state_type: type) -> Optional[tuple[str, ...]]:
     return _PARAMETER_FIELDS[state_type]
   name = state_type.__qualname__
   if _is_optax(state_type):
-    if name in _OPTAX_PARAMETER_FIELDS:
-      return _OPTAX_PARAMETER_FIELDS[name]
-    if name in _OPTAX_STATISTICS:
+    if name in OPTAX_PARAMETER_FIELDS:
+      return OPTAX_PARAMETER_FIELDS[name]
+    if name in OPTAX_STATISTICS:
       return ()
   if _is_cbp(state_type):
     return ()
@@ -391,16 +334,8 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
                                          tuple[int, ...]]] = None) -> Any:
   """Moves every centered bias in one parameter copy by its own kernel.
 
-  Args:
-    copy: a copy (or an average) of the parameters, or of a part of them.
-    moves: the centered layers.
-    where: the copy's place, for messages.
-    kind: how the trees box their leaves.
-    shapes: :func:`parameter_shapes` of the model's parameters, to refuse
-      a copy of another tree; None not to check.
-
-  Returns:
-    The copy with every centered bias moved (boxes written in place).
+  With ``shapes`` (:func:`parameter_shapes` of the model's parameters), a
+  copy of another tree is refused. Boxes are written in place.
 
   Raises:
     UnclassifiedStateError: a copy that holds a layer's bias without its
@@ -564,10 +499,10 @@ def transport_state(
                for k, child in children]
       return jax.tree_util.tree_unflatten(treedef, inner)
     state_type = type(node)
-    if _is_optax(state_type) and state_type.__qualname__ in _OPTAX_REFUSED:
+    if _is_optax(state_type) and state_type.__qualname__ in OPTAX_REFUSED:
       raise UnclassifiedStateError(
           f'transport: optax\'s {state_type.__qualname__} cannot be '
-          f'transported: {_OPTAX_REFUSED[state_type.__qualname__]}. Train a '
+          f'transported: {OPTAX_REFUSED[state_type.__qualname__]}. Train a '
           'centered model with another optimizer, or leave centering out.')
     fields = parameter_fields(state_type)
     if fields and state_type in _PARAMETER_FIELDS:
@@ -577,7 +512,7 @@ def transport_state(
     for key, child in children:
       name = key_name(key)
       wrapper = (_is_optax(state_type) and fields is not None
-                 and name in _WRAPPER_FIELDS)
+                 and name in WRAPPER_FIELDS)
       child_owner = None if wrapper else (state_type, name, fields)
       inner.append(walk(child, child_owner,
                         f'{label}.{name}' if isinstance(name, str)

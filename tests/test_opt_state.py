@@ -57,13 +57,13 @@ def test_opt_state_every_optax_state_class_is_classified():
   unclassified = sorted(
       name for name, cls in classes.items()
       if _opt_state.parameter_fields(cls) is None
-      and name not in _opt_state._OPTAX_REFUSED)
+      and name not in _opt_state.OPTAX_REFUSED)
   assert not unclassified, unclassified
 
 
 def test_opt_state_parameter_fields_name_real_fields():
   classes = optax_state_classes()
-  for name, fields in _opt_state._OPTAX_PARAMETER_FIELDS.items():
+  for name, fields in _opt_state.OPTAX_PARAMETER_FIELDS.items():
     if name in classes and hasattr(classes[name], '_fields'):
       assert set(fields) <= set(classes[name]._fields), name
 
