@@ -29,6 +29,7 @@ with a :class:`TreeKind`, which its adapter passes in.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -36,6 +37,10 @@ import jax
 import numpy as np
 import optax
 
+from cbp_optax._optax_states import OPTAX_PARAMETER_FIELDS
+from cbp_optax._optax_states import OPTAX_REFUSED
+from cbp_optax._optax_states import OPTAX_STATISTICS
+from cbp_optax._optax_states import WRAPPER_FIELDS
 from cbp_optax._paths import key_name
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
@@ -64,6 +69,9 @@ class TreeKind(NamedTuple):
     rebuild: ``rebuild(tree, key, child)``: ``tree`` with ``child`` at
       ``key`` for a mapping it knows, else None (then the mapping is copied
       as a ``dict`` and its type called on the copy).
+    moved: whether a box is moved already, as the model's own (a state that
+      holds the model's boxes themselves rather than copies of them): its
+      bias is then left, so that it moves once.
   """
 
   is_box: Callable[[Any], bool] = _never
@@ -71,6 +79,7 @@ class TreeKind(NamedTuple):
   store: Optional[Callable[[Any, Any], None]] = None
   mappings: tuple[type, ...] = ()
   rebuild: Optional[Callable[[Any, Any, Any], Any]] = None
+  moved: Callable[[Any], bool] = _never
 
 
 PLAIN = TreeKind()
@@ -80,63 +89,6 @@ _PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
 # Grows with every registration, so that a cached classification is redone.
 _VERSION = 0
 
-# optax's state types holding a copy of the parameters, by qualified name:
-# matched with the module too, so a user's type of the same name is not.
-_OPTAX_PARAMETER_FIELDS = {
-    'ScheduleFreeState': ('z',),
-    'SAMState': ('cache',),
-    'DoGState': ('init_params',),
-    'DoWGState': ('init_params',),
-    'ScaleByDistanceOverGradientsState': ('init_params',),
-    'MadgradState': ('x0',),
-    'MechanicState': ('x0',),
-    'ProdigyState': ('params0',),
-    'COCOBState': ('init_particles',),
-    'LookaheadParams': ('fast', 'slow'),
-}
-
-_OPTAX_REFUSED = {
-    'ScaleByLBFGSState': (
-        'it keeps the previous parameters and a memory of parameter '
-        'differences along an extra axis, which the transport does not move'
-    ),
-}
-
-# optax's state types audited to hold no copy of the parameters: gradient
-# statistics, counters, schedules, and wrappers of inner states.
-_OPTAX_STATISTICS = frozenset({
-    'AccumulateAvgUpdatesState', 'AddNoiseState', 'ApplyIfFiniteState',
-    'BacktrackingLinesearchInfo', 'ConditionallyMaskState',
-    'ConditionallyTransformState', 'DAdaptAdamWState',
-    'DifferentiallyPrivateAggregateState', 'EmaState', 'EmptyState',
-    'FactoredState', 'GaLoreState', 'HutchinsonState',
-    'InjectHyperparamsState', 'InjectStatefulHyperparamsState',
-    'LookaheadState', 'MaskedNode', 'MaskedState', 'MomoAdamState',
-    'MomoState', 'MonitorState', 'MultiStepsState', 'MuonState',
-    'PartitionState', 'PerElementMeanAndSumSqDiffGradsState',
-    'PerElementMeanAndVarianceEMAState', 'ReduceLROnPlateauState',
-    'ScaleByAdaDeltaState', 'ScaleByAdamState', 'ScaleByAdanState',
-    'ScaleByAdemamixState', 'ScaleByAmsgradState',
-    'ScaleByBacktrackingLinesearchState', 'ScaleByBeliefState',
-    'ScaleByLionState', 'ScaleByNovogradState',
-    'ScaleByOptimisticGradientState', 'ScaleByRStdDevState',
-    'ScaleByRStdDevWithCountState', 'ScaleByRmsState',
-    'ScaleByRmsWithCountState', 'ScaleByRpropState', 'ScaleByRssState',
-    'ScaleBySM3State', 'ScaleByScheduleState',
-    'ScaleBySimplifiedAdEMAMixState', 'ScaleByTrustRatioState',
-    'ScaleByZoomLinesearchState', 'SnapshotState', 'SophiaState',
-    'SplitRealAndImaginaryState', 'WrappedScheduleState', 'ZeroNansState',
-    'ZoomLinesearchInfo',
-})
-
-# Fields of optax's wrappers that hold the inner optimizer's state: what they
-# hold is classified by its own type, not as a statistic of the wrapper.
-_WRAPPER_FIELDS = frozenset({
-    'adv_state', 'base_optimizer_state', 'fast_state', 'hyperparams_states',
-    'inner_opt_state', 'inner_state', 'inner_states', 'measure_states',
-    'opt_state',
-})
-
 _CBP_STATISTICS = frozenset({'EqualizeState', 'PreconditionState'})
 
 _CONTAINERS = (dict, list, tuple, type(None))
@@ -144,6 +96,30 @@ _CONTAINERS = (dict, list, tuple, type(None))
 
 class UnclassifiedStateError(TypeError):
   """An optimizer state the transport cannot tell statistic from parameters."""
+
+
+def _declared_fields(state_type: type) -> Optional[tuple[str, ...]]:
+  """The fields a state type declares (a NamedTuple's, a dataclass's --
+  Flax's and chex's included); None for another kind of class, whose
+  fields are checked at its first state instead."""
+  if hasattr(state_type, '_fields'):
+    return tuple(state_type._fields)
+  if dataclasses.is_dataclass(state_type):
+    return tuple(f.name for f in dataclasses.fields(state_type))
+  return None
+
+
+def _check_fields_present(state_type: type, fields: Sequence[str],
+                          names: Sequence[Any], label: str) -> None:
+  """Refuses a registered field that a state of that type does not have
+  (a type that declares no fields is checked here, at the first state)."""
+  missing = [f for f in fields if f not in names]
+  if missing:
+    raise ValueError(
+        f'register_parameter_state: {state_type.__qualname__} was registered '
+        f'with the field {missing[0]!r}, which its state at {label} does not '
+        f'have (its pytree children: {", ".join(str(n) for n in names)}); '
+        'a state type must flatten with its field names as keys.')
 
 
 def register_parameter_state(state_type: type, *fields: str) -> None:
@@ -158,7 +134,7 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
   if bad:
     raise TypeError('register_parameter_state: fields are attribute names '
                     f'(strings), got {bad[0]!r}.')
-  known = getattr(state_type, '_fields', None)
+  known = _declared_fields(state_type)
   if known is not None:
     missing = [f for f in fields if f not in known]
     if missing:
@@ -226,9 +202,9 @@ def parameter_fields(state_type: type) -> Optional[tuple[str, ...]]:
     return _PARAMETER_FIELDS[state_type]
   name = state_type.__qualname__
   if _is_optax(state_type):
-    if name in _OPTAX_PARAMETER_FIELDS:
-      return _OPTAX_PARAMETER_FIELDS[name]
-    if name in _OPTAX_STATISTICS:
+    if name in OPTAX_PARAMETER_FIELDS:
+      return OPTAX_PARAMETER_FIELDS[name]
+    if name in OPTAX_STATISTICS:
       return ()
   if _is_cbp(state_type):
     return ()
@@ -249,6 +225,9 @@ class LayerMove(NamedTuple):
       must hold its own).
     shift: ``shift(kernel, bias) -> bias + kernel (mu_new - mu_old)``; None
       to check only.
+    kernel_path: the kernel's full path where the parameter tree holds it
+      elsewhere (a kernel shared between layers sits at its first owner's
+      path); None for ``path + kernel_key``.
   """
 
   path: Path
@@ -258,6 +237,7 @@ class LayerMove(NamedTuple):
   kernel: Any
   kernel_trained: bool
   shift: Optional[Callable[[Any, Any], Any]]
+  kernel_path: Optional[Path] = None
 
 
 def _lookup(tree: Any, path: Path, kind: TreeKind) -> Any:
@@ -313,14 +293,54 @@ def _replace(tree: Any, path: Path, value: Any, kind: TreeKind) -> Any:
   return new if type(tree) is dict else type(tree)(new)
 
 
+def parameter_shapes(params: Any, kind: TreeKind = PLAIN
+                     ) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """Every array leaf of the model's parameter tree: its path's names and
+  its shape (what a copy of the parameters is matched against)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(params,
+                                                   is_leaf=kind.is_box)
+  return {path_names(path): tuple(np.shape(_value(leaf, kind)))
+          for path, leaf in leaves if _is_array(leaf, kind)}
+
+
+def _check_matches(copy: Any, shapes: dict[tuple[str, ...], tuple[int, ...]],
+                   where: str, kind: TreeKind) -> None:
+  """Refuses a copy whose leaves are not the model's parameters."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(copy, is_leaf=kind.is_box)
+  for path, leaf in leaves:
+    if not _is_array(leaf, kind):
+      continue
+    names = path_names(path)
+    shape = tuple(np.shape(_value(leaf, kind)))
+    if shapes.get(names) == shape:
+      continue
+    found = ('the model has no parameter there' if names not in shapes
+             else f'the model\'s is shaped {shapes[names]}, the copy\'s '
+             f'{shape}')
+    raise UnclassifiedStateError(
+        f'transport: {where} is a copy of parameters, but its leaf at '
+        f'{path_str(names)!r} matches none of the model\'s ({found}): the '
+        'optimizer (or opt_state) was built for another tree than the model '
+        'given to the transport, such as a submodule (model.head) while the '
+        'whole model is transported, and its copies would be left unmoved. '
+        'Build the optimizer on the model that is transported (select the '
+        'part it trains with wrt=, or optax.masked / optax.partition), or '
+        'transport the same tree the optimizer was built for.')
+
+
 def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
-                   kind: TreeKind = PLAIN) -> Any:
+                   kind: TreeKind = PLAIN,
+                   shapes: Optional[dict[tuple[str, ...],
+                                         tuple[int, ...]]] = None) -> Any:
   """Moves every centered bias in one parameter copy by its own kernel.
+
+  With ``shapes`` (:func:`parameter_shapes` of the model's parameters), a
+  copy of another tree is refused. Boxes are written in place.
 
   Raises:
     UnclassifiedStateError: a copy that holds a layer's bias without its
       kernel (or its kernel without its bias), whose function no bias
-      move keeps.
+      move keeps, or a copy of another tree than the model's.
   """
   if copy is None:
     return copy
@@ -328,9 +348,12 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
     raise UnclassifiedStateError(
         f'transport: {where} is registered as holding parameters but holds '
         f'a {type(copy).__name__}, not a tree like the parameters.')
+  if shapes is not None:
+    _check_matches(copy, shapes, where, kind)
   for move in moves:
     bias = _lookup(copy, move.path + move.bias_key, kind)
-    kernel = _lookup(copy, move.path + move.kernel_key, kind)
+    kernel = _lookup(copy, move.kernel_path or move.path + move.kernel_key,
+                     kind)
     has_bias, has_kernel = _is_array(bias, kind), _is_array(kernel, kind)
     if not has_bias and not has_kernel:
       continue  # this copy does not hold the layer (a partition)
@@ -345,7 +368,8 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
           'that splits one layer between optimizers): no bias move keeps the '
           'function of such a copy. Give the kernel and the bias of a '
           'centered layer the same optimizer.')
-    if move.shift is not None:
+    shared = kind.is_box(bias) and kind.moved(bias)
+    if move.shift is not None and not shared:
       new = move.shift(_value(kernel, kind), _value(bias, kind))
       copy = _replace(copy, move.path + move.bias_key, new, kind)
   return copy
@@ -397,15 +421,33 @@ def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
       'unchanged) or a gradient statistic (to be left). ' + remedy)
 
 
+def _unstructured(owner: Optional[tuple[type, Any]], label: str,
+                  what: str) -> str:
+  place = ('directly in a chain or wrapper' if owner is None else
+           f'in the field {owner[1]!r} of the state type '
+           f'{owner[0].__module__}.{owner[0].__qualname__}')
+  return (
+      f'transport: the optimizer state holds {what} at {label}, {place}. '
+      'The transport cannot tell whether it is a copy of the parameters (to '
+      'be moved with the biases) or a gradient statistic, and it cannot '
+      'move a copy stored in that form. Keep a copy of the parameters as a '
+      'tree like them in a field of a state type, and declare it with '
+      "cbp_optax.centering.register_parameter_state(StateType, 'field'); "
+      'register_parameter_state(StateType) with no field declares that the '
+      'state holds gradient statistics only.')
+
+
 def transport_state(
     state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state',
-    kind: TreeKind = PLAIN,
+    kind: TreeKind = PLAIN, params: Any = None,
 ) -> Any:
   """``state`` with every parameter copy transported (see the module doc).
 
   With ``LayerMove.shift`` None it only classifies, raising what the
   transport would raise. Boxed leaves (``kind``) are written in place; other
-  trees are rebuilt.
+  trees are rebuilt. With ``params`` (the model's parameter tree), a copy
+  whose leaves are not the model's parameters by path and shape (a state
+  built for another tree) is refused.
 
   Raises:
     UnclassifiedStateError: a parameter-shaped tree that is neither in a
@@ -414,35 +456,63 @@ def transport_state(
   """
   if not moves:
     return state
+  shapes = None if params is None else parameter_shapes(params, kind)
+
+  leaf_shapes = None if shapes is None else list(shapes.values())
+  size = None if shapes is None else sum(
+      int(np.prod(shape)) for shape in leaf_shapes)
+
+  def unknown(owner):
+    return owner is None or owner[2] is None
 
   def walk(node, owner, label):
     if _stop(node, kind):
+      if (size is not None and size > 1 and unknown(owner)
+          and _is_array(node, kind)
+          and np.shape(_value(node, kind)) == (size,)):
+        raise UnclassifiedStateError(_unstructured(
+            owner and owner[:2], label,
+            f'a vector of {size} entries, as many as the parameters (a '
+            'raveled copy, as jax.flatten_util.ravel_pytree makes)'))
       return node
     if owner is not None and owner[2] and owner[1] in owner[2]:
       # A field that holds parameters: the copy itself.
-      return transport_copy(node, moves, label, kind)
+      return transport_copy(node, moves, label, kind, shapes)
     if parameter_shaped(node, moves, kind):
-      if owner is None or owner[2] is None:
+      if unknown(owner):
         raise UnclassifiedStateError(_unclassified(
             owner and owner[:2], label))
       return node  # a gradient statistic of a known type
     children, treedef = _children(node)
+    if (leaf_shapes is not None and len(leaf_shapes) > 1 and unknown(owner)
+        and isinstance(node, (list, tuple)) and not hasattr(node, '_fields')
+        and len(children) == len(leaf_shapes)
+        and all(_is_array(c, kind) for _, c in children)
+        and sorted(tuple(np.shape(_value(c, kind))) for _, c in children)
+        == sorted(leaf_shapes)):
+      raise UnclassifiedStateError(_unstructured(
+          owner and owner[:2], label,
+          f'a {type(node).__name__} of {len(children)} arrays shaped like '
+          'the parameters\' leaves (a copy as jax.tree.leaves gives it)'))
     if _is_container(node, kind):
       inner = [walk(child, owner, f'{label}[{key_name(k)!r}]')
                for k, child in children]
       return jax.tree_util.tree_unflatten(treedef, inner)
     state_type = type(node)
-    if _is_optax(state_type) and state_type.__qualname__ in _OPTAX_REFUSED:
+    if _is_optax(state_type) and state_type.__qualname__ in OPTAX_REFUSED:
       raise UnclassifiedStateError(
           f'transport: optax\'s {state_type.__qualname__} cannot be '
-          f'transported: {_OPTAX_REFUSED[state_type.__qualname__]}. Train a '
+          f'transported: {OPTAX_REFUSED[state_type.__qualname__]}. Train a '
           'centered model with another optimizer, or leave centering out.')
     fields = parameter_fields(state_type)
+    if fields and state_type in _PARAMETER_FIELDS:
+      _check_fields_present(state_type, fields,
+                            [key_name(k) for k, _ in children], label)
     inner = []
     for key, child in children:
       name = key_name(key)
       wrapper = (_is_optax(state_type) and fields is not None
-                 and name in _WRAPPER_FIELDS)
+                 and name in WRAPPER_FIELDS)
       child_owner = None if wrapper else (state_type, name, fields)
       inner.append(walk(child, child_owner,
                         f'{label}.{name}' if isinstance(name, str)
@@ -465,6 +535,26 @@ def find_states(state: Any, state_type: type,
 
   jax.tree_util.tree_map(lambda x: x, state, is_leaf=visit)
   return found
+
+
+def check_fusable(state: Any, where: str, kind: TreeKind = PLAIN) -> None:
+  """Refuses an optimizer a fused step cannot run: ``optax.lookahead``,
+  whose parameters are a ``LookaheadParams`` pair (fast and slow) rather
+  than the model's parameters.
+
+  Raises:
+    TypeError: ``state`` holds a ``LookaheadState``.
+  """
+  if find_states(state, optax.LookaheadState, kind):
+    raise TypeError(
+        f'{where}: optax.lookahead updates an optax.LookaheadParams pair '
+        '(fast and slow parameters), not the model\'s parameters, and the '
+        'fused step differentiates and updates the model\'s own: it cannot '
+        'run it. Write the step by hand on LookaheadParams (differentiate '
+        'at .fast, tx.update(grads, opt_state, lookahead_params)) and '
+        'transport both with cbp_optax.linen.transport(lookahead_params, '
+        'centering, opt_state=opt_state), which moves the fast and the slow '
+        'parameters each by its own kernel.')
 
 
 def evaluation_params(state: Any, params: Any) -> Any:

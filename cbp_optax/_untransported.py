@@ -25,6 +25,12 @@ per process). Host callbacks cannot be serialized: a program traced while
 check, which is the way to ``jax.export`` a training-mode forward pass
 (``jit`` caches a trace per function: ignore it before the first trace).
 Evaluation records nothing and so has no check either.
+
+An eager call (no trace) decides in Python, and a ``warnings`` filter that
+turns the warning into an error raises :class:`UntransportedWarning` itself.
+In a compiled program the warning is raised inside the host callback, so
+such a filter surfaces as the runtime's callback error, whose message holds
+the warning: no exception raised in a callback reaches the caller as itself.
 """
 
 from __future__ import annotations
@@ -159,5 +165,12 @@ def check(before: jax.Array, after: jax.Array, positions: int,
   if positions <= 0 or _ignored(framework):
     return after
   threshold = CALLS * positions
+  if not any(isinstance(x, jax.core.Tracer) for x in (before, after)):
+    # An eager call: decided here, in Python, so that a filter turning the
+    # warning into an error raises it as itself (raised in a host callback,
+    # it reaches the caller as the runtime's callback error).
+    if bool(jnp.any((before < threshold) & (after >= threshold))):
+      _warn_once(framework)
+    return after
   return _pass_through(framework)(
       (before < threshold) & (after >= threshold), after)

@@ -499,3 +499,135 @@ def test_staged_tells_an_outer_trace_from_eager_calls():
   jax.grad(record)(1.0)
   assert seen == [True, True, True]
   assert not _step.staged((x,))
+
+
+class _MaskedConv(nnx.Module):
+  """A model holding plain array attributes: a Conv's mask, nnx.data."""
+
+  def __init__(self):
+    mask = np.ones((3, 3, 2, 3), np.float32)
+    mask[0, 0] = 0.0
+    self.conv = nnx.Conv(2, 3, (3, 3), mask=jnp.asarray(mask),
+                         rngs=nnx.Rngs(0))
+    self.scale = nnx.data(jnp.asarray([1.0, 2.0, 3.0]))
+
+  def __call__(self, x):
+    return self.conv(x).mean((1, 2)) * self.scale
+
+
+def test_nnx_fused_step_on_a_model_with_plain_array_attributes():
+  loss = lambda m, x: jnp.mean((m(x) - 1.0) ** 2)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 5, 5, 2))
+                  + 2.0, jnp.float32)
+  fused, unfused = _MaskedConv(), _MaskedConv()
+  for model in (fused, unfused):
+    cbp.nnx.center(model)
+  fused_opt = cbp.nnx.Optimizer(fused, optax.adam(1e-2))
+  unfused_opt = nnx.Optimizer(unfused, optax.adam(1e-2), wrt=nnx.Param)
+  step = cbp.nnx.train_step(loss, mean_decay=0.5)
+
+  @nnx.jit
+  def unfused_step(model, optimizer, x):
+    grads = nnx.grad(loss)(model, x)
+    optimizer.update(model, grads)
+    cbp.nnx.transport(model, 0.5, optimizer=optimizer)
+
+  for _ in range(3):
+    assert not bool(step(fused, fused_opt, x).skipped)
+    unfused_step(unfused, unfused_opt, x)
+  np.testing.assert_allclose(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(fused.scale, jnp.asarray([1.0, 2.0, 3.0]))
+
+
+def _small_nnx():
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.tanh,
+                         nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+  cbp.nnx.center(model)
+  return model
+
+
+UNCOMMON = [
+    ('sm3', lambda: optax.sm3(0.1)),
+    ('polyak_sgd', lambda: optax.polyak_sgd(1.0)),
+    ('momo', lambda: optax.contrib.momo(0.1)),
+    ('reduce_on_plateau', lambda: optax.chain(
+        optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))),
+]
+
+
+@pytest.mark.parametrize('make_tx', [m for _, m in UNCOMMON],
+                         ids=[n for n, _ in UNCOMMON])
+def test_fused_steps_run_optimizers_of_uncommon_shapes(make_tx):
+  # optax.sm3's state lists turn into graph nodes at the first NNX update;
+  # polyak_sgd, momo and reduce_on_plateau take the loss as value=.
+  loss = lambda m, x: jnp.mean((m(x) - 1.0) ** 2)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 3)) + 2.0,
+                  jnp.float32)
+  fused, unfused = _small_nnx(), _small_nnx()
+  fused_opt = cbp.nnx.Optimizer(fused, make_tx())
+  unfused_opt = nnx.Optimizer(unfused, make_tx(), wrt=nnx.Param)
+  step = cbp.nnx.train_step(loss, mean_decay=0.5)
+
+  @nnx.jit
+  def unfused_step(model, optimizer, x):
+    value, grads = nnx.value_and_grad(loss)(model, x)
+    extra = ({'value': value} if isinstance(
+        optimizer.tx, optax.GradientTransformationExtraArgs) else {})
+    optimizer.update(model, grads, **extra)
+    cbp.nnx.transport(model, 0.5, optimizer=optimizer)
+
+  for _ in range(3):
+    assert not bool(step(fused, fused_opt, x).skipped)
+    unfused_step(unfused, unfused_opt, x)
+  np.testing.assert_allclose(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
+  # Linen: the fused step runs and matches its unfused loop.
+  net = cbp.linen.center(nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(2)]))
+  variables = net.init(jax.random.key(0), x)
+  tx = make_tx()
+  state = cbp.linen.TrainState.create(  # donated: its own arrays
+      apply_fn=net.apply, params=jax.tree.map(jnp.copy, variables['params']),
+      centering=jax.tree.map(jnp.copy, variables['centering']), tx=tx)
+  linen_step = cbp.linen.train_step(
+      lambda apply, x: jnp.mean((apply(x) - 1.0) ** 2), mean_decay=0.5)
+  params, centering = variables['params'], variables['centering']
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def linen_unfused(params, centering, opt_state, x):
+    def loss_of(p):
+      y, changed = net.apply({'params': p, 'centering': centering}, x,
+                             mutable=['centering'])
+      return jnp.mean((y - 1.0) ** 2), changed
+    (value, changed), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        params)
+    extra = ({'value': value} if isinstance(
+        tx, optax.GradientTransformationExtraArgs) else {})
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    return cbp.linen.transport(optax.apply_updates(params, updates),
+                               changed['centering'], 0.5, opt_state=opt_state)
+
+  for _ in range(3):
+    state, out = linen_step(state, x)
+    assert not bool(out.skipped)
+    params, centering, opt_state = linen_unfused(params, centering,
+                                                 opt_state, x)
+  np.testing.assert_allclose(
+      net.apply({'params': state.params, 'centering': state.centering}, x),
+      net.apply({'params': params, 'centering': centering}, x),
+      rtol=1e-5, atol=1e-6)
+
+
+def test_fused_steps_refuse_lookahead_with_the_reason():
+  tx = lambda: optax.lookahead(optax.sgd(0.1), 2, 0.5)
+  x = jnp.ones((4, 3))
+  model = _small_nnx()
+  optimizer = cbp.nnx.Optimizer(model, tx())
+  with pytest.raises(TypeError, match='optax.lookahead.*LookaheadParams'):
+    cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))(model, optimizer, x)
+  net = cbp.linen.center(nn.Dense(2))
+  variables = net.init(jax.random.key(0), x)
+  state = cbp.linen.TrainState.create(
+      apply_fn=net.apply, params=variables['params'],
+      centering=variables['centering'], tx=tx())
+  with pytest.raises(TypeError, match='optax.lookahead.*LookaheadParams'):
+    cbp.linen.train_step(lambda apply, x: jnp.mean(apply(x) ** 2))(state, x)

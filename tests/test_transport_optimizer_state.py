@@ -316,6 +316,36 @@ def test_nnx_functional_transport_moves_the_optax_state_copies():
     assert_only_copy_biases_moved(state_before, opt_state, COPY_FIELDS)
 
 
+@pytest.mark.parametrize('name', ['every_covered'] + [
+    n for n, _, _ in COVERED if n in ('dog', 'prodigy', 'cocob', 'sam')])
+def test_nnx_functional_transport_of_a_state_holding_the_models_variables(
+    name):
+  # ``tx.init(nnx.state(model, nnx.Param))`` (Variables, not arrays): the
+  # copies of DoG, Prodigy, COCOB and SAM are the model's own Variables; each
+  # bias must move once (as the model's), not once more as the copy's.
+  make = (every_covered if name == 'every_covered'
+          else dict((n, m) for n, m, _ in COVERED)[name])
+  with jax.enable_x64(True):
+    model = NnxNet(nnx.Rngs(0))
+    cbp.nnx.center(model)
+    opt_state = make().init(nnx.state(model, nnx.Param))
+    x = inputs(X_SHAPE, 3)
+    function = lambda c: nnx_function(model, c, x)
+    nnx_record(model, inputs(X_SHAPE, 1, 1.0))
+    opt_state = cbp.nnx.transport(model, 0.5, opt_state=opt_state)
+    copies = {k: nnx.as_pure(c) for k, c in copies_of(opt_state).items()}
+    before = {k: function(c) for k, c in copies.items()}
+    model_before = function(nnx.as_pure(nnx.state(model, nnx.Param)))
+    nnx_record(model, inputs(X_SHAPE, 4, 6.0))
+    opt_state = cbp.nnx.transport(model, 0.0, opt_state=opt_state)
+    change = max_relative(function(nnx.as_pure(nnx.state(model, nnx.Param))),
+                          model_before)
+    assert change <= F64_TOLERANCE, change
+    for key, copy in copies_of(opt_state).items():
+      change = max_relative(function(nnx.as_pure(copy)), before[key])
+      assert change <= F64_TOLERANCE, (key, change)
+
+
 class _DenseNormDense(nnx.Module):
 
   def __init__(self, rngs):
@@ -603,6 +633,38 @@ def test_copy_that_splits_a_layer_between_optimizers_is_refused():
                      match="holds the kernel of the centered layer "
                            "'layers/0' but not its bias"):
     cbp.nnx.Optimizer(small_nnx(), tx)
+
+
+def test_optimizer_built_for_a_submodule_is_refused_on_the_whole_model():
+  # An optimizer (or opt_state) built for model.head, and the transport
+  # called on the whole model: no path of z matches, and z was left unmoved.
+  tx = lambda: optax.contrib.schedule_free_sgd(0.1)
+  expected = "'layer/bias'.*built for another tree"
+  model = small_nnx()
+  head = model.layers[2]
+  optimizer = cbp.nnx.Optimizer(head, tx())
+  model(jnp.ones((4, 3)) + 2.0)
+  with pytest.raises(core.UnclassifiedStateError, match=expected):
+    cbp.nnx.transport(model, 0.0, optimizer=optimizer)
+  opt_state = tx().init(nnx.as_pure(nnx.state(head, nnx.Param)))
+  with pytest.raises(core.UnclassifiedStateError, match=expected):
+    cbp.nnx.transport(model, 0.0, opt_state=opt_state)
+  step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+  with pytest.raises(core.UnclassifiedStateError, match=expected):
+    step(model, optimizer, jnp.ones((4, 3)))
+  # Linen: an opt_state built on params['Dense_1'].
+  net = cbp.linen.center(LinenNet(jnp.float32))
+  variables = net.init(jax.random.key(0), inputs(X_SHAPE, 0,
+                                                 dtype=jnp.float32))
+  head_state = tx().init(variables['params']['Dense_0'])
+  with pytest.raises(core.UnclassifiedStateError,
+                     match="'bias'.*built for another tree"):
+    cbp.linen.transport(variables['params'], variables['centering'],
+                        opt_state=head_state)
+  # The optimizer of the whole model, restricted with wrt=, is accepted.
+  model = small_nnx()
+  cbp.nnx.Optimizer(model, tx(), wrt=nnx.All(nnx.Param,
+                                             nnx.PathContains('2')))
 
 
 # ----------------------------------------------------------------------------
@@ -1001,3 +1063,56 @@ def test_muon_with_the_helper_trains_centered_models():
     state, out = step(state, x)
     losses.append(float(out.loss))
   assert losses[-1] < losses[0], losses
+
+
+class _SharedKernel(nnx.Module):
+  """Two dense layers sharing one kernel (tied weights), each its own bias."""
+
+  def __init__(self, rngs):
+    self.first = nnx.Linear(3, 3, param_dtype=F64, rngs=rngs)
+    self.second = nnx.Linear(3, 3, param_dtype=F64, rngs=rngs)
+    self.second.kernel = self.first.kernel
+    self.head = nnx.Linear(3, 2, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.second(jnp.tanh(self.first(x)))))
+
+
+@pytest.mark.parametrize('name', ['schedule_free_sgd', 'sam'])
+def test_nnx_shared_kernel_copies_move_by_the_copys_kernel(name):
+  # The second layer's kernel sits at the first's path in every copy: its
+  # bias must move by the copy's kernel, not the model's.
+  make = dict((n, m) for n, m, _ in COVERED)[name]
+  with jax.enable_x64(True):
+    model = _SharedKernel(nnx.Rngs(0))
+    cbp.nnx.center(model)
+    optimizer = cbp.nnx.Optimizer(model, make())
+    nnx.update(model, perturbed(nnx.state(model, nnx.Param), 1))
+    record = nnx.jit(lambda m, x: m(x))
+    record(model, inputs((5, 3), 1, 1.0))
+    cbp.nnx.transport(model, 0.5, optimizer=optimizer)
+    x = inputs((5, 3), 3)
+    function = lambda c: nnx_function(model, c, x)
+    copies = {k: nnx.as_pure(c) for k, c in
+              copies_of(optimizer.opt_state).items()}
+    assert copies
+    before = {k: function(c) for k, c in copies.items()}
+    record(model, inputs((5, 3), 4, 6.0))
+    cbp.nnx.transport(model, 0.0, optimizer=optimizer)
+    for key, copy in copies_of(optimizer.opt_state).items():
+      change = max_relative(function(nnx.as_pure(copy)), before[key])
+      assert change <= F64_TOLERANCE, (key, change)
+
+
+def test_nnx_muon_dimension_numbers_taken_before_center():
+  # Taken before center, the helper sees the centered paths once muon asks.
+  before, after = MuonNet(nnx.Rngs(0)), MuonNet(nnx.Rngs(0))
+  early = cbp.nnx.muon_dimension_numbers(before)
+  cbp.nnx.center(before)
+  cbp.nnx.center(after)
+  late = cbp.nnx.muon_dimension_numbers(after)
+  params = nnx.as_pure(nnx.state(before, nnx.Param))
+  got = early(params)
+  assert got['conv']['layer']['kernel'] is not None
+  assert jax.tree.leaves(got, is_leaf=lambda x: x is None) == jax.tree.leaves(
+      late(params), is_leaf=lambda x: x is None)

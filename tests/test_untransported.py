@@ -280,3 +280,24 @@ def test_gradients_may_be_taken_with_respect_to_every_collection():
   grads, changed = jax.jit(jax.grad(loss_fn, has_aux=True))(variables)
   chex.assert_trees_all_equal_structs(grads, variables)
   assert float(changed['centering']['Dense_0']['batch_count'][0]) == 16.0
+
+
+def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
+  # Decided in Python, not in a host callback (whose exception reached the
+  # caller as the runtime's INTERNAL callback error).
+  x, _ = batch()
+  model, _ = nnx_pair()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(UntransportedWarning, match='cbp.nnx.transport'):
+      for _ in range(CALLS):
+        model(x)
+  _untransported._warned.clear()
+  linen_model = cbp.linen.center(LinenNet())
+  variables = linen_model.init(jax.random.key(0), x)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(UntransportedWarning, match='cbp.linen.transport'):
+      for _ in range(CALLS):
+        _, changed = linen_model.apply(variables, x, mutable=['centering'])
+        variables = {**variables, **changed}

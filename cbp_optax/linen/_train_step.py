@@ -15,6 +15,7 @@ from flax.training import train_state
 from cbp_optax import _checks
 from cbp_optax import _opt_state
 from cbp_optax import _step
+from cbp_optax._flax_state import FLAX
 from cbp_optax._step import StepOutput
 
 from cbp_optax.linen._transport import check_opt_state
@@ -73,6 +74,21 @@ def _old_counts(new: Any, old: Any) -> Any:
           for k, v in new.items()} if isinstance(old, Mapping) else new
 
 
+def _tx_update(state: TrainState, grads: Any, loss: jax.Array) -> Any:
+  """``state.tx.update``, with the loss as ``value=`` for an optimizer that
+  takes it (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, chains of them); one that takes
+  other extra arguments (SAM) and refuses ``value`` is updated without."""
+  if isinstance(state.tx, optax.GradientTransformationExtraArgs):
+    try:
+      return state.tx.update(grads, state.opt_state, state.params,
+                             value=loss)
+    except TypeError as error:
+      if "'value'" not in str(error):
+        raise
+  return state.tx.update(grads, state.opt_state, state.params)
+
+
 def _check_state_first(args: tuple[Any, ...]) -> None:
   if not args or not isinstance(args[0], TrainState):
     got = f'a {type(args[0]).__name__}' if args else 'no argument'
@@ -97,7 +113,8 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
 
   def transport_step(state):
     params, centering, opt_state = transport_collections(
-        state.params, state.centering, mean_decay, state.opt_state)
+        state.params, state.centering, mean_decay, state.opt_state,
+        recorded_only=False)
     return state.replace(params=params, centering=centering,
                          opt_state=opt_state)
 
@@ -219,11 +236,11 @@ def train_step(
           flax.core.unfreeze(state.centering)))
       model_state = _like(state.model_state, {
           k: changed.get(k, v) for k, v in state.model_state.items()})
-      return loss, (aux, (centering, model_state))
+      return loss, (aux, (centering, model_state, loss))
 
     def apply_step(state, grads, changed):
-      centering, model_state = changed
-      updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+      centering, model_state, loss = changed
+      updates, opt_state = _tx_update(state, grads, loss)
       params = optax.apply_updates(state.params, updates)
       return state.replace(step=state.step + 1, params=params,
                            opt_state=opt_state, centering=centering,
@@ -246,12 +263,14 @@ def train_step(
   def train(*args):
     _check_state_first(args)
     state = args[0]
-    if state.centering:
-      # Classified once per tx (again while tracing, for any other state).
-      classified.check(
-          state.tx, state.apply_fn,
-          lambda: check_opt_state(state.params, state.centering,
-                                  state.opt_state))
+    def classify():
+      _opt_state.check_fusable(state.opt_state, 'train_step', FLAX)
+      if state.centering:
+        check_opt_state(state.params, state.centering, state.opt_state)
+
+    # Classified once per tx (again while tracing, for any other state).
+    classified.check(state.tx, (state.apply_fn, bool(state.centering)),
+                     classify)
     if donate:
       args = (_step.unaliased(state),) + args[1:]
     return jitted(*args)

@@ -47,7 +47,8 @@ def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mappi
   )
 
 
-def _transport_layer(layer_params, entry, mean_decay, path, moves):
+def _transport_layer(layer_params, entry, mean_decay, path, moves,
+                     recorded_only=True):
   box = entry[MEAN]
   if not isinstance(box, CenteringMean):
     raise ValueError(
@@ -57,11 +58,19 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves):
     )
   name, inner = _layer_params(layer_params)
   mask, residual = entry.get(MASK), entry.get(RESIDUAL)
-  moved = core.transport_layer(
-      box.spec, inner['kernel'], inner['bias'], box.value, entry[RECORDED],
-      mean_decay, mask=mask, mean_stack_axes=box.stack_axes,
-      residual=residual)
-  bias, mean = moved[0], moved[1]
+  mean = core.ema(box.value, entry[RECORDED], mean_decay)
+  if recorded_only and COUNT in entry:
+    # Nothing recorded since the last transport: the recorded mean is
+    # stale, and mu (and the bias) stay.
+    mean = jnp.where(entry[COUNT] > 0, mean, box.value)
+  moved = core.shift_bias(
+      box.spec, inner['kernel'], inner['bias'], box.value, mean, mask=mask,
+      mean_stack_axes=box.stack_axes, residual=residual)
+  if residual is None:
+    moved = (moved, mean)
+  else:
+    moved = (moved[0], mean, moved[1])
+  bias = moved[0]
   layer_path = path if name is None else path + (name,)
   moves.append(_opt_state.LayerMove(
       path=layer_path, kernel_key=('kernel',), bias_key=('bias',),
@@ -90,9 +99,11 @@ def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
   return dict(entry, **{COUNT: jnp.zeros_like(entry[COUNT])})
 
 
-def _transport_tree(params, centering, mean_decay, path=(), moves=None):
+def _transport_tree(params, centering, mean_decay, path=(), moves=None,
+                    recorded_only=True):
   if is_entry(centering):
-    return _transport_layer(params, centering, mean_decay, path, moves)
+    return _transport_layer(params, centering, mean_decay, path, moves,
+                            recorded_only)
   new_params, new_centering = dict(params), dict(centering)
   for key, sub in centering.items():
     if key not in params:
@@ -101,7 +112,7 @@ def _transport_tree(params, centering, mean_decay, path=(), moves=None):
           'pass the params and centering collections of the same model.'
       )
     new_params[key], new_centering[key] = _transport_tree(
-        params[key], sub, mean_decay, path + (key,), moves)
+        params[key], sub, mean_decay, path + (key,), moves, recorded_only)
   return new_params, new_centering
 
 
@@ -143,8 +154,9 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before any tracing, an optimizer state the transport cannot
   classify (see :func:`transport`)."""
+  fast = params.fast if _lookahead(params) else params
   _opt_state.transport_state(opt_state, _moves(params, centering),
-                             what='opt_state', kind=FLAX)
+                             what='opt_state', kind=FLAX, params=fast)
 
 
 def transport(
@@ -156,8 +168,9 @@ def transport(
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
   ``b~ += W (mu_new - mu_old)`` with the weights in ``params`` (pass the
   *updated* parameters; Algorithm 1, steps 10-11, eq. 10). Layer stacks are
-  transported slice by slice. The model's output is unchanged for every
-  input.
+  transported slice by slice; a layer that recorded nothing since its last
+  transport keeps its ``mu`` and bias. The model's output is unchanged for
+  every input.
 
   Pass the ``opt_state`` whenever it may hold copies of the parameters
   (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
@@ -211,15 +224,17 @@ def transport(
 
 
 def transport_collections(params: Any, centering: Any, mean_decay: Any,
-                          opt_state: Any) -> tuple[Any, ...]:
+                          opt_state: Any, recorded_only: bool = True
+                          ) -> tuple[Any, ...]:
   """:func:`transport` for a ``mean_decay`` validated already and a
-  classified ``opt_state``."""
+  classified ``opt_state`` (a fused step, which keeps no count of recorded
+  positions, passes ``recorded_only`` False)."""
   lookahead = _lookahead(params)
   fast = params.fast if lookahead else params
   moves = []
   new_params, new_centering = _transport_tree(
       flax.core.unfreeze(fast), flax.core.unfreeze(centering), mean_decay,
-      (), moves)
+      (), moves, recorded_only)
   new_params = _freeze_like(fast, new_params)
   new_centering = _freeze_like(centering, new_centering)
   if lookahead:

@@ -10,9 +10,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from cbp_optax import _checks
+from cbp_optax._flax_state import FLAX
 from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
@@ -143,6 +145,22 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
     )
 
 
+def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
+            loss: jax.Array) -> None:
+  """``optimizer.update``, with the loss as ``value=`` for an optimizer that
+  takes it (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, chains of them); one that takes
+  other extra arguments (SAM) and refuses ``value`` is updated without."""
+  if isinstance(optimizer.tx, optax.GradientTransformationExtraArgs):
+    try:
+      optimizer.update(model, grads, value=loss)
+      return
+    except TypeError as error:
+      if "'value'" not in str(error):
+        raise
+  optimizer.update(model, grads)
+
+
 def _select(ok: Any, apply_step: Callable[..., None],
             skip_step: Callable[..., None], *operands: Any) -> None:
   """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a select.
@@ -160,6 +178,12 @@ def _select(ok: Any, apply_step: Callable[..., None],
   nnx.update(nodes, start)
   skip_step(*operands)
   skipped = nnx.as_pure(nnx.state(nodes))
+  applied_leaves, treedef = jax.tree.flatten(applied)
+  skipped_leaves, skipped_def = jax.tree.flatten(skipped)
+  if treedef != skipped_def and len(applied_leaves) == len(skipped_leaves):
+    # An update that turned a list in the optimizer state into a graph
+    # node (optax.sm3's accumulators): the same leaves, in the same order.
+    skipped = jax.tree.unflatten(treedef, skipped_leaves)
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
@@ -178,26 +202,46 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
         f'optimizer first, got {len(args)} argument(s).')
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
-  classified.check(
-      optimizer, (weakref.ref(model), optimizer.tx),
-      lambda: check_optimizer_state(model, optimizer, 'train_step'))
+  def classify():
+    _opt_state.check_fusable(optimizer.opt_state, 'train_step', FLAX)
+    check_optimizer_state(model, optimizer, 'train_step')
+
+  classified.check(optimizer, (weakref.ref(model), optimizer.tx), classify)
   nodes = _graph_nodes(args)
   graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
-  values = [variable.get_raw_value() for variable in variables]
+  # A module's plain array attributes (``nnx.data``, a Conv's mask) are
+  # leaves of the graph too: constants of the step, passed undonated (a
+  # donated one would be deleted, and there is no Variable to write back).
+  values = [variable.get_raw_value() if isinstance(variable, nnx.Variable)
+            else None for variable in variables]
+  constants = {i: leaf for i, leaf in enumerate(variables)
+               if not isinstance(leaf, nnx.Variable)}
   if donate:
     values = _step.unaliased(values)
-  return variables, (graphdef, values, _slots(args, nodes))
+    if constants:
+      donated = {id(x) for x in jax.tree.leaves(values)}
+      constants = {i: jnp.copy(x) if id(x) in donated else x
+                   for i, x in constants.items()}
+  return variables, (graphdef, values, (constants, _slots(args, nodes)))
 
 
 def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
-                    values: list[Any], slotted_args: Any) -> tuple[Any, Any]:
-  """``step`` as a function of :func:`_flat_arguments`' values: the new
-  values and the step's output."""
+                    values: list[Any], extra: Any) -> tuple[Any, Any]:
+  """``step`` as a function of :func:`_flat_arguments`' values (and its
+  constants and slotted arguments, ``extra``): the new values and the
+  step's output."""
+  constants, slotted_args = extra
+  values = list(values)
+  for i, constant in constants.items():
+    values[i] = constant
   model, optimizer, nodes = nnx.unflatten(graphdef, values)
   out = step(model, optimizer, *_fill_slots(slotted_args, nodes))
   new_graphdef, new_values = nnx.flatten((model, optimizer, nodes),
                                               with_paths=False)
+  if constants and new_graphdef == graphdef:
+    new_values = [None if i in constants else value
+                  for i, value in enumerate(new_values)]
   if new_graphdef != graphdef:
     # The forward pass created or replaced a variable (a lazily built
     # cache): hand back the whole state, for nnx.update to add it.
@@ -218,7 +262,8 @@ def _write_back(args: Sequence[Any], variables: Sequence[Any],
     nnx.update((model, optimizer, _graph_nodes(rest)), new_values)
     return
   for variable, value in zip(variables, new_values, strict=True):
-    variable.set_raw_value(value)
+    if isinstance(variable, nnx.Variable):
+      variable.set_raw_value(value)
 
 
 class _CompiledStep:
@@ -371,11 +416,12 @@ def train_step(
       # zero: kept, they would keep the untransported-model check.
       changed = nnx.state((inner_model, inner_nodes), nnx.All(
           nnx.Not(optimizer.wrt), nnx.Not(RecordedCount)))
-      return loss, (aux, changed)
+      return loss, (aux, (changed, loss))
 
     def apply_step(model, optimizer, nodes, grads, changed):
+      changed, loss = changed
       nnx.update((model, nodes), changed)
-      optimizer.update(model, grads)
+      _update(optimizer, model, grads, loss)
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
@@ -396,12 +442,12 @@ def train_step(
       # fewer per centered layer). A skipped step discards its transport.
       _select(jnp.logical_not(out.skipped),
               lambda model, optimizer: transport_model(
-                  model, mean_decay, optimizer, None),
+                  model, mean_decay, optimizer, None, recorded_only=False),
               lambda model, optimizer: None, model, optimizer)
     return out
 
-  def pure_step(graphdef, values, slotted_args):
-    return _on_flat_values(step, graphdef, values, slotted_args)
+  def pure_step(graphdef, values, extra):
+    return _on_flat_values(step, graphdef, values, extra)
 
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())

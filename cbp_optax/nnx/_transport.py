@@ -6,8 +6,10 @@ that read a centered model (``eval_model``, ``muon_dimension_numbers``).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
+import jax
 from flax import nnx
 
 from cbp_optax import _opt_state
@@ -24,6 +26,10 @@ from cbp_optax.nnx._wrapper import transport_layer
 from cbp_optax.nnx._wrapper import SPEC_OF
 
 
+def _is_variable(node: Any) -> bool:
+  return isinstance(node, nnx.Variable)
+
+
 def _layer_moves(
     model: nnx.Module, wrt: Any,
     shifts: Optional[Sequence[Any]] = None,
@@ -35,15 +41,23 @@ def _layer_moves(
     return []
   trained = {tuple(path) for path, _ in
              nnx.to_flat_state(nnx.state(model, wrt))}
+  # Where each Variable sits in the parameter tree: a kernel shared between
+  # layers appears once, at its first owner's path, and so in every copy.
+  where = {id(v): tuple(path) for path, v in
+           nnx.to_flat_state(nnx.state(model, nnx.Param))}
   shifts = shifts if shifts is not None else [None] * len(layers)
   moves = []
   for (path, layer), shift in zip(layers, shifts):
+    kernel_path = where.get(id(layer.layer.kernel),
+                            path + ('layer', 'kernel'))
     moves.append(_opt_state.LayerMove(
         path=path, kernel_key=('layer', 'kernel'), bias_key=('layer', 'bias'),
         bias_shape=tuple(layer.layer.bias.shape),
         kernel=layer.layer.kernel[...],
-        kernel_trained=path + ('layer', 'kernel') in trained,
-        shift=shift))
+        kernel_trained=kernel_path in trained,
+        shift=shift,
+        kernel_path=(None if kernel_path == path + ('layer', 'kernel')
+                     else kernel_path)))
   return moves
 
 
@@ -57,7 +71,8 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
   moves = _layer_moves(model, optimizer.wrt)
   _opt_state.transport_state(optimizer.opt_state, moves,
                              what='optimizer.opt_state',
-                             kind=FLAX)
+                             kind=FLAX,
+                             params=nnx.state(model, optimizer.wrt))
 
 
 
@@ -71,7 +86,9 @@ def transport(
   ``b~ += W (mu_new - mu_old)`` with the current (updated) weights
   (Algorithm 1, steps 10-11), so the model's output is unchanged. Layer
   stacks are transported slice by slice. Call it after the optimizer update,
-  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does.
+  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does. A
+  layer that recorded nothing since its last transport keeps its ``mu``
+  and bias.
 
   Pass the ``optimizer`` whenever its state holds copies of the parameters
   (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
@@ -88,7 +105,10 @@ def transport(
   ``nnx.Param`` state) pass that optax state as ``opt_state`` instead: its
   copies move the same way and the new state is returned. It must have been
   initialized on the whole ``nnx.Param`` state of ``model`` (a copy holding
-  a centered bias without its kernel is refused).
+  a centered bias without its kernel is refused). A state initialized on the
+  Variables themselves holds the model's own Variables where an optimizer
+  keeps the parameters as given (DoG, Prodigy, COCOB, SAM): those move once,
+  as the model's.
 
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
@@ -103,8 +123,10 @@ def transport(
 
   Raises:
     cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
-      optimizer's state holds a parameter-shaped tree that is neither a
-      registered copy nor a known statistic (before anything moves).
+      optimizer's state holds a parameter-shaped tree (or a raveled copy,
+      or a list of the parameters' leaves) that is neither a registered
+      copy nor a known statistic, or a copy of another tree than ``model``
+      (an optimizer built for a submodule), before anything moves.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -136,11 +158,13 @@ def transport(
 
 def transport_model(model: nnx.Module, mean_decay: Any,
                     optimizer: Optional[nnx.Optimizer],
-                    opt_state: Any) -> Any:
-  """:func:`transport` for a ``mean_decay`` validated already."""
+                    opt_state: Any, recorded_only: bool = True) -> Any:
+  """:func:`transport` for a ``mean_decay`` validated already (a fused step,
+  which keeps no count of recorded positions, passes ``recorded_only``
+  False)."""
   if optimizer is None and opt_state is None:
     for layer in centered_layers(model):
-      transport_layer(layer, mean_decay)
+      transport_layer(layer, mean_decay, recorded_only)
     return None
   if optimizer is not None:
     check_optimizer_state(model, optimizer, 'transport')
@@ -148,22 +172,29 @@ def transport_model(model: nnx.Module, mean_decay: Any,
   else:
     trained = nnx.Param
     _opt_state.transport_state(opt_state, _layer_moves(model, trained),
-                               what='opt_state', kind=FLAX)
+                               what='opt_state', kind=FLAX,
+                               params=nnx.state(model, nnx.Param))
   shifts = []
   for _, layer in centered_paths(model):
     old = layer.mean[...]
-    transport_layer(layer, mean_decay)
+    transport_layer(layer, mean_decay, recorded_only)
     shifts.append(functools.partial(
         core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
         mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
   moves = _layer_moves(model, trained, shifts)
+  # A state initialized on ``nnx.state(model, nnx.Param)`` itself holds the
+  # model's Variables where it keeps the parameters as they are: those moved
+  # above, as the model's, and must not move twice.
+  own = {id(v) for v in jax.tree.leaves(nnx.state(model), is_leaf=_is_variable)
+         if _is_variable(v)}
+  kind = FLAX._replace(moved=lambda box: id(box) in own)
   if optimizer is not None:
     _opt_state.transport_state(optimizer.opt_state, moves,
-                               what='optimizer.opt_state', kind=FLAX)
+                               what='optimizer.opt_state', kind=kind)
     return None
   return _opt_state.transport_state(opt_state, moves, what='opt_state',
-                                    kind=FLAX)
+                                    kind=kind)
 
 
 def eval_model(model: nnx.Module,
@@ -235,7 +266,8 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
   parameters get None (AdamW).
 
   Args:
-    model: the model (before or after :func:`center`).
+    model: the model, before or after :func:`center`: the views are read
+      from it when muon asks for them.
 
   Returns:
     ``dims(params)``, a callable for ``optax.contrib.muon(...,
@@ -255,6 +287,22 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
     ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
     ...     wrt=nnx.Param)
   """
+  # Read when muon calls it (at init, and while tracing its update), from
+  # the model as it is then: taken before or after center, it sees the
+  # centered paths; a model gone by then leaves the table of this call.
+  model_ref = weakref.ref(model)
+  fallback = _muon_table(model)
+
+  def dims(params):
+    current = model_ref()
+    table = fallback if current is None else _muon_table(current)
+    return _opt_state.dimension_numbers_fn(table, FLAX)(params)
+
+  return dims
+
+
+def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
+  """:func:`muon_dimension_numbers`'s table: kernel path -> its view."""
   table = {}
   for path, module in nnx.iter_modules(model):
     path = tuple(path)
@@ -273,4 +321,4 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
       if axes is not None:
         table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
-  return _opt_state.dimension_numbers_fn(table, FLAX)
+  return table

@@ -327,17 +327,27 @@ class Centered(nnx.Module):
     self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
 
 
-def transport_layer(layer: Centered, mean_decay: Any) -> None:
-  """:meth:`Centered.transport` for a ``mean_decay`` validated already."""
+def transport_layer(layer: Centered, mean_decay: Any,
+                    recorded_only: bool = True) -> None:
+  """:meth:`Centered.transport` for a ``mean_decay`` validated already.
+
+  With ``recorded_only``, a layer (or stack slice) that recorded nothing
+  since its last transport (``batch_count`` zero) keeps its ``mu`` and
+  bias: its recorded mean is stale. The fused steps, which keep no count,
+  pass False.
+  """
   residual = getattr(layer, 'bias_residual', None)
+  mean = layer.mean[...]
+  new_mean = core.ema(mean, layer.batch_mean[...], mean_decay)
+  if recorded_only:
+    new_mean = jnp.where(layer.batch_count[...] > 0, new_mean, mean)
   try:
-    moved = core.transport_layer(
+    moved = core.shift_bias(
         layer.spec,
         layer.layer.kernel[...],
         layer.layer.bias[...],
-        layer.mean[...],
-        layer.batch_mean[...],
-        mean_decay,
+        mean,
+        new_mean,
         mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes'),
         residual=None if residual is None else residual[...],
@@ -347,8 +357,10 @@ def transport_layer(layer: Centered, mean_decay: Any) -> None:
       raise
     raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
                                         _STACK_REMEDY)) from error
-  layer.layer.bias[...] = moved[0]
-  layer.mean[...] = moved[1]
-  if residual is not None:
-    residual[...] = moved[2]
+  if residual is None:
+    layer.layer.bias[...] = moved
+  else:
+    layer.layer.bias[...] = moved[0]
+    residual[...] = moved[1]
+  layer.mean[...] = new_mean
   layer.restart_recording()
