@@ -274,7 +274,7 @@ def _scale_leaves(
         leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
       scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(
           out_dtypes[i])
-  # Leaves in no block (block_fn returned None) pass through with s = 1.
+  # Leaves in no block (key None, or empty) pass through with s = 1.
   return [
       leaf.astype(dtype) if out is None else out
       for leaf, dtype, out in zip(leaves, out_dtypes, scaled)
@@ -343,9 +343,9 @@ def equalize(
     min_scale: lower clip :math:`s_{\min} > 0`.
     max_scale: upper clip :math:`s_{\max} \ge s_{\min}`.
     block_fn: ``block_fn(path, leaf) -> hashable`` groups leaves into blocks
-      (leaves with equal keys share a block; a leaf whose key is ``None`` is
-      in no block and passes through unscaled). The default,
-      :func:`cbp_optax.layer_blocks`, groups the leaves that share a parent
+      (leaves with equal keys share a block; a leaf whose key is ``None``,
+      or of size zero, is in no block and passes through unscaled). The
+      default, :func:`cbp_optax.layer_blocks`, groups the leaves that share a parent
       path, i.e. one block per layer (``Dense_0``'s kernel and bias form block
       ``Dense_0``); NNX ``.value`` path suffixes are ignored. Presets:
       :func:`cbp_optax.leaf_blocks` (one block per tensor),

@@ -16,12 +16,23 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Collection, Hashable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from cbp_optax import _checks
+
+__all__ = [
+    'BlockLayout',
+    'block_layout',
+    'block_names',
+    'kernel_blocks',
+    'layer_blocks',
+    'leaf_blocks',
+    'no_blocks',
+]
 
 KeyPath = tuple[Any, ...]
 BlockFn = Callable[[KeyPath, Any], Hashable]
@@ -263,7 +274,8 @@ def block_layout(
     tree: parameters or gradients (arrays, or NNX Variables).
     block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys form
       one block, and a leaf whose key is ``None`` is in no block (M1 leaves
-      it unscaled). Defaults to :func:`layer_blocks`.
+      it unscaled), nor is a leaf of size zero. Defaults to
+      :func:`layer_blocks`.
     stacked: ``stacked(path, leaf) -> bool``; a leaf for which it returns True
       carries a leading layer axis (``nn.scan``, ``nnx.vmap`` layer stacks) and
       each slice along that axis is a block of its own.
@@ -306,7 +318,10 @@ def block_layout(
   for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
     path = strip_variable_suffix(path)
     key = _hashable_key(key_fn(path, leaf), path)
-    if key is None:
+    if key is None or math.prod(getattr(leaf, 'shape', ())) == 0:
+      # An empty leaf has no gradient energy to equalize: as a block of its
+      # own it would add a zero to the mean of eq. (6) and move every other
+      # block's scale.
       continue
     stack = None
     if stacked is not None and stacked(path, leaf):

@@ -185,6 +185,31 @@ def test_all_zero_gradients_give_zero_updates():
     chex.assert_tree_all_finite(state)
 
 
+@pytest.mark.parametrize('block_fn', [None, cbp.leaf_blocks])
+@pytest.mark.parametrize('factory', [cbp.equalize, lambda **kw: cbp.cbp(
+    0.1, **kw)])
+def test_zero_size_leaf_is_in_no_block(factory, block_fn):
+  # An empty leaf has no energy: as a block it would add a zero to the mean
+  # of eq. (6) and move every other block's scale.
+  params = make_params()
+  with_empty = dict(params, Empty={'kernel': jnp.zeros((0, 3))})
+  tx = factory(block_fn=block_fn) if block_fn else factory()
+  state, state_e = tx.init(params), tx.init(with_empty)
+  for step in range(3):
+    grads = make_grads(step)
+    grads_e = dict(grads, Empty={'kernel': jnp.zeros((0, 3))})
+    updates, state = tx.update(grads, state, params)
+    updates_e, state_e = tx.update(grads_e, state_e, with_empty)
+    assert updates_e['Empty']['kernel'].shape == (0, 3)
+    chex.assert_trees_all_equal(
+        {k: v for k, v in updates_e.items() if k != 'Empty'}, updates)
+  assert cbp.block_names(with_empty, block_fn=block_fn) == cbp.block_names(
+      params, block_fn=block_fn)
+  chex.assert_trees_all_equal(
+      cbp.equalize_stats(state, params, block_fn=block_fn),
+      cbp.equalize_stats(state_e, with_empty, block_fn=block_fn))
+
+
 @pytest.mark.parametrize('name', sorted(ALL_TRANSFORMS))
 def test_empty_tree(name):
   tx = ALL_TRANSFORMS[name]()
