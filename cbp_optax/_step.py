@@ -132,7 +132,8 @@ def conditioned_update(
   means without their counts, batch statistics), checks that the loss,
   ``changed`` and the gradients are finite (entry by entry, or through
   ``grads_finite(grads, applied)``: :func:`gradients_finite`), and keeps
-  ``apply_step(*operands, grads, changed)`` (update, then transport) or
+  ``apply_step(*operands, grads, (changed, loss))`` (update, then
+  transport; the loss for an optimizer that takes it as ``value=``) or
   ``skip_step(...)`` through ``select``: both are computed and selected
   leaf by leaf, which XLA fuses into the update, where a ``lax.cond`` would
   copy every state buffer it passes through inside an undonated outer jit.
@@ -145,7 +146,8 @@ def conditioned_update(
   if grads_finite is None:
     # Decided before the update: the same program as a plain step.
     ok = all_finite(loss, grads, changed)
-    result = select(ok, apply_step, skip_step, *operands, grads, changed)
+    result = select(ok, apply_step, skip_step, *operands, grads,
+                    (changed, loss))
     return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
   inputs_ok = all_finite(loss, changed)
   decided = []
@@ -154,7 +156,8 @@ def conditioned_update(
     decided.append(jnp.logical_and(inputs_ok, grads_finite(grads, applied)))
     return decided[-1]
 
-  result = select(ok_of, apply_step, skip_step, *operands, grads, changed)
+  result = select(ok_of, apply_step, skip_step, *operands, grads,
+                  (changed, loss))
   ok, = decided
   return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 

@@ -75,18 +75,17 @@ def _old_counts(new: Any, old: Any) -> Any:
 
 
 def _tx_update(state: TrainState, grads: Any, loss: jax.Array) -> Any:
-  """``state.tx.update``, with the loss as ``value=`` for an optimizer that
-  takes it (``optax.polyak_sgd``, ``optax.contrib.momo``,
-  ``optax.contrib.reduce_on_plateau``, chains of them); one that takes
-  other extra arguments (SAM) and refuses ``value`` is updated without."""
-  if isinstance(state.tx, optax.GradientTransformationExtraArgs):
-    try:
-      return state.tx.update(grads, state.opt_state, state.params,
-                             value=loss)
-    except TypeError as error:
-      if "'value'" not in str(error):
-        raise
-  return state.tx.update(grads, state.opt_state, state.params)
+  """``state.tx.update``; an optimizer that requires the loss as ``value=``
+  (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, chains of them) gets it. Every other
+  optimizer is updated exactly as the user's own step would update it, so the
+  compiled program (and its rounding) is theirs."""
+  try:
+    return state.tx.update(grads, state.opt_state, state.params)
+  except TypeError as error:
+    if "'value'" not in str(error):
+      raise
+    return state.tx.update(grads, state.opt_state, state.params, value=loss)
 
 
 def _check_state_first(args: tuple[Any, ...]) -> None:
@@ -236,10 +235,10 @@ def train_step(
           flax.core.unfreeze(state.centering)))
       model_state = _like(state.model_state, {
           k: changed.get(k, v) for k, v in state.model_state.items()})
-      return loss, (aux, (centering, model_state, loss))
+      return loss, (aux, (centering, model_state))
 
     def apply_step(state, grads, changed):
-      centering, model_state, loss = changed
+      (centering, model_state), loss = changed
       updates, opt_state = _tx_update(state, grads, loss)
       params = optax.apply_updates(state.params, updates)
       return state.replace(step=state.step + 1, params=params,

@@ -10,7 +10,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from cbp_optax import _checks
@@ -147,18 +146,17 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
 
 def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
             loss: jax.Array) -> None:
-  """``optimizer.update``, with the loss as ``value=`` for an optimizer that
-  takes it (``optax.polyak_sgd``, ``optax.contrib.momo``,
-  ``optax.contrib.reduce_on_plateau``, chains of them); one that takes
-  other extra arguments (SAM) and refuses ``value`` is updated without."""
-  if isinstance(optimizer.tx, optax.GradientTransformationExtraArgs):
-    try:
-      optimizer.update(model, grads, value=loss)
-      return
-    except TypeError as error:
-      if "'value'" not in str(error):
-        raise
-  optimizer.update(model, grads)
+  """``optimizer.update``; an optimizer that requires the loss as ``value=``
+  (``optax.polyak_sgd``, ``optax.contrib.momo``,
+  ``optax.contrib.reduce_on_plateau``, chains of them) gets it. Every other
+  optimizer is updated exactly as the user's own step would update it, so the
+  compiled program (and its rounding) is theirs."""
+  try:
+    optimizer.update(model, grads)
+  except TypeError as error:
+    if "'value'" not in str(error):
+      raise
+    optimizer.update(model, grads, value=loss)
 
 
 def _select(ok: Any, apply_step: Callable[..., None],
@@ -416,7 +414,7 @@ def train_step(
       # zero: kept, they would keep the untransported-model check.
       changed = nnx.state((inner_model, inner_nodes), nnx.All(
           nnx.Not(optimizer.wrt), nnx.Not(RecordedCount)))
-      return loss, (aux, (changed, loss))
+      return loss, (aux, changed)
 
     def apply_step(model, optimizer, nodes, grads, changed):
       changed, loss = changed
