@@ -1,6 +1,4 @@
-"""Linen centering wrapper: the ``Centered`` layer and its ``'centering'``
-entries, ``z = W (a - mu) + b~`` (eq. 8).
-"""
+"""Linen ``Centered`` and its ``'centering'`` entries: ``z = W (a - mu) + b~`` (eq. 8)."""
 
 from __future__ import annotations
 
@@ -17,33 +15,24 @@ from cbp_optax import centering as core
 from cbp_optax._paths import path_str
 
 
-
 COLLECTION = 'centering'
 
-
 MEAN, RECORDED, MASK = 'mean', 'batch_mean', 'kernel_mask'
-
 
 # How many input positions 'batch_mean' averages since the last transport.
 COUNT = 'batch_count'
 
-
 # A 16-bit bias's float32 transport residual (core.needs_bias_residual).
 RESIDUAL = 'bias_residual'
-
 
 # Inside the Centered wrapper the layer's parameters live under these names.
 DENSE, CONV = 'dense', 'conv'
 
 
 class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
-  """``mu`` in the ``'centering'`` collection, with what the transport needs.
-
-  A Flax metadata box (like ``nn.Partitioned``): ``nn.scan`` and ``nn.vmap``
-  call :meth:`add_axis` when they stack it, so ``stack_axes`` always says
-  where the layer-stack axes are, and ``spec`` (static) describes one layer.
-  ``.value`` is the array; ``nn.meta.unbox`` unboxes a whole collection.
-  """
+  """``mu`` in the ``'centering'`` collection: a Flax metadata box whose
+  ``stack_axes`` follow ``nn.scan``/``nn.vmap`` (:meth:`add_axis`) and whose
+  static ``spec`` describes one layer; ``.value`` is the array."""
 
   value: Any
   spec: core.LayerSpec = flax.struct.field(pytree_node=False)
@@ -76,8 +65,7 @@ def check_layer(layer: Any) -> None:
       type(layer),
       use_bias=layer.use_bias,
       input_dilation=getattr(layer, 'input_dilation', None),
-      batch_axes=getattr(layer, 'batch_dims', None),
-  )
+      batch_axes=getattr(layer, 'batch_dims', None))
 
 
 def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
@@ -109,8 +97,7 @@ def _no_collection_message(host: nn.Module) -> str:
       "centering}, x). A layer whose parameters the transform broadcasts "
       '(a recurrent cell scanned over time) cannot be centered inside it: '
       'leave it out with center(..., where=...), or unroll the loop (its '
-      'calls then share one mean).'
-  )
+      'calls then share one mean).')
 
 
 def centered_call(
@@ -135,8 +122,7 @@ def centered_call(
     raise ValueError(_no_collection_message(host)) from error
   recorded = host.variable(COLLECTION, RECORDED, jnp.zeros, spec.mean_shape,
                            mean_dtype)
-  # A collection made before the count existed has none: it then records
-  # the last call only, as it did.
+  # An older collection without a count records the last call only.
   count = None
   if host.is_initializing() or host.has_variable(COLLECTION, COUNT):
     count = host.variable(COLLECTION, COUNT, jnp.zeros,
@@ -144,8 +130,7 @@ def centered_call(
                           core.count_dtype(mean_dtype))
   if mask is not None:
     host.variable(COLLECTION, MASK, lambda: jnp.asarray(mask))
-  # A collection made before the residual existed has none: its 16-bit
-  # bias then rounds at every transport, as it did.
+  # An older collection without a residual rounds its 16-bit bias.
   if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
       and (host.is_initializing()
            or host.has_variable(COLLECTION, RESIDUAL))):
@@ -179,24 +164,15 @@ class Centered(nn.Module):
 
     x = Centered(nn.Dense(128))(x)
 
-  The wrapper re-homes the layer under itself (parameters at
-  ``<Centered>/dense`` or ``<Centered>/conv``), whether the layer was built in
-  the parent's ``@nn.compact`` method, in ``setup``, or unbound. To center a
-  model without editing it, use :func:`center` instead.
-
-  ``mu`` (``'centering'/'mean'``, a :class:`CenteringMean` box) starts at
-  zero, so the initial function is the layer's. With
-  ``use_running_average=False`` and the ``'centering'`` collection mutable,
-  the forward pass records the batch mean of its input
-  (``'centering'/'batch_mean'``) and never changes ``mu``; :func:`transport`
-  does, after the update. A layer called several times in one ``apply`` (an
-  unrolled recurrent cell) records the mean over all its calls, each
-  weighted by the positions it saw (``'centering'/'batch_count'``, which
-  the transport sets back to zero; 1,000 calls' worth without a transport
-  warns once, :class:`cbp_optax.centering.UntransportedWarning`). A convolution is centered after its
-  padding and runs as the plain layer minus ``(sum over the window of W) .
-  mu``; a conv ``mask`` is kept in ``'centering'/'kernel_mask'`` for the
-  transport.
+  The layer's parameters move under the wrapper (``<Centered>/dense`` or
+  ``<Centered>/conv``); to center a model without editing it, use
+  :func:`center`. ``mu`` (``'centering'/'mean'``) starts at zero. With
+  ``use_running_average=False`` and ``'centering'`` mutable, the forward pass
+  records the batch mean (``'batch_mean'``, pooled over calls by
+  ``'batch_count'``; 1,000 calls without a transport warn once,
+  :class:`cbp_optax.centering.UntransportedWarning`); :func:`transport`
+  moves ``mu``. A convolution runs as the plain layer minus ``W mu`` summed
+  over the window; its ``mask`` is kept in ``'centering'/'kernel_mask'``.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
@@ -226,9 +202,7 @@ class Centered(nn.Module):
     Array([2., 3.], dtype=float32)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.2, eqs. (8) and (9).
+    Layerwise Conditioned Backpropagation, §4.2, eqs. (8) and (9).
   """
 
   layer: nn.Module
@@ -264,8 +238,7 @@ class Centered(nn.Module):
         use_running_average=use_running_average,
         mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
         axis_name=self.axis_name,
-        bias_dtype=layer.param_dtype,
-    )
+        bias_dtype=layer.param_dtype)
 
 
 def is_entry(tree: Any) -> bool:
