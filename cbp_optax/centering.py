@@ -69,9 +69,7 @@ def _layer_label(layer_type: type) -> str:
 
 
 def check_centerable(
-    layer_type: type,
-    *,
-    use_bias: bool,
+    layer_type: type, *, use_bias: bool,
     input_dilation: Optional[Union[int, Sequence[int]]] = None,
     batch_axes: Any = None,
 ) -> None:
@@ -154,9 +152,7 @@ def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
 
 
 def batch_mean(
-    inputs: jax.Array,
-    spec: LayerSpec,
-    dtype: Any,
+    inputs: jax.Array, spec: LayerSpec, dtype: Any,
     axis_name: Optional[Any] = None,
 ) -> jax.Array:
   """The input mean over every axis but the feature axes (global under
@@ -189,10 +185,7 @@ def count_shape(mean_shape: Shape, stack_axes: Sequence[int] = ()) -> Shape:
 
 
 def record_mean(
-    inputs: jax.Array,
-    spec: LayerSpec,
-    recorded: jax.Array,
-    count: jax.Array,
+    inputs: jax.Array, spec: LayerSpec, recorded: jax.Array, count: jax.Array,
     axis_name: Optional[Any] = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(recorded, count)`` after one more call of the layer on ``inputs``:
@@ -227,11 +220,8 @@ def mean_correction(spec: LayerSpec, kernel: jax.Array, mean: jax.Array) -> jax.
 
 
 def centered_output(
-    spec: LayerSpec,
-    layer_fn: Callable[[jax.Array], jax.Array],
-    inputs: jax.Array,
-    kernel: Callable[[], jax.Array],
-    mean: jax.Array,
+    spec: LayerSpec, layer_fn: Callable[[jax.Array], jax.Array],
+    inputs: jax.Array, kernel: Callable[[], jax.Array], mean: jax.Array,
 ) -> jax.Array:
   """``W (a - mu) + b~`` (eq. 8), given the plain layer ``layer_fn``; a
   convolution subtracts :func:`mean_correction` (``kernel()`` is called
@@ -252,14 +242,8 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
 
 
 def transport(
-    spec: LayerSpec,
-    kernel: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    recorded: jax.Array,
-    decay: Any,
-    *,
-    mask: Optional[jax.Array] = None,
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
     residual: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
@@ -314,14 +298,8 @@ def transport(
 
 
 def transport_layer(
-    spec: LayerSpec,
-    kernel: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    recorded: jax.Array,
-    decay: Any,
-    *,
-    mask: Optional[jax.Array] = None,
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
     residual: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:

@@ -101,17 +101,10 @@ def _no_collection_message(host: nn.Module) -> str:
 
 
 def centered_call(
-    host: nn.Module,
-    layer_fn: Callable[[jax.Array], jax.Array],
-    kernel_of: Callable[[], jax.Array],
-    spec: core.LayerSpec,
-    mask: Optional[jax.Array],
-    inputs: jax.Array,
-    *,
-    use_running_average: bool,
-    mean_dtype: Any,
-    axis_name: Any,
-    bias_dtype: Any = None,
+    host: nn.Module, layer_fn: Callable[[jax.Array], jax.Array],
+    kernel_of: Callable[[], jax.Array], spec: core.LayerSpec,
+    mask: Optional[jax.Array], inputs: jax.Array, *, use_running_average: bool,
+    mean_dtype: Any, axis_name: Any, bias_dtype: Any = None,
 ) -> jax.Array:
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
   try:
@@ -217,11 +210,8 @@ class Centered(nn.Module):
 
   @nn.compact
   def __call__(
-      self,
-      inputs: jax.Array,
-      *args,
-      use_running_average: Optional[bool] = None,
-      **kwargs,
+      self, inputs: jax.Array, *args,
+      use_running_average: Optional[bool] = None, **kwargs,
   ) -> jax.Array:
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)

@@ -29,8 +29,7 @@ def _is_variable(node: Any) -> bool:
 
 
 def _layer_moves(
-    model: nnx.Module, wrt: Any,
-    shifts: Optional[Sequence[Any]] = None,
+    model: nnx.Module, wrt: Any, shifts: Optional[Sequence[Any]] = None,
 ) -> list[_opt_state.LayerMove]:
   """The centered layers as an optimizer of ``wrt`` sees them."""
   layers = centered_paths(model)

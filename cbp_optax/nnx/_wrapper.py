@@ -189,12 +189,8 @@ class Centered(nnx.Module):
   """
 
   def __init__(
-      self,
-      layer: nnx.Module,
-      *,
-      use_running_average: bool = False,
-      mean_dtype: Optional[Any] = None,
-      axis_name: Optional[Any] = None,
+      self, layer: nnx.Module, *, use_running_average: bool = False,
+      mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
       stack_axes: Optional[Sequence[int]] = None,
   ):
     _checks.check_bool('use_running_average', use_running_average)
@@ -232,12 +228,8 @@ class Centered(nnx.Module):
       self.batch_count[...] = _untransported.check(
           before, after, core.input_count(inputs, self.spec), 'nnx')
     return core.centered_output(
-        self.spec,
-        lambda x: self.layer(x, *args, **kwargs),
-        inputs,
-        self._kernel,
-        self.mean[...],
-    )
+        self.spec, lambda x: self.layer(x, *args, **kwargs), inputs,
+        self._kernel, self.mean[...])
 
   def _kernel(self) -> jax.Array:
     """The kernel the layer applies (a convolution's ``mask`` included)."""
