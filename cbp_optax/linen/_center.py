@@ -92,16 +92,12 @@ class CenteredModel(NamedTuple):
     if not found:  # no input at all: the layer's own error says so
       return next_fun(*args, **kwargs)
     return centered_call(
-        module,
-        lambda x: next_fun(x, *rest, **kwargs),
+        module, lambda x: next_fun(x, *rest, **kwargs),
         lambda: module.get_variable('params', 'kernel'),
-        layer_spec(module, inputs),
-        getattr(module, 'mask', None),
-        inputs,
+        layer_spec(module, inputs), getattr(module, 'mask', None), inputs,
         use_running_average=False,
         mean_dtype=core.mean_dtype(self.mean_dtype, module.param_dtype),
-        axis_name=self.axis_name,
-        bias_dtype=module.param_dtype)
+        axis_name=self.axis_name, bias_dtype=module.param_dtype)
 
   def init(self, *args, **kwargs):
     """``module.init`` with the ``'centering'`` collection created."""

@@ -111,22 +111,17 @@ def train_step(
 ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 
-  ``step(state, *batch)`` runs the forward pass with centering, the
-  backward pass, ``state.tx`` (``cbp.cbp`` for CBP, ``optax.adam`` for "Adam
-  + Center", ...), the update and :func:`transport` of the parameters and
-  of the optimizer state's copies, in one ``jax.jit`` with the state
-  donated. A non-finite loss, gradient or recorded statistic skips the
-  step: the state is returned unchanged but for ``skipped_steps`` + 1, and
-  ``StepOutput.skipped`` is True. On CPU it compiles with
-  ``xla_cpu_copy_insertion_use_region_analysis``; inside your own
-  ``jax.jit`` it gives the same numbers, bit for bit.
+  ``step(state, *batch)`` runs forward, backward, ``state.tx`` (any optax
+  transform) and :func:`transport` of the parameters and the optimizer's
+  copies in one donated ``jax.jit`` (bit for bit the same inside yours). A
+  non-finite loss, gradient or statistic skips the step: only
+  ``skipped_steps`` grows, and ``StepOutput.skipped`` is True.
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
-      aux)``. ``apply(*args, **kwargs)`` runs ``state.apply_fn`` on the
-      current parameters, centering and model state, with those collections
-      mutable; pass training flags and ``rngs={'dropout': key}`` through it.
-      Call it once per step.
+      aux)``; ``apply(*args, **kwargs)`` (call it once) runs
+      ``state.apply_fn`` on the state's variables, e.g. with
+      ``rngs={'dropout': key}``.
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the input state's buffers to the step.
 

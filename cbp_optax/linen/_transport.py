@@ -155,16 +155,11 @@ def transport(
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
   ``b~ += W (mu_new - mu_old)`` with the *updated* weights in ``params``
-  (Algorithm 1, steps 10-11, eq. 10), slice by slice for stacks; the
-  model's output is unchanged. A layer that recorded nothing keeps ``mu``.
-
-  Pass ``opt_state`` whenever it may hold copies of the parameters
-  (schedule-free's ``z``, SAM, DoG, Prodigy, MADGRAD, Mechanic, COCOB, or a
-  state declared with :func:`cbp_optax.centering.register_parameter_state`):
-  each copy's biases move by its own kernel, and the new state is returned
-  third. An unknown parameter-shaped tree raises
-  :class:`cbp_optax.centering.UnclassifiedStateError`.
-  ``optax.LookaheadParams`` move fast and slow, each by its own kernel.
+  (Algorithm 1, steps 10-11, eq. 10): the output is unchanged; a layer that
+  recorded nothing keeps ``mu``. Pass ``opt_state`` whenever it may hold
+  parameter copies (as for ``cbp_optax.nnx.transport``): each copy's biases
+  move by its own kernel (an unknown parameter-shaped tree raises
+  :class:`cbp_optax.centering.UnclassifiedStateError`).
 
   Args:
     params: the ``'params'`` collection (or ``optax.LookaheadParams``).
@@ -228,11 +223,9 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
 def eval_params(params: Any, opt_state: Any = None) -> Any:
   """The parameters to evaluate a (centered) model at.
 
-  For an ``opt_state`` holding a ``schedule_free`` state (at any depth),
-  its evaluation point ``x = (y - (1 - b1) z) / b1``, consistent with the
-  ``'centering'`` collection as it is (``y`` and ``z`` were transported);
-  for ``optax.LookaheadParams`` the slow parameters; otherwise ``params``.
-  Recalibrate BatchNorm statistics at these (:func:`recalibrate_batch_stats`).
+  Schedule-free's evaluation point ``x = (y - (1 - b1) z) / b1`` for an
+  ``opt_state`` holding one (used with ``'centering'`` as it is), the slow
+  parameters of ``optax.LookaheadParams``, otherwise ``params``.
 
   Args:
     params: the trained ``'params'`` (or ``optax.LookaheadParams``).
@@ -259,18 +252,16 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
 def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
 
-  From each centered layer's recorded configuration: contracted input axes
-  (a convolution's window and input channels) are reduction axes, features
-  output axes, stack axes batch axes. Any other ``kernel`` with two or more
-  axes is a matrix over its last axis; other leaves get None (AdamW).
+  Centered layers: contracted input axes are reduction axes, stack axes
+  batch axes; another ``kernel`` of 2+ axes is a matrix over its last axis;
+  other leaves get None (AdamW).
 
   Args:
     params: the ``'params'`` collection.
     centering: the ``'centering'`` collection (empty for a plain model).
 
   Returns:
-    ``dims(params)``, for ``optax.contrib.muon(...,
-    muon_weight_dimension_numbers=dims)``.
+    ``dims(params)`` for ``muon_weight_dimension_numbers``.
 
   Examples:
     >>> import jax, jax.numpy as jnp

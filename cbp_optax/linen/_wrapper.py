@@ -219,16 +219,12 @@ class Centered(nn.Module):
     name = CONV if isinstance(layer, nn.Conv) else DENSE
     inner = layer.clone(parent=self, name=name)
     return centered_call(
-        self,
-        lambda x: inner(x, *args, **kwargs),
-        lambda: inner.variables['params']['kernel'],
-        layer_spec(layer, inputs),
-        getattr(layer, 'mask', None),
-        inputs,
+        self, lambda x: inner(x, *args, **kwargs),
+        lambda: inner.variables['params']['kernel'], layer_spec(layer, inputs),
+        getattr(layer, 'mask', None), inputs,
         use_running_average=use_running_average,
         mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
-        axis_name=self.axis_name,
-        bias_dtype=layer.param_dtype)
+        axis_name=self.axis_name, bias_dtype=layer.param_dtype)
 
 
 def is_entry(tree: Any) -> bool:

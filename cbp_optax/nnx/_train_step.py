@@ -38,6 +38,7 @@ class Optimizer(nnx.Optimizer):
   gradients or statistics were not finite; ``step`` counts updates applied.
   On a centered model the state is classified here: an unclassifiable one
   raises :class:`cbp_optax.centering.UnclassifiedStateError` at construction.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -270,21 +271,15 @@ def train_step(
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 
-  ``step(model, optimizer, *args)`` runs ``loss_fn(model, *args)`` (forward
-  with centering), the backward pass, ``optimizer.update`` with any optax
-  transform (``cbp.cbp`` for CBP, ``optax.adam`` for "Adam + Center",
-  schedule-free, Muon, ...), then :func:`transport` of the model and of the
-  optimizer state's parameter copies, as one program with the model and
-  optimizer buffers donated. It may also be called inside your own
-  ``@nnx.jit`` step, with the same numbers bit for bit.
-
-  ``args`` may hold arrays, ``nnx.Rngs`` or other graph nodes; the state the
-  forward pass changes is updated as a plain ``nnx.jit`` step would. If the
-  loss, a gradient or a recorded statistic is not finite the step is
-  skipped: everything stays as it was, ``StepOutput.skipped`` is True and a
-  :class:`Optimizer` counts it. On CPU it compiles with
-  ``xla_cpu_copy_insertion_use_region_analysis``; ``step.lower(model,
-  optimizer, *args)`` lowers that program (``.as_text()``, ``.compile()``).
+  ``step(model, optimizer, *args)`` runs ``loss_fn(model, *args)``, the
+  backward pass, ``optimizer.update`` (any optax transform: ``cbp.cbp``,
+  ``optax.adam`` for "Adam + Center", ...) and :func:`transport` of the model
+  and the optimizer's parameter copies, as one donated program (also
+  callable inside your own ``@nnx.jit``, bit for bit). ``args`` may hold
+  arrays or graph nodes (``nnx.Rngs``). A non-finite loss, gradient or
+  statistic skips the step: nothing changes, ``StepOutput.skipped`` is True
+  and an :class:`Optimizer` counts it. ``step.lower(model, optimizer,
+  *args)`` lowers the program a call runs.
 
   Args:
     loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
@@ -293,8 +288,7 @@ def train_step(
     donate: donate the model and optimizer buffers to the step.
 
   Returns:
-    ``step(model, optimizer, *args) -> StepOutput``; the model, optimizer
-    and graph-node arguments are updated in place.
+    ``step(model, optimizer, *args) -> StepOutput``, updating in place.
 
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
@@ -304,8 +298,6 @@ def train_step(
       (:class:`cbp_optax.centering.UnclassifiedStateError`, before tracing).
 
   Examples:
-    Full CBP on a centered two-layer model:
-
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp

@@ -78,17 +78,12 @@ def transport(
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
   ``b~ += W (mu_new - mu_old)`` with the updated weights (Algorithm 1, steps
-  10-11), so the model's output is unchanged; stacks move slice by slice.
-  Call it after the optimizer update, inside the same ``nnx.jit``, or use
-  :func:`train_step`. A layer that recorded nothing keeps its ``mu`` and bias.
-
-  Pass the ``optimizer`` whenever its state holds copies of the parameters
-  (schedule-free's ``z``, SAM, DoG, Prodigy, MADGRAD, Mechanic, COCOB, or a
-  state declared with :func:`cbp_optax.centering.register_parameter_state`):
-  each copy's biases move by its own kernel; gradient statistics are left.
-  In the functional style pass the optax state (initialized on the whole
-  ``nnx.state(model, nnx.Param)``) as ``opt_state``; the new one is returned.
-  Model Variables held in that state move once, as the model's.
+  10-11): the output is unchanged. Call it after the update (or use
+  :func:`train_step`); a layer that recorded nothing keeps ``mu``. Pass the
+  ``optimizer`` (or, functionally, its ``opt_state``) whenever its state may
+  hold parameter copies (schedule-free, SAM, DoG, Prodigy, ..., or a
+  :func:`cbp_optax.centering.register_parameter_state` type): each copy's
+  biases move by its own kernel.
 
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
@@ -176,10 +171,8 @@ def eval_model(model: nnx.Module,
   """A copy of ``model`` to evaluate: in eval mode, at the evaluation point.
 
   With a ``schedule_free`` state in ``optimizer``, the copy has its
-  evaluation parameters ``x = (y - (1 - b1) z) / b1`` (transported, like
-  ``y`` and ``z``) and the model's means; otherwise the model's own. The
-  model is left as it is; recalibrate BatchNorm statistics of the copy at
-  ``x`` (``recalibrate_batch_stats``).
+  evaluation point ``x = (y - (1 - b1) z) / b1`` and the model's means
+  (recalibrate BatchNorm statistics at ``x``); otherwise the model's own.
 
   Args:
     model: the trained model.
@@ -189,8 +182,8 @@ def eval_model(model: nnx.Module,
     A new module sharing no variable with ``model``.
 
   Raises:
-    ValueError: an optimizer state with more than one ``schedule_free``
-      state, or one that covers only part of the parameters.
+    ValueError: several ``schedule_free`` states, or one over part of the
+      parameters.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -223,19 +216,15 @@ def eval_model(model: nnx.Module,
 def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
 
-  From each linear layer's configuration, centered or not: the contracted
-  input axes (a convolution's window and input channels) are reduction axes,
-  the features output axes, stack axes batch axes; every other parameter
-  gets None (AdamW).
+  From each linear layer, centered or not: contracted input axes are
+  reduction axes, stack axes batch axes; other parameters get None (AdamW).
 
   Args:
-    model: the model, before or after :func:`center`: the views are read
-      from it when muon asks for them.
+    model: the model, before or after :func:`center` (read when muon asks).
 
   Returns:
-    ``dims(params)``, a callable for ``optax.contrib.muon(...,
-    muon_weight_dimension_numbers=dims)``, valid for the parameters
-    ``nnx.state(model, nnx.Param)`` (with variables or as arrays).
+    ``dims(params)`` for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``, on ``nnx.state(model, nnx.Param)``.
 
   Examples:
     >>> import optax

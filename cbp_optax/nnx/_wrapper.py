@@ -276,15 +276,10 @@ def transport_layer(layer: Centered, mean_decay: Any,
     new_mean = jnp.where(layer.batch_count[...] > 0, new_mean, mean)
   try:
     moved = core.shift_bias(
-        layer.spec,
-        layer.layer.kernel[...],
-        layer.layer.bias[...],
-        mean,
-        new_mean,
-        mask=getattr(layer.layer, 'mask', None),
+        layer.spec, layer.layer.kernel[...], layer.layer.bias[...], mean,
+        new_mean, mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes'),
-        residual=None if residual is None else residual[...],
-    )
+        residual=None if residual is None else residual[...])
   except ValueError as error:
     if core.AMBIGUOUS_STACK_REMEDY not in str(error):
       raise
