@@ -1,19 +1,12 @@
 """Which parts of an optimizer state are parameters, for the bias transport.
 
-An optimizer state's copy of the parameters (schedule-free's ``z``, SAM's
-cache, the initial point of DoG, Prodigy, MADGRAD, Mechanic or COCOB) moved
-with its own kernel, ``b_k += W_k (mu_new - mu_old)`` (eq. 10), keeps
-representing the same function, and by linearity so does any combination of
-copies. Gradient statistics are never touched. A parameter-shaped subtree is
-
-* moved, in a field registered as holding parameters
-  (:func:`register_parameter_state`, or optax's own);
-* left, in a field of a known state type (optax's audited states, cbp's,
-  and every type registered);
-* refused anywhere else (an unregistered state type, or directly in a chain
-  or wrapper): a silent guess could change the function.
-
-Flax's boxed leaves and mappings are described by a :class:`TreeKind`.
+A copy of the parameters in an optimizer state (schedule-free's ``z``,
+SAM's cache, DoG's initial point, ...) moved with its own kernel, ``b_k +=
+W_k (mu_new - mu_old)`` (eq. 10), keeps its function (and by linearity so do
+combinations of copies). A parameter-shaped subtree is moved in a registered
+parameter field, left in a known state type, and refused anywhere else,
+where a silent guess could change the function. Flax's trees are described
+by a :class:`TreeKind`.
 """
 
 from __future__ import annotations
@@ -54,7 +47,7 @@ class TreeKind(NamedTuple):
     store: ``store(box, value)`` writes ``value`` into a box.
     mappings: mapping types, besides ``dict``, that are containers.
     rebuild: ``rebuild(tree, key, child)``: ``tree`` with ``child`` at
-      ``key``, or None to copy it as a ``dict`` and call its type.
+      ``key``, or None (copied as a ``dict``).
     moved: whether a box is the model's own, moved already (moves once).
   """
 
@@ -131,10 +124,8 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
 class CheckCache:
   """Which optimizers' states were classified already, and for what.
 
-  The transport classifies again while tracing, so a stale entry only moves
-  an error into the trace. Owners are held weakly where they can be, else
-  the last ``size`` by identity; signatures compare by equality (never hold
-  an ``id`` in one).
+  A stale entry only moves an error into the trace (classified again there).
+  Owners are held weakly, else the last ``size`` by identity.
   """
 
   def __init__(self, size: int = 16):
@@ -198,13 +189,11 @@ class LayerMove(NamedTuple):
     kernel_key: the kernel's path under ``path``.
     bias_key: the bias's path under ``path``.
     bias_shape: the bias's shape (stack axes included).
-    kernel: the model's updated kernel, for a copy without its own (an
-      optimizer that does not train it).
+    kernel: the model's updated kernel, for a copy without its own.
     kernel_trained: whether the optimizer trains the kernel.
     shift: ``shift(kernel, bias) -> bias + kernel (mu_new - mu_old)``; None
       to check only.
-    kernel_path: the kernel's full path where it sits elsewhere (a shared
-      kernel, at its first owner's path); None for ``path + kernel_key``.
+    kernel_path: a shared kernel's full path; None for ``path + kernel_key``.
   """
 
   path: Path
@@ -416,9 +405,8 @@ def transport_state(
 ) -> Any:
   """``state`` with every parameter copy transported (see the module doc).
 
-  With ``LayerMove.shift`` None it only classifies. Boxes are written in
-  place, other trees rebuilt. With ``params``, a copy that is not shaped
-  like the model's parameters is refused.
+  With ``LayerMove.shift`` None it only classifies; with ``params``, a copy
+  not shaped like the model's parameters is refused.
 
   Raises:
     UnclassifiedStateError: an unclassified parameter-shaped tree, a refused

@@ -22,8 +22,7 @@ OPTAX_REFUSED = {
     ),
 }
 
-# Audited against optax's sources to hold no copy of the parameters:
-# statistics, counters, schedules and wrappers of inner states.
+# Audited against optax's sources to hold no copy of the parameters.
 OPTAX_STATISTICS = frozenset({
     'AccumulateAvgUpdatesState', 'AddNoiseState', 'ApplyIfFiniteState',
     'BacktrackingLinesearchInfo', 'ConditionallyMaskState',

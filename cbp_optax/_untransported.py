@@ -1,19 +1,12 @@
 """A warning for a centered model that trains without ever being transported.
 
-A centered layer counts the positions it pooled (``batch_count``); the
-transport zeroes the count. Without a transport ``mu`` stays at zero and the
-count only grows: :func:`check` passes it through a ``lax.cond`` whose branch
-taken once, when the count crosses :data:`CALLS` calls' worth, is a
-``pure_callback`` that warns and returns the count unchanged. No number
-changes, and a program that transports discards the count, so XLA removes
-the check (the fused steps therefore keep no count the forward pass wrote).
-
-It works under ``jit``, ``vmap`` (a ``custom_vmap`` rule keeps the ``cond``
-from becoming a select), ``scan`` and sharding (one warning per process). A
-program traced while :class:`UntransportedWarning` is ignored has no check
-(the way to ``jax.export`` a training-mode forward pass). An eager call
-decides in Python, so an error filter raises the warning itself; in a
-compiled program it surfaces as the runtime's callback error.
+The transport zeroes a layer's ``batch_count``; without it the count only
+grows, and :func:`check` warns once it crosses :data:`CALLS` calls' worth
+(a ``pure_callback`` in a ``lax.cond``, returning the count unchanged). A
+program that transports discards the count, so XLA removes the check. A
+program traced while :class:`UntransportedWarning` is ignored has none (to
+``jax.export`` it); in a compiled program an error filter surfaces as the
+runtime's callback error, in an eager call as the warning itself.
 """
 
 from __future__ import annotations
@@ -122,9 +115,8 @@ def _pass_through(framework: str):
 
 def check(before: jax.Array, after: jax.Array, positions: int,
           framework: str) -> jax.Array:
-  """``after``, with a warning once it crosses :data:`CALLS` calls' worth.
-
-  Store the result as the layer's count, so that XLA drops the check with it.
+  """``after`` (store it as the layer's count), warning once it crosses
+  :data:`CALLS` calls' worth.
 
   Args:
     before: the layer's ``batch_count`` before this call.

@@ -3,16 +3,12 @@
 A centered linear layer computes ``z = W (a - mu) + b~`` (eq. 8); when the
 EMA ``mu`` of its input mean moves, the bias is transported,
 ``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so the function is unchanged.
-Every layer kind centered exactly is a :class:`LayerSpec` (``'dense'``: a
-contraction of input axes with the kernel's leading axes, ``mu`` in their
-ascending order; ``'conv'``: centered after its padding, run as the plain
-layer minus :func:`mean_correction`, with the gradients of eq. 9). Layer
-stacks add stack axes; a spec describes one slice. ``cbp_optax.nnx`` and
-``cbp_optax.linen`` read layers into specs and hold the state.
+Each exactly centered layer kind (``'dense'``, ``'conv'``: run as the plain
+layer minus :func:`mean_correction`, eq. 9) is a :class:`LayerSpec` of one
+stack slice; ``cbp_optax.nnx`` and ``cbp_optax.linen`` hold the state.
 
 References:
-  Layerwise Conditioned Backpropagation, §4.2, eqs. (8)-(10), and Algorithm
-  1, steps 10-11.
+  Layerwise Conditioned Backpropagation, §4.2, eqs. (8)-(10), Algorithm 1.
 """
 
 from __future__ import annotations
@@ -261,10 +257,8 @@ def transport(
     recorded: the batch mean recorded by the last forward pass.
     decay: the EMA decay of ``mu``, in ``[0, 1)`` (or a tracer).
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
-    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows;
-      found from the shapes otherwise.
-    residual: a 16-bit bias's float32 transport residual (see
-      :func:`shift_bias`).
+    mean_stack_axes: ``mean``'s stack axes if known; else found from shapes.
+    residual: a 16-bit bias's float32 residual (see :func:`shift_bias`).
 
   Returns:
     ``(new_bias, new_mean)``; ``(new_bias, new_mean, new_residual)`` when
@@ -323,9 +317,8 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
   Args:
     state_type: the state class of your transform (a ``NamedTuple``, or any
       pytree node whose children have names).
-    *fields: the names of its fields that hold a tree like the parameters.
-      With none, the state is declared to hold gradient statistics only:
-      its parameter-shaped fields are left as they are.
+    *fields: its fields holding a tree like the parameters; none declares
+      gradient statistics only.
 
   Examples:
     An EMA of the parameters, kept by a transform of your own:

@@ -152,11 +152,9 @@ def center(
   """Centers every supported linear layer of an unmodified Linen module.
 
   Every ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` (exact types, with
-  a bias) the module calls runs as ``W (a - mu) + b~`` (eq. 8), wherever it
-  is (submodules, attention projections, ``nn.scan``/``nn.vmap`` stacks whose
-  ``'centering'`` has the ``variable_axes`` of ``'params'``); the layers are
-  intercepted at call time (``nn.intercept_methods``). Before training, the
-  centered model computes exactly what the module does.
+  a bias) the module calls runs as ``W (a - mu) + b~`` (eq. 8), intercepted
+  at call time; in ``nn.scan``/``nn.vmap`` give ``'centering'`` the
+  ``variable_axes`` of ``'params'``. Initially it computes what the module does.
 
   Args:
     module: the Linen module.
@@ -206,9 +204,8 @@ def center(
 def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
   """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for a model.
 
-  M1 (eq. 7) sees one block per layer of a stack, found from the centered
-  layers' stacked means (as ``cbp_optax.nnx.stacked_blocks``); name roots
-  (``'ScanBlock_0'``) to override, or for a model without centered layers.
+  M1 (eq. 7) sees one block per layer of a stack, found from the stacked
+  means or named (``'ScanBlock_0'``).
 
   Args:
     params: the ``'params'`` collection.

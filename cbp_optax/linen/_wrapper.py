@@ -157,15 +157,11 @@ class Centered(nn.Module):
 
     x = Centered(nn.Dense(128))(x)
 
-  The layer's parameters move under the wrapper (``<Centered>/dense`` or
-  ``<Centered>/conv``); to center a model without editing it, use
-  :func:`center`. ``mu`` (``'centering'/'mean'``) starts at zero. With
-  ``use_running_average=False`` and ``'centering'`` mutable, the forward pass
-  records the batch mean (``'batch_mean'``, pooled over calls by
-  ``'batch_count'``; 1,000 calls without a transport warn once,
-  :class:`cbp_optax.centering.UntransportedWarning`); :func:`transport`
-  moves ``mu``. A convolution runs as the plain layer minus ``W mu`` summed
-  over the window; its ``mask`` is kept in ``'centering'/'kernel_mask'``.
+  Parameters live under ``<Centered>/dense`` or ``/conv`` (:func:`center`
+  centers a model without editing it). ``mu`` (``'centering'/'mean'``)
+  starts at zero; with ``'centering'`` mutable in training, the forward pass
+  records the batch mean (as ``cbp_optax.nnx.Centered``, warning with
+  :class:`cbp_optax.centering.UntransportedWarning`) for :func:`transport`.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or

@@ -128,10 +128,8 @@ def center(
   """Centers every supported linear layer of a built model, in place.
 
   Each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Conv`` (exact types,
-  with a bias) is replaced by ``Centered(layer)`` wherever it sits
-  (attributes, lists, dicts, ``nnx.Sequential``, attention projections,
-  ``nnx.vmap``/``nnx.scan`` stacks with one mean per slice). ``mu`` starts at
-  zero, so the model computes exactly what it did before.
+  with a bias) becomes ``Centered(layer)`` wherever it sits (stacks
+  included); with ``mu`` zero, the model computes what it did before.
 
   Args:
     model: the model; changed in place.
@@ -232,10 +230,8 @@ def stacked_blocks(
 ) -> Callable[[Any, Any], bool]:
   """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for ``model``.
 
-  M1 (eq. 7) sees one block per layer of a stack. A stack's root is the
-  highest module above a stacked centered layer all of whose parameters
-  share its leading axis; name roots (``'blocks'``) to override, or for a
-  model without centered layers.
+  M1 (eq. 7) sees one block per layer of a stack; roots are found from the
+  stacked centered layers, or named (``'blocks'``).
 
   Args:
     model: the model (after :func:`center`, for automatic detection).

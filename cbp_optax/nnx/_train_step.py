@@ -160,8 +160,7 @@ def _select(ok: Any, apply_step: Callable[..., None],
   applied_leaves, treedef = jax.tree.flatten(applied)
   skipped_leaves, skipped_def = jax.tree.flatten(skipped)
   if treedef != skipped_def and len(applied_leaves) == len(skipped_leaves):
-    # An update that turned a list in the optimizer state into a graph
-    # node (optax.sm3's accumulators): the same leaves, in the same order.
+    # An update that made a state list a graph node (optax.sm3): same leaves.
     skipped = jax.tree.unflatten(treedef, skipped_leaves)
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
@@ -327,8 +326,7 @@ def train_step(
   def step(model, optimizer, *args):
     _check_training_mode(model)
     nodes = _graph_nodes(args)
-    # Split with the graph-node arguments (shared references stay shared);
-    # differentiate the model's parameters only.
+    # Split with the graph-node arguments, so shared references stay shared.
     graphdef, params, rest = nnx.split((model, nodes), optimizer.wrt, ...)
     _check_has_params(params, optimizer)
     node_params = {k: v for k, v in params.items() if k != 0}
@@ -365,8 +363,7 @@ def train_step(
             nnx.as_pure(optimizer.opt_state),
             lambda _: nnx.as_pure(optimizer.opt_state)))
     if centered_layers(model):
-      # Transport after the skip select, where the update writes the
-      # kernels; a skipped step discards it.
+      # After the skip select, where the update writes the kernels.
       _select(jnp.logical_not(out.skipped),
               lambda model, optimizer: transport_model(
                   model, mean_decay, optimizer, None, recorded_only=False),

@@ -141,17 +141,13 @@ def _stacked_shape(
 class Centered(nnx.Module):
   """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
 
-  ``mu`` starts at zero, so a freshly wrapped layer computes what the layer
-  did. In training mode the forward pass records the batch mean of its input
-  (per input feature, or per channel for convolutions); :func:`transport`
-  then moves ``mu`` and the bias. Calls before a transport are pooled,
-  weighted by positions (``batch_count``; 1,000 calls without a transport
-  warn once, :class:`cbp_optax.centering.UntransportedWarning`).
-  ``model.eval()`` or ``use_running_average=True`` stops the recording; other
-  keyword arguments (e.g. ``out_sharding``) go to the layer. A stacked layer
-  (``nnx.vmap``/``nnx.scan``) gets a ``mu`` per slice. A convolution is
-  centered after its padding and runs as the plain layer minus
-  ``centering.mean_correction`` (same values and gradients, eq. 9).
+  ``mu`` starts at zero (the layer's function). In training mode the forward
+  pass records its input's batch mean, pooled over calls (``batch_count``;
+  1,000 calls without a transport warn once,
+  :class:`cbp_optax.centering.UntransportedWarning`); :func:`transport`
+  moves ``mu`` and the bias. A stacked layer gets a ``mu`` per slice; a
+  convolution runs as the plain layer minus ``centering.mean_correction``
+  (eq. 9). Other keyword arguments go to the layer.
 
   Args:
     layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
@@ -160,9 +156,8 @@ class Centered(nnx.Module):
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis to average the recorded mean over inside
       ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
-    stack_axes: for a layer stacked before wrapping, its kernel's stack axes
-      (``(1,)`` for ``nnx.vmap(..., out_axes=1)``); needed only where the
-      shapes cannot tell.
+    stack_axes: a pre-stacked layer's kernel stack axes, where the shapes
+      cannot tell (``(1,)`` for ``nnx.vmap(..., out_axes=1)``).
 
   Raises:
     TypeError: for any other layer type, subclasses included.
