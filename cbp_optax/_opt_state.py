@@ -76,8 +76,7 @@ class UnclassifiedStateError(TypeError):
 
 
 def _declared_fields(state_type: type) -> Optional[tuple[str, ...]]:
-  """The fields a NamedTuple or dataclass declares; None for another class
-  (checked at its first state)."""
+  """The fields a NamedTuple or dataclass declares; None for another class."""
   if hasattr(state_type, '_fields'):
     return tuple(state_type._fields)
   if dataclasses.is_dataclass(state_type):
@@ -98,10 +97,7 @@ def _check_fields_present(state_type: type, fields: Sequence[str],
 
 
 def register_parameter_state(state_type: type, *fields: str) -> None:
-  """Declares which fields of an optimizer state type hold parameters.
-
-  See :func:`cbp_optax.centering.register_parameter_state`.
-  """
+  """See :func:`cbp_optax.centering.register_parameter_state`."""
   if not isinstance(state_type, type):
     raise TypeError('register_parameter_state: state_type must be a class '
                     f'(the state type), got {state_type!r}.')
@@ -122,11 +118,8 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
 
 
 class CheckCache:
-  """Which optimizers' states were classified already, and for what.
-
-  A stale entry only moves an error into the trace (classified again there).
-  Owners are held weakly, else the last ``size`` by identity.
-  """
+  """Which optimizers' states were classified already, and for what (a stale
+  entry only moves an error into the trace, where it is classified again)."""
 
   def __init__(self, size: int = 16):
     self._size = size
@@ -495,8 +488,7 @@ def find_states(state: Any, state_type: type,
 
 
 def check_fusable(state: Any, where: str, kind: TreeKind = PLAIN) -> None:
-  """Refuses ``optax.lookahead`` (TypeError), whose parameters are a
-  ``LookaheadParams`` pair, not the model's, in a fused step."""
+  """Refuses ``optax.lookahead`` (a parameter pair) in a fused step."""
   if find_states(state, optax.LookaheadState, kind):
     raise TypeError(
         f'{where}: optax.lookahead updates an optax.LookaheadParams pair '
@@ -530,8 +522,7 @@ def evaluation_params(state: Any, params: Any) -> Any:
 
 def dimension_numbers_fn(table: dict[tuple[str, ...], Any],
                          kind: TreeKind = PLAIN) -> Callable[[Any], Any]:
-  """``dims(params)``: ``table[path names]`` at each leaf (boxes are leaves),
-  else None; for ``optax.contrib.muon``."""
+  """Muon's ``dims(params)``: ``table[path names]`` at each leaf, else None."""
   def dims(params):
     return jax.tree_util.tree_map_with_path(
         lambda path, _: table.get(path_names(path)), params,

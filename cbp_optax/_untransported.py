@@ -35,11 +35,8 @@ _FIXES = {
 
 
 class UntransportedWarning(UserWarning):
-  """A centered layer trained for many calls without a transport.
-
-  Its ``mu`` has not moved, so centering does nothing. Ignoring this
-  category before tracing removes the check from the compiled program.
-  """
+  """A centered layer trained for many calls without a transport: its ``mu``
+  has not moved, so centering does nothing."""
 
 
 def message(framework: str) -> str:
@@ -81,9 +78,7 @@ def _warn_and_return(framework: str, count: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _pass_through(framework: str):
-  """``pass_through(crossed, count)``: ``count``; warns when any is crossed
-  (a ``pure_callback`` in a ``cond``, effect-free, so ``jit`` keeps its fast
-  path)."""
+  """``pass_through(crossed, count)``: ``count``; warns when any is crossed."""
 
   def warn(count):
     shape = jax.ShapeDtypeStruct(count.shape, count.dtype)

@@ -168,14 +168,12 @@ def input_count(inputs: jax.Array, spec: LayerSpec) -> int:
 
 
 def count_dtype(mean_dtype: Any) -> jnp.dtype:
-  """The recorded count's dtype: a float (it cannot wrap around), at least
-  float32."""
+  """The recorded count's dtype: a float (no wrap-around), at least float32."""
   return jnp.promote_types(mean_dtype, jnp.float32)
 
 
 def count_shape(mean_shape: Shape, stack_axes: Sequence[int] = ()) -> Shape:
-  """The recorded count's shape: ``mu``'s with each feature axis 1 (its stack
-  axes kept, so it is sliced as ``mu`` is and broadcasts against it)."""
+  """The recorded count's shape: ``mu``'s with each feature axis 1."""
   return tuple(d if a in tuple(stack_axes) else 1
                for a, d in enumerate(mean_shape))
 
@@ -230,8 +228,7 @@ def centered_output(
 
 
 def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
-  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step
-  10), in float32 at least."""
+  """``decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10)."""
   wide = jnp.promote_types(mean.dtype, jnp.float32)
   return (decay * mean.astype(wide)
           + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)

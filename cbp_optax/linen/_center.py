@@ -64,11 +64,8 @@ def _call_input(
 
 
 class CenteredModel(NamedTuple):
-  """A Linen module run with every supported layer centered (see :func:`center`).
-
-  ``init`` and ``apply`` take what the module's own do; the ``'centering'``
-  collection mirrors the parameters (``centering/<layer path>/mean``).
-  """
+  """A Linen module run with every supported layer centered (see :func:`center`);
+  ``init`` and ``apply`` take what the module's own do."""
 
   module: nn.Module
   where: core.Where = None

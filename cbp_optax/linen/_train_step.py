@@ -56,8 +56,7 @@ def _like(container: Any, tree: Any) -> Any:
 
 
 def _old_counts(new: Any, old: Any) -> Any:
-  """``new`` centering entries with ``old``'s counts, which the transport
-  zeroes (kept, they would keep the untransported-model check alive)."""
+  """``new`` centering entries with ``old``'s counts (the transport's zeros)."""
   if not isinstance(new, Mapping):
     return new
   return {k: old[k] if k == COUNT and k in old else _old_counts(v, old.get(k))
@@ -89,8 +88,7 @@ def _check_state_first(args: tuple[Any, ...]) -> None:
 
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                               mean_decay: Any) -> TrainState:
-  """The transport of a step that was not skipped (eq. 10), reading the
-  kernels after the skip select, where the update writes them."""
+  """The transport (eq. 10) of a step that was not skipped."""
   if not state.centering:
     return state
 

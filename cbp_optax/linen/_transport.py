@@ -140,8 +140,7 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
 
 
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
-  """Refuses, before tracing, an optimizer state :func:`transport` cannot
-  classify."""
+  """Refuses, before tracing, an unclassifiable optimizer state."""
   fast = params.fast if _lookahead(params) else params
   _opt_state.transport_state(opt_state, _moves(params, centering),
                              what='opt_state', kind=FLAX, params=fast)

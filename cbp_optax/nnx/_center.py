@@ -61,8 +61,7 @@ def _has_own_params(module: nnx.Module) -> bool:
 def _graph_paths(
     model: nnx.Module,
 ) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
-  """Every path to every module and every Variable, by ``id`` (a shared
-  layer or tied Variable has several)."""
+  """Every path to every module and every Variable, by ``id``."""
   modules: dict[int, list[str]] = {}
   variables: dict[int, list[str]] = {}
 

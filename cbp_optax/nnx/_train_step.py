@@ -147,8 +147,7 @@ def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
 
 def _select(ok: Any, apply_step: Callable[..., None],
             skip_step: Callable[..., None], *operands: Any) -> None:
-  """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a leafwise select
-  (:func:`cbp_optax._step.select` for graph nodes)."""
+  """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a leafwise select."""
   nodes = _graph_nodes(operands)
   start = nnx.as_pure(nnx.state(nodes))
   apply_step(*operands)
@@ -167,8 +166,7 @@ def _select(ok: Any, apply_step: Callable[..., None],
 
 def _flat_arguments(args: Sequence[Any], donate: bool,
                     classified: _opt_state.CheckCache) -> tuple[Any, Any]:
-  """``(variables, (graphdef, values, (constants, slotted args)))`` of a
-  step's arguments, in one traversal of the graph."""
+  """``(variables, (graphdef, values, extra))`` of a step's arguments."""
   if len(args) < 2:
     raise TypeError(
         'train_step: step(model, optimizer, *args) takes the model and the '

@@ -239,11 +239,8 @@ class Centered(nnx.Module):
 
   @property
   def bias(self) -> jax.Array:
-    """The uncentered layer's equivalent bias, ``b~ - W mu`` (read-only).
-
-    For modules that read ``x @ kernel + bias`` instead of calling the layer
-    (a LoRA adapter); the trained bias ``b~`` is ``layer.bias``.
-    """
+    """The uncentered layer's equivalent bias, ``b~ - W mu`` (read-only), for
+    modules that read ``x @ kernel + bias`` (the trained ``b~`` is ``layer.bias``)."""
     correction = core.mean_correction(self.spec, self._kernel(),
                                       self.mean[...])
     bias = self.layer.bias[...]
