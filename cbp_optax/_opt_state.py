@@ -178,14 +178,12 @@ class LayerMove(NamedTuple):
   """One centered layer, as the transport of a parameter copy sees it.
 
   Attributes:
-    path: the layer's path in the parameter tree (keys, as in the tree).
-    kernel_key: the kernel's path under ``path``.
-    bias_key: the bias's path under ``path``.
+    path: the layer's path (keys) in the parameter tree.
+    kernel_key, bias_key: the kernel's and the bias's paths under ``path``.
     bias_shape: the bias's shape (stack axes included).
     kernel: the model's updated kernel, for a copy without its own.
     kernel_trained: whether the optimizer trains the kernel.
-    shift: ``shift(kernel, bias) -> bias + kernel (mu_new - mu_old)``; None
-      to check only.
+    shift: ``shift(kernel, bias) -> bias + W (mu_new - mu_old)``, or None.
     kernel_path: a shared kernel's full path; None for ``path + kernel_key``.
   """
 
@@ -356,8 +354,7 @@ def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
       "'field', ...) names the fields that hold a copy (or an average) of "
       'the parameters, which the transport then moves with their own '
       'kernels; register_parameter_state(StateType) with no field declares '
-      'that the state holds gradient statistics only.'
-  )
+      'that the state holds gradient statistics only.')
   if owner is None:
     return (
         f'transport: the optimizer state holds a tree shaped like the '

@@ -76,9 +76,8 @@ def check_centerable(
     raise CannotCenterError(
         f'{name} was built with use_bias=False: centering needs a bias to '
         'transport (eq. 10).')
-  dilation = (
-      (input_dilation,) if isinstance(input_dilation, int) else input_dilation
-  )
+  dilation = ((input_dilation,) if isinstance(input_dilation, int)
+              else input_dilation)
   if dilation is not None and any(d != 1 for d in dilation):
     raise CannotCenterError(
         f'{name} has input dilation {input_dilation}: the zeros it inserts '
@@ -258,12 +257,10 @@ def transport(
     residual: a 16-bit bias's float32 residual (see :func:`shift_bias`).
 
   Returns:
-    ``(new_bias, new_mean)``; ``(new_bias, new_mean, new_residual)`` when
-    ``residual`` is given.
+    ``(new_bias, new_mean)``, and ``new_residual`` third when given.
 
   Examples:
-    A dense layer with two inputs and one output. The mean moves half-way to
-    the recorded one, the bias by :math:`W \Delta\mu`, and the layer's
+    The mean moves half-way, the bias by :math:`W \Delta\mu`, and the
     output :math:`W (a - \mu) + \tilde b` stays the same:
 
     >>> import jax.numpy as jnp

@@ -155,8 +155,7 @@ def center(
 
   Args:
     module: the Linen module.
-    where: which layers: None for all, a type or tuple of types, or
-      ``where(path, layer) -> bool`` with ``path`` like ``'Block_0/Dense_1'``.
+    where: as for ``cbp_optax.nnx.center`` (paths like ``'Block_0/Dense_1'``).
     mean_dtype: dtype of the means; the layer's ``param_dtype`` by default.
     axis_name: the mapped batch axis to average recorded means over.
 

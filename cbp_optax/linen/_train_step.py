@@ -24,10 +24,9 @@ from cbp_optax.linen._wrapper import COUNT
 class TrainState(train_state.TrainState):
   """``flax.training.train_state.TrainState`` with the model's other state.
 
-  ``centering`` is ``variables['centering']`` (empty for an uncentered
-  model); ``model_state`` every other collection the model updates in
-  training (``batch_stats``, ...); ``skipped_steps`` counts the batches
-  :func:`train_step` skipped as non-finite.
+  ``centering`` is ``variables['centering']``, ``model_state`` the other
+  updated collections (``batch_stats``); ``skipped_steps`` counts
+  non-finite batches.
 
   Examples:
     >>> import jax, jax.numpy as jnp

@@ -167,9 +167,8 @@ def transport(
     opt_state: the optimizer's state, to move its parameter copies too.
 
   Returns:
-    ``(params, centering)`` with transported biases and refreshed means, in
-    the containers they came in (dict or FrozenDict);
-    ``(params, centering, opt_state)`` when ``opt_state`` is given.
+    ``(params, centering)`` in their containers (dict or FrozenDict), and
+    ``opt_state`` third when given.
 
   Examples:
     >>> import jax, jax.numpy as jnp

@@ -166,11 +166,9 @@ class Centered(nn.Module):
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
       ``nn.Conv`` (without input dilation) with a bias. Exact types only.
-    use_running_average: True for evaluation: use ``mu``, record nothing. May
-      also be passed to ``__call__``.
+    use_running_average: True for evaluation (also a ``__call__`` argument).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
-    axis_name: the mapped batch axis to average the recorded mean over inside
-      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
+    axis_name: the mapped batch axis to average the recorded mean over.
 
   Examples:
     >>> import jax, jax.numpy as jnp

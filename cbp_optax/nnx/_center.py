@@ -132,15 +132,13 @@ def center(
 
   Args:
     model: the model; changed in place.
-    where: which layers to center: None for all, a type or tuple of types,
-      or ``where(path, layer) -> bool`` with ``path`` like
-      ``'blocks/attn/query'``.
+    where: None for all layers, a type or tuple of types, or
+      ``where(path, layer) -> bool`` (``path`` like ``'blocks/attn/query'``).
     mean_dtype: dtype of the means; the layer's ``param_dtype`` by default.
     axis_name: see :class:`Centered`.
 
   Returns:
-    A :class:`CenterReport`: the paths centered, and every module with
-    parameters that was not, with the reason.
+    A :class:`CenterReport` of the layers centered and left (with why).
 
   Raises:
     ValueError: ``model`` itself is a layer to center (wrap it with

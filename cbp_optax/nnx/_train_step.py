@@ -34,10 +34,9 @@ _LATE_CENTERING = dict(
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
 
-  ``skipped_steps`` (an int32 ``nnx.OptState``) counts batches whose loss,
-  gradients or statistics were not finite; ``step`` counts updates applied.
-  On a centered model the state is classified here: an unclassifiable one
-  raises :class:`cbp_optax.centering.UnclassifiedStateError` at construction.
+  ``step`` counts updates applied, ``skipped_steps`` non-finite batches. An
+  unclassifiable state raises
+  :class:`cbp_optax.centering.UnclassifiedStateError` here.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -97,10 +97,9 @@ def transport(
     The transported ``opt_state`` when one is given; otherwise None.
 
   Raises:
-    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) a
-      parameter-shaped tree that is neither a registered copy nor a known
-      statistic, or a copy of another tree than ``model``; before anything
-      moves.
+    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) an
+      unclassified parameter-shaped tree, or a copy of another tree than
+      ``model``; before anything moves.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -105,8 +105,7 @@ def _given_stack_axes(
     raise ValueError(
         f'{name}: stack_axes={given!r} does not fit: the kernel of shape '
         f'{kernel_shape} is {spec.kernel_shape} with stack axes at '
-        f'{placements or "no placement"}.'
-    )
+        f'{placements or "no placement"}.')
   return axes
 
 
@@ -141,21 +140,19 @@ def _stacked_shape(
 class Centered(nnx.Module):
   """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
 
-  ``mu`` starts at zero (the layer's function). In training mode the forward
-  pass records its input's batch mean, pooled over calls (``batch_count``;
-  1,000 calls without a transport warn once,
-  :class:`cbp_optax.centering.UntransportedWarning`); :func:`transport`
-  moves ``mu`` and the bias. A stacked layer gets a ``mu`` per slice; a
-  convolution runs as the plain layer minus ``centering.mean_correction``
-  (eq. 9). Other keyword arguments go to the layer.
+  ``mu`` starts at zero. In training the forward pass records its input's
+  batch mean, pooled over calls (``batch_count``; 1,000 calls without a
+  transport warn, :class:`cbp_optax.centering.UntransportedWarning`), which
+  :func:`transport` moves ``mu`` to. A convolution runs as the plain layer
+  minus ``centering.mean_correction`` (eq. 9).
 
   Args:
     layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
       ``nnx.Conv`` (without input dilation), with a bias. Exact types only.
     use_running_average: True stops recording batch means (evaluation).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
-    axis_name: the mapped batch axis to average the recorded mean over inside
-      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
+    axis_name: the mapped batch axis (``shard_map``/``pmap``/``vmap``) to
+      average the recorded mean over.
     stack_axes: a pre-stacked layer's kernel stack axes, where the shapes
       cannot tell (``(1,)`` for ``nnx.vmap(..., out_axes=1)``).
 
