@@ -303,10 +303,9 @@ def transport_layer(
 def register_parameter_state(state_type: type, *fields: str) -> None:
   """Declares the fields of an optimizer state type that hold parameters.
 
-  A copy or average of the parameters in an optimizer state represents a
-  function too: the transport (eq. 10) moves each registered field's biases
-  with its own kernel, and leaves gradient statistics. A parameter-shaped
-  tree in an unregistered state type raises :class:`UnclassifiedStateError`.
+  The transport (eq. 10) moves each registered field's biases with its own
+  kernel; a parameter-shaped tree in an unregistered state type raises
+  :class:`UnclassifiedStateError`.
 
   Args:
     state_type: the state class of your transform (a ``NamedTuple``, or any

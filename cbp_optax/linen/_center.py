@@ -161,6 +161,7 @@ def center(
 
   Returns:
     A :class:`CenteredModel` with ``init``, ``apply`` and ``report``.
+
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn

@@ -236,6 +236,7 @@ def stacked_blocks(
 
   Returns:
     ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
+
   Examples:
     Three layers built by ``nnx.vmap`` and one head: four M1 blocks.
 

@@ -88,8 +88,7 @@ def transport(
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
-    optimizer: the ``nnx.Optimizer`` training ``model``; its state's
-      parameter copies are moved in place.
+    optimizer: the ``nnx.Optimizer`` training ``model`` (moved in place).
     opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
       (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
 

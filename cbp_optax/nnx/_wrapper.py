@@ -244,8 +244,7 @@ class Centered(nnx.Module):
     return bias - correction.astype(bias.dtype)
 
   def transport(self, mean_decay: Any = 0.99) -> None:
-    """Refreshes ``mu`` and shifts this layer's bias (eq. 10); optimizer
-    copies move with :func:`cbp_optax.nnx.transport`."""
+    """Refreshes ``mu`` and shifts this layer's own bias (eq. 10)."""
     _checks.check_mean_decay(mean_decay)
     transport_layer(self, mean_decay)
 
