@@ -87,7 +87,7 @@ def _check_state_first(args: tuple[Any, ...]) -> None:
 
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                               mean_decay: Any) -> TrainState:
-  """The transport (eq. 10) of a step that was not skipped."""
+  """The transport (eq. 10) of an unskipped step, after the skip select."""
   if not state.centering:
     return state
 
