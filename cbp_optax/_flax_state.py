@@ -1,9 +1,5 @@
-"""Flax's trees, as the optimizer-state walks of the transport see them.
-
-Imported by the NNX and Linen adapters only: the core handles plain pytrees
-and is told here how Flax boxes its leaves (NNX ``Variable``) and which of
-its mappings are containers (``nnx.State``, ``flax.core.FrozenDict``).
-"""
+"""Flax's trees as the transport's optimizer-state walks see them: NNX
+``Variable`` boxes, ``nnx.State`` and ``FrozenDict`` mappings (adapters only)."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ def _rebuild(tree: Any, key: Any, child: Any) -> Any:
   if isinstance(tree, flax.core.FrozenDict):
     return tree.copy({key: child})
   if isinstance(tree, nnx.State):
-    # A State wraps its nested dicts on access; storing the wrapper back
-    # would change the pytree structure that the optimizer's update expects.
+    # Keep raw nested dicts: State's wrappers would change the pytree.
     raw = dict(tree.raw_mapping)
     if isinstance(child, nnx.State) and not isinstance(raw[key], nnx.State):
       child = child.raw_mapping

@@ -1,30 +1,12 @@
 """Which parts of an optimizer state are parameters, for the bias transport.
 
-The transport (eq. 10) moves every centered bias by ``W (mu_new - mu_old)``
-so that the function is unchanged. An optimizer whose state holds a copy of
-the parameters (schedule-free's ``z``, SAM's cache, the initial point of DoG,
-Prodigy, MADGRAD, Mechanic or COCOB) computes its model, or its next
-parameters, from that copy; moved with its own kernel, ``b_k += W_k
-(mu_new - mu_old)``, each copy keeps representing the same function, and by
-linearity so does any combination of copies (schedule-free's evaluation
-point ``x = (y - (1 - b1) z) / b1``). Gradient statistics (Adam's ``mu`` and
-``nu``, Muon's momentum, M1's energies, M3's moments) are not parameters and
-are never touched.
-
-This module classifies a state tree: a parameter-shaped subtree (one that
-holds an array of a centered bias's shape at that bias's path) is
-
-* moved, in a field registered as holding parameters
-  (:func:`register_parameter_state`, or optax's own, listed here);
-* left, in a field of a known state type (optax's audited states, cbp's,
-  and every type registered);
-* refused, anywhere else: in an unregistered state type, or directly in a
-  chain or wrapper, where nothing says whether it is a statistic or a copy.
-  A silent guess could change the function.
-
-The module knows plain pytrees only; a framework whose trees box their
-leaves (Flax NNX's ``Variable``) or use their own mappings describes them
-with a :class:`TreeKind`, which its adapter passes in.
+A copy of the parameters in an optimizer state (schedule-free's ``z``,
+SAM's cache, DoG's initial point, ...) moved with its own kernel, ``b_k +=
+W_k (mu_new - mu_old)`` (eq. 10), keeps its function (and by linearity so do
+combinations of copies). A parameter-shaped subtree is moved in a registered
+parameter field, left in a known state type, and refused anywhere else,
+where a silent guess could change the function. Flax's trees are described
+by a :class:`TreeKind`.
 """
 
 from __future__ import annotations
@@ -60,18 +42,13 @@ class TreeKind(NamedTuple):
   """How a framework's trees hold their leaves, for the walks below.
 
   Attributes:
-    is_box: whether a node is a mutable box around one leaf (written in
-      place, never descended into).
+    is_box: whether a node is a mutable box around one leaf.
     unbox: the array a box holds.
     store: ``store(box, value)`` writes ``value`` into a box.
-    mappings: mapping types, besides ``dict``, that are containers (not
-      state types).
+    mappings: mapping types, besides ``dict``, that are containers.
     rebuild: ``rebuild(tree, key, child)``: ``tree`` with ``child`` at
-      ``key`` for a mapping it knows, else None (then the mapping is copied
-      as a ``dict`` and its type called on the copy).
-    moved: whether a box is moved already, as the model's own (a state that
-      holds the model's boxes themselves rather than copies of them): its
-      bias is then left, so that it moves once.
+      ``key``, or None (copied as a ``dict``).
+    moved: whether a box is the model's own, moved already (moves once).
   """
 
   is_box: Callable[[Any], bool] = _never
@@ -86,7 +63,7 @@ PLAIN = TreeKind()
 
 # Registered by users: state type -> the fields that hold parameters.
 _PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
-# Grows with every registration, so that a cached classification is redone.
+# _VERSION grows with every registration, so a cached check is redone.
 _VERSION = 0
 
 _CBP_STATISTICS = frozenset({'EqualizeState', 'PreconditionState'})
@@ -99,9 +76,7 @@ class UnclassifiedStateError(TypeError):
 
 
 def _declared_fields(state_type: type) -> Optional[tuple[str, ...]]:
-  """The fields a state type declares (a NamedTuple's, a dataclass's --
-  Flax's and chex's included); None for another kind of class, whose
-  fields are checked at its first state instead."""
+  """The fields a NamedTuple or dataclass declares; None for another class."""
   if hasattr(state_type, '_fields'):
     return tuple(state_type._fields)
   if dataclasses.is_dataclass(state_type):
@@ -111,8 +86,7 @@ def _declared_fields(state_type: type) -> Optional[tuple[str, ...]]:
 
 def _check_fields_present(state_type: type, fields: Sequence[str],
                           names: Sequence[Any], label: str) -> None:
-  """Refuses a registered field that a state of that type does not have
-  (a type that declares no fields is checked here, at the first state)."""
+  """Refuses a registered field that a state of that type does not have."""
   missing = [f for f in fields if f not in names]
   if missing:
     raise ValueError(
@@ -123,10 +97,7 @@ def _check_fields_present(state_type: type, fields: Sequence[str],
 
 
 def register_parameter_state(state_type: type, *fields: str) -> None:
-  """Declares which fields of an optimizer state type hold parameters.
-
-  See :func:`cbp_optax.centering.register_parameter_state`.
-  """
+  """See :func:`cbp_optax.centering.register_parameter_state`."""
   if not isinstance(state_type, type):
     raise TypeError('register_parameter_state: state_type must be a class '
                     f'(the state type), got {state_type!r}.')
@@ -147,16 +118,8 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
 
 
 class CheckCache:
-  """Which optimizers' states were classified already, and for what.
-
-  The fused steps classify the optimizer state before tracing, to raise
-  outside ``jit``; the transport classifies it again while tracing, so a
-  stale entry can only move an error into the trace, never skip one. Keyed
-  by the optimizer itself: weakly where it can be (an NNX optimizer),
-  otherwise among the last ``size`` owners, held and compared by identity
-  (a Linen ``tx``). Signatures compare by equality; hold objects in them,
-  or weak references to them, never their ``id``.
-  """
+  """Which optimizers' states were classified already, and for what (a stale
+  entry only moves an error into the trace, where it is classified again)."""
 
   def __init__(self, size: int = 16):
     self._size = size
@@ -215,19 +178,13 @@ class LayerMove(NamedTuple):
   """One centered layer, as the transport of a parameter copy sees it.
 
   Attributes:
-    path: the layer's path in the parameter tree (keys, as in the tree).
-    kernel_key: the kernel's path under ``path``.
-    bias_key: the bias's path under ``path``.
+    path: the layer's path (keys) in the parameter tree.
+    kernel_key, bias_key: the kernel's and the bias's paths under ``path``.
     bias_shape: the bias's shape (stack axes included).
-    kernel: the model's (updated) kernel, for copies of an optimizer that
-      does not train it (then the copy has no kernel, and the model's is its).
-    kernel_trained: whether the optimizer trains the kernel (so a copy
-      must hold its own).
-    shift: ``shift(kernel, bias) -> bias + kernel (mu_new - mu_old)``; None
-      to check only.
-    kernel_path: the kernel's full path where the parameter tree holds it
-      elsewhere (a kernel shared between layers sits at its first owner's
-      path); None for ``path + kernel_key``.
+    kernel: the model's updated kernel, for a copy without its own.
+    kernel_trained: whether the optimizer trains the kernel.
+    shift: ``shift(kernel, bias) -> bias + W (mu_new - mu_old)``, or None.
+    kernel_path: a shared kernel's full path; None for ``path + kernel_key``.
   """
 
   path: Path
@@ -295,8 +252,7 @@ def _replace(tree: Any, path: Path, value: Any, kind: TreeKind) -> Any:
 
 def parameter_shapes(params: Any, kind: TreeKind = PLAIN
                      ) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """Every array leaf of the model's parameter tree: its path's names and
-  its shape (what a copy of the parameters is matched against)."""
+  """Every array leaf's path names and shape (to match copies against)."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(params,
                                                    is_leaf=kind.is_box)
   return {path_names(path): tuple(np.shape(_value(leaf, kind)))
@@ -332,15 +288,12 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
                    kind: TreeKind = PLAIN,
                    shapes: Optional[dict[tuple[str, ...],
                                          tuple[int, ...]]] = None) -> Any:
-  """Moves every centered bias in one parameter copy by its own kernel.
-
-  With ``shapes`` (:func:`parameter_shapes` of the model's parameters), a
-  copy of another tree is refused. Boxes are written in place.
+  """Moves every centered bias in one parameter copy by its own kernel
+  (boxes in place); with ``shapes``, a copy of another tree is refused.
 
   Raises:
-    UnclassifiedStateError: a copy that holds a layer's bias without its
-      kernel (or its kernel without its bias), whose function no bias
-      move keeps, or a copy of another tree than the model's.
+    UnclassifiedStateError: a copy holding a layer's bias without its kernel
+      (or the reverse), or a copy of another tree than the model's.
   """
   if copy is None:
     return copy
@@ -401,8 +354,7 @@ def _unclassified(owner: Optional[tuple[type, Any]], label: str) -> str:
       "'field', ...) names the fields that hold a copy (or an average) of "
       'the parameters, which the transport then moves with their own '
       'kernels; register_parameter_state(StateType) with no field declares '
-      'that the state holds gradient statistics only.'
-  )
+      'that the state holds gradient statistics only.')
   if owner is None:
     return (
         f'transport: the optimizer state holds a tree shaped like the '
@@ -443,21 +395,16 @@ def transport_state(
 ) -> Any:
   """``state`` with every parameter copy transported (see the module doc).
 
-  With ``LayerMove.shift`` None it only classifies, raising what the
-  transport would raise. Boxed leaves (``kind``) are written in place; other
-  trees are rebuilt. With ``params`` (the model's parameter tree), a copy
-  whose leaves are not the model's parameters by path and shape (a state
-  built for another tree) is refused.
+  With ``LayerMove.shift`` None it only classifies; with ``params``, a copy
+  not shaped like the model's parameters is refused.
 
   Raises:
-    UnclassifiedStateError: a parameter-shaped tree that is neither in a
-      registered parameter field nor in a known state type, a refused
+    UnclassifiedStateError: an unclassified parameter-shaped tree, a refused
       state type, or a copy that splits a layer.
   """
   if not moves:
     return state
   shapes = None if params is None else parameter_shapes(params, kind)
-
   leaf_shapes = None if shapes is None else list(shapes.values())
   size = None if shapes is None else sum(
       int(np.prod(shape)) for shape in leaf_shapes)
@@ -538,13 +485,7 @@ def find_states(state: Any, state_type: type,
 
 
 def check_fusable(state: Any, where: str, kind: TreeKind = PLAIN) -> None:
-  """Refuses an optimizer a fused step cannot run: ``optax.lookahead``,
-  whose parameters are a ``LookaheadParams`` pair (fast and slow) rather
-  than the model's parameters.
-
-  Raises:
-    TypeError: ``state`` holds a ``LookaheadState``.
-  """
+  """Refuses ``optax.lookahead`` (a parameter pair) in a fused step."""
   if find_states(state, optax.LookaheadState, kind):
     raise TypeError(
         f'{where}: optax.lookahead updates an optax.LookaheadParams pair '
@@ -558,14 +499,8 @@ def check_fusable(state: Any, where: str, kind: TreeKind = PLAIN) -> None:
 
 
 def evaluation_params(state: Any, params: Any) -> Any:
-  """The parameters to evaluate: schedule-free's ``x`` if ``state`` has one.
-
-  ``state`` and ``params`` as arrays (unboxed).
-
-  Raises:
-    ValueError: more than one schedule-free state, or one whose ``z`` is
-      not shaped like ``params`` (a schedule-free over part of them).
-  """
+  """The parameters to evaluate (arrays): schedule-free's ``x`` if ``state``
+  has one; ValueError for several, or one over part of ``params``."""
   found = find_states(state, optax.contrib.ScheduleFreeState)
   if not found:
     return params
@@ -584,11 +519,7 @@ def evaluation_params(state: Any, params: Any) -> Any:
 
 def dimension_numbers_fn(table: dict[tuple[str, ...], Any],
                          kind: TreeKind = PLAIN) -> Callable[[Any], Any]:
-  """``dims(params)``: ``table[path]`` at each leaf's path, else None.
-
-  For ``optax.contrib.muon``'s ``muon_weight_dimension_numbers``; paths are
-  key names as strings, boxes (``kind``) count as leaves.
-  """
+  """Muon's ``dims(params)``: ``table[path names]`` at each leaf, else None."""
   def dims(params):
     return jax.tree_util.tree_map_with_path(
         lambda path, _: table.get(path_names(path)), params,

@@ -1,15 +1,7 @@
-"""optax's state types, audited for the bias transport.
+"""optax's state types, audited for the bias transport: by qualified name
+(matched with the module), the fields holding a parameter copy, a refusal
+with its reason, or a gradient statistic."""
 
-Each state type of optax, optax.contrib, optax.transforms and
-optax.schedules is classified by qualified name (matched with its module, so
-that a user's type of the same name is not): the fields that hold a copy of
-the parameters, a refusal with its reason, or a gradient statistic. The
-transport (:mod:`cbp_optax._opt_state`) moves the copies, refuses the
-refused, and leaves the statistics.
-"""
-
-# optax's state types holding a copy of the parameters, by qualified name:
-# matched with the module too, so a user's type of the same name is not.
 OPTAX_PARAMETER_FIELDS = {
     'ScheduleFreeState': ('z',),
     'SAMState': ('cache',),
@@ -30,11 +22,7 @@ OPTAX_REFUSED = {
     ),
 }
 
-# optax's state types audited (against their sources) to hold no copy of the
-# parameters: gradient statistics (momenta such as ``trace`` included),
-# counters, schedules, and wrappers of inner states. With the two tables
-# above, this classifies every state type of optax, optax.contrib,
-# optax.transforms and optax.schedules.
+# Audited against optax's sources to hold no copy of the parameters.
 OPTAX_STATISTICS = frozenset({
     'AccumulateAvgUpdatesState', 'AddNoiseState', 'ApplyIfFiniteState',
     'BacktrackingLinesearchInfo', 'ConditionallyMaskState',
@@ -61,8 +49,7 @@ OPTAX_STATISTICS = frozenset({
     'ZoomLinesearchInfo',
 })
 
-# Fields of optax's wrappers that hold the inner optimizer's state: what they
-# hold is classified by its own type, not as a statistic of the wrapper.
+# optax wrappers' fields holding the inner state, classified by its type.
 WRAPPER_FIELDS = frozenset({
     'adv_state', 'base_optimizer_state', 'fast_state', 'hyperparams_states',
     'inner_opt_state', 'inner_state', 'inner_states', 'measure_states',

@@ -1,36 +1,12 @@
 """A warning for a centered model that trains without ever being transported.
 
-A centered layer records the mean of its training inputs and counts the
-positions it pooled (``batch_count``); the transport uses the mean and sets
-the count back to zero. A step that forgets the transport leaves ``mu`` at
-zero, and the model trains exactly as the plain one. Its count then only
-grows: :func:`check` passes the count through a ``lax.cond`` whose taken
-branch, once, in the call whose count crosses :data:`CALLS` calls' worth of
-positions without a transport, is a ``pure_callback`` that warns and returns
-the count as it was. No computed number changes; a step that transports
-every step (or every few steps) never crosses it, and a step that transports
-in the same program discards the count, so XLA removes the check. The
-fused train steps keep no count the forward pass wrote (their transport
-sets it to zero): a count they kept, or read in their finiteness check,
-would keep a host callback per centered layer and step, measured at
-1.4-1.5x AdamW's step on a centered 784-512-512-10 MLP on CPU, against
-1.0-1.1x without it.
-
-The check works under ``jit``, ``vmap`` (a ``custom_vmap`` rule reduces the
-predicate over the mapped axes, so a batched predicate never turns the
-``cond`` into a select that calls back every time), ``scan`` and sharding
-(under ``shard_map`` each device may call back; the warning is raised once
-per process). Host callbacks cannot be serialized: a program traced while
-:class:`UntransportedWarning` is ignored (``warnings`` filters) has no
-check, which is the way to ``jax.export`` a training-mode forward pass
-(``jit`` caches a trace per function: ignore it before the first trace).
-Evaluation records nothing and so has no check either.
-
-An eager call (no trace) decides in Python, and a ``warnings`` filter that
-turns the warning into an error raises :class:`UntransportedWarning` itself.
-In a compiled program the warning is raised inside the host callback, so
-such a filter surfaces as the runtime's callback error, whose message holds
-the warning: no exception raised in a callback reaches the caller as itself.
+The transport zeroes a layer's ``batch_count``; without it the count only
+grows, and :func:`check` warns once it crosses :data:`CALLS` calls' worth
+(a ``pure_callback`` in a ``lax.cond``, returning the count unchanged). A
+program that transports discards the count, so XLA removes the check. A
+program traced while :class:`UntransportedWarning` is ignored has none (to
+``jax.export`` it); in a compiled program an error filter surfaces as the
+runtime's callback error, in an eager call as the warning itself.
 """
 
 from __future__ import annotations
@@ -44,9 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-# Training calls without a transport after which a layer warns: far above any
-# transport interval or number of calls per step in practice, far below the
-# length of a training run.
+# Training calls without a transport after which a layer warns.
 CALLS = 1000
 
 _FIXES = {
@@ -61,13 +35,8 @@ _FIXES = {
 
 
 class UntransportedWarning(UserWarning):
-  """A centered layer trained for many calls without a transport.
-
-  Its ``mu`` has not moved since the last transport (from zero if there was
-  none), so centering does nothing. Ignoring this category with
-  ``warnings.filterwarnings`` before tracing also removes the check from the
-  compiled program (needed to ``jax.export`` a training-mode forward pass).
-  """
+  """A centered layer trained for many calls without a transport: its ``mu``
+  has not moved, so centering does nothing."""
 
 
 def message(framework: str) -> str:
@@ -75,8 +44,7 @@ def message(framework: str) -> str:
       f'cbp_optax.{framework}: a centered layer recorded {CALLS} training '
       'calls without a transport: its mu has not moved, so centering does '
       'nothing (never transported, the model trains exactly as the plain '
-      f'one). To center it, {_FIXES[framework]}.'
-  )
+      f'one). To center it, {_FIXES[framework]}.')
 
 
 _warned: set[str] = set()
@@ -110,14 +78,7 @@ def _warn_and_return(framework: str, count: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _pass_through(framework: str):
-  """``pass_through(crossed, count)``: ``count``; warns when any is crossed.
-
-  The warning comes from a ``pure_callback`` that returns the count as it
-  is, in the branch of a ``cond`` taken once: its result is the count the
-  layer stores, so XLA keeps it, and the program has no effect (a
-  ``debug.callback`` is one, and effects take every call of ``jit`` off its
-  C++ fast path: 10 times the dispatch time of a small step on CPU).
-  """
+  """``pass_through(crossed, count)``: ``count``; warns when any is crossed."""
 
   def warn(count):
     shape = jax.ShapeDtypeStruct(count.shape, count.dtype)
@@ -130,14 +91,12 @@ def _pass_through(framework: str):
 
   @pass_through.def_vmap
   def _vmap(axis_size, in_batched, crossed, count):
-    # Once over the whole batch: a batched predicate would turn the cond
-    # into a select, which calls back at every call.
+    # Once over the whole batch (a batched predicate would call back always).
     if not in_batched[1]:
       count = jnp.broadcast_to(count, (axis_size,) + count.shape)
     return pass_through(crossed, count), True
 
-  # The identity to differentiation (a pure_callback has no JVP), for
-  # gradients taken with respect to every variable collection.
+  # The identity to differentiation (a pure_callback has no JVP).
   @jax.custom_jvp
   def differentiable(crossed: jax.Array, count: jax.Array) -> jax.Array:
     return pass_through(crossed, count)
@@ -151,10 +110,8 @@ def _pass_through(framework: str):
 
 def check(before: jax.Array, after: jax.Array, positions: int,
           framework: str) -> jax.Array:
-  """``after``, with a warning once it crosses :data:`CALLS` calls' worth.
-
-  Store the result as the layer's count: the check lives as long as the
-  count does (a step that transports discards it, and XLA the check).
+  """``after`` (store it as the layer's count), warning once it crosses
+  :data:`CALLS` calls' worth.
 
   Args:
     before: the layer's ``batch_count`` before this call.
@@ -166,9 +123,7 @@ def check(before: jax.Array, after: jax.Array, positions: int,
     return after
   threshold = CALLS * positions
   if not any(isinstance(x, jax.core.Tracer) for x in (before, after)):
-    # An eager call: decided here, in Python, so that a filter turning the
-    # warning into an error raises it as itself (raised in a host callback,
-    # it reaches the caller as the runtime's callback error).
+    # Eager: decided in Python, so an error filter raises the warning itself.
     if bool(jnp.any((before < threshold) & (after >= threshold))):
       _warn_once(framework)
     return after

@@ -3,26 +3,12 @@
 A centered linear layer computes ``z = W (a - mu) + b~`` (eq. 8); when the
 EMA ``mu`` of its input mean moves, the bias is transported,
 ``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so the function is unchanged.
-Every layer kind centered exactly is a :class:`LayerSpec`; ``cbp_optax.nnx``
-and ``cbp_optax.linen`` read a layer into a spec and hold the state.
-
-* ``'dense'``: a contraction of input axes with the kernel's leading axes
-  (Linear, LinearGeneral, Dense, DenseGeneral, attention projections); ``mu``
-  is laid out in ascending order of the contracted axes, as the kernel is.
-* ``'conv'``: any padding, stride, kernel dilation, feature groups and mask,
-  centered *after* its padding. Since a convolution of a constant image is
-  the same at every position, ``conv_valid(pad(a) - mu) = conv(a) -
-  (sum over the window of W) . mu`` (:func:`mean_correction`): the layer runs
-  as it is and a per-channel constant is subtracted; gradients are those of
-  the centered layer (eq. 9).
-
-Layer stacks give the kernel, bias and ``mu`` extra stack axes; a spec
-describes one slice and :func:`transport` maps over the stack axes.
+Each exactly centered layer kind (``'dense'``, ``'conv'``: run as the plain
+layer minus :func:`mean_correction`, eq. 9) is a :class:`LayerSpec` of one
+stack slice; ``cbp_optax.nnx`` and ``cbp_optax.linen`` hold the state.
 
 References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.2, eqs. (8)-(10), and Algorithm 1, steps 10-11.
+  Layerwise Conditioned Backpropagation, §4.2, eqs. (8)-(10), Algorithm 1.
 """
 
 from __future__ import annotations
@@ -55,8 +41,7 @@ from cbp_optax._bias_shift import shift_bias
 from cbp_optax._untransported import UntransportedWarning
 
 
-# The documented surface; the other names here serve cbp_optax.nnx and
-# cbp_optax.linen.
+# The documented surface; the other names serve the adapters.
 __all__ = [
     'CannotCenterError',
     'LayerSpec',
@@ -80,38 +65,27 @@ def _layer_label(layer_type: type) -> str:
 
 
 def check_centerable(
-    layer_type: type,
-    *,
-    use_bias: bool,
+    layer_type: type, *, use_bias: bool,
     input_dilation: Optional[Union[int, Sequence[int]]] = None,
     batch_axes: Any = None,
 ) -> None:
-  """Refuses a supported layer type configured so that centering is inexact.
-
-  Raises:
-    CannotCenterError: no bias to transport, input dilation (its inserted
-      zeros are not shifted by ``mu``), or kernel batch axes (the kernel, and
-      so ``mu``, would differ along them).
-  """
+  """Refuses a supported layer type configured so that centering is inexact
+  (CannotCenterError: no bias, input dilation, or kernel batch axes)."""
   name = _layer_label(layer_type)
   if not use_bias:
     raise CannotCenterError(
         f'{name} was built with use_bias=False: centering needs a bias to '
-        'transport (eq. 10).'
-    )
-  dilation = (
-      (input_dilation,) if isinstance(input_dilation, int) else input_dilation
-  )
+        'transport (eq. 10).')
+  dilation = ((input_dilation,) if isinstance(input_dilation, int)
+              else input_dilation)
   if dilation is not None and any(d != 1 for d in dilation):
     raise CannotCenterError(
         f'{name} has input dilation {input_dilation}: the zeros it inserts '
-        'are not shifted by mu, so no bias transport keeps it exact.'
-    )
+        'are not shifted by mu, so no bias transport keeps it exact.')
   if batch_axes:
     raise CannotCenterError(
         f'{name} has kernel batch axes {batch_axes}: the kernel, and so mu, '
-        'would differ along them.'
-    )
+        'would differ along them.')
 
 
 def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> TypeError:
@@ -123,8 +97,7 @@ def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> Type
       'change the maths, so it is refused too). Transposed and locally '
       'connected convolutions cannot be centered exactly; embeddings, norms '
       'and other layers that are not linear in their input are left as they '
-      'are.'
-  )
+      'are.')
 
 
 Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
@@ -132,11 +105,7 @@ Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
 
 def check_where(where: Any) -> Where:
   """``center``'s ``where`` as None, a type, a tuple of types or a callable
-  (a list of types is taken as a tuple).
-
-  Raises:
-    TypeError: ``where`` is none of those.
-  """
+  (a list of types becomes a tuple); TypeError otherwise."""
   if where is None or isinstance(where, type):
     return where
   if isinstance(where, (list, tuple)):
@@ -148,16 +117,14 @@ def check_where(where: Any) -> Where:
         f'predicate where(path, layer) -> bool; got {where!r}'
         + (f', whose {bad[0]!r} is not a type' if bad else ' (empty)')
         + ". To select layers by path, pass e.g. where=lambda path, layer: "
-        "path.startswith('encoder')."
-    )
+        "path.startswith('encoder').")
   if callable(where):
     return where
   raise TypeError(
       'where must be None, a layer type, a tuple of layer types, or a '
       f'predicate where(path, layer) -> bool; got the '
       f'{type(where).__name__} {where!r}. To select layers by path, pass '
-      f'e.g. where=lambda path, layer: path.startswith({where!r}).'
-  )
+      f'e.g. where=lambda path, layer: path.startswith({where!r}).')
 
 
 def selected(where: Where, path: str, layer: Any) -> bool:
@@ -170,12 +137,8 @@ def selected(where: Where, path: str, layer: Any) -> bool:
 
 
 def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
-  """The dtype of ``mu``: ``requested``, else the layer's ``param_dtype``.
-
-  Raises:
-    TypeError: not a real floating-point dtype (an integer ``mu`` would
-      truncate the mean).
-  """
+  """The dtype of ``mu``: ``requested``, else the layer's ``param_dtype``
+  (TypeError unless a real floating-point dtype)."""
   value = param_dtype if requested is None else requested
   return _checks.float_dtype(
       'mean_dtype', value,
@@ -184,17 +147,11 @@ def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
 
 
 def batch_mean(
-    inputs: jax.Array,
-    spec: LayerSpec,
-    dtype: Any,
+    inputs: jax.Array, spec: LayerSpec, dtype: Any,
     axis_name: Optional[Any] = None,
 ) -> jax.Array:
-  """The input mean over every axis but the feature axes.
-
-  Under ``jit`` with a sharded batch this is the global mean; inside
-  ``shard_map``, ``pmap`` or ``vmap``, ``axis_name`` averages across the
-  mapped batch axis too (equal per-device batches, as for BatchNorm).
-  """
+  """The input mean over every axis but the feature axes (global under
+  ``jit``; ``axis_name`` also averages over a mapped batch axis)."""
   axes = feature_axes(spec, inputs.ndim)
   reduce_axes = tuple(a for a in range(inputs.ndim) if a not in axes)
   mean = jnp.mean(inputs.astype(dtype), axis=reduce_axes)
@@ -210,32 +167,22 @@ def input_count(inputs: jax.Array, spec: LayerSpec) -> int:
 
 
 def count_dtype(mean_dtype: Any) -> jnp.dtype:
-  """The recorded count's dtype: a float (it cannot wrap around), at least
-  float32."""
+  """The recorded count's dtype: a float (no wrap-around), at least float32."""
   return jnp.promote_types(mean_dtype, jnp.float32)
 
 
 def count_shape(mean_shape: Shape, stack_axes: Sequence[int] = ()) -> Shape:
-  """The recorded count's shape: ``mu``'s with each feature axis 1 (its stack
-  axes kept, so it is sliced as ``mu`` is and broadcasts against it)."""
+  """The recorded count's shape: ``mu``'s with each feature axis 1."""
   return tuple(d if a in tuple(stack_axes) else 1
                for a, d in enumerate(mean_shape))
 
 
 def record_mean(
-    inputs: jax.Array,
-    spec: LayerSpec,
-    recorded: jax.Array,
-    count: jax.Array,
+    inputs: jax.Array, spec: LayerSpec, recorded: jax.Array, count: jax.Array,
     axis_name: Optional[Any] = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """``(recorded, count)`` after one more call of the layer on ``inputs``.
-
-  ``recorded`` is the mean of every input since the last transport
-  (``count`` positions); this call's :func:`batch_mean` joins it weighted by
-  its :func:`input_count`, so a layer called several times records the mean
-  over all its calls. With ``count`` 0 it is this call's mean exactly.
-  """
+  """``(recorded, count)`` after one more call of the layer on ``inputs``:
+  the mean since the last transport, pooled by :func:`input_count`."""
   n = input_count(inputs, spec)
   if n == 0:
     return recorded, count
@@ -266,18 +213,12 @@ def mean_correction(spec: LayerSpec, kernel: jax.Array, mean: jax.Array) -> jax.
 
 
 def centered_output(
-    spec: LayerSpec,
-    layer_fn: Callable[[jax.Array], jax.Array],
-    inputs: jax.Array,
-    kernel: Callable[[], jax.Array],
-    mean: jax.Array,
+    spec: LayerSpec, layer_fn: Callable[[jax.Array], jax.Array],
+    inputs: jax.Array, kernel: Callable[[], jax.Array], mean: jax.Array,
 ) -> jax.Array:
-  """``W (a - mu) + b~`` (eq. 8), given the plain layer ``layer_fn``.
-
-  A dense layer runs on the centered input; a convolution on the raw input,
-  minus :func:`mean_correction` (``kernel`` is called after ``layer_fn``, so
-  that a lazily created kernel exists).
-  """
+  """``W (a - mu) + b~`` (eq. 8), given the plain layer ``layer_fn``; a
+  convolution subtracts :func:`mean_correction` (``kernel()`` is called
+  after ``layer_fn``, so that a lazily created kernel exists)."""
   if spec.kind == CONV:
     outputs = layer_fn(inputs)
     correction = mean_correction(spec, kernel(), mean)
@@ -286,24 +227,15 @@ def centered_output(
 
 
 def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
-  """``mu_new = decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10).
-
-  In float32 at least (bfloat16 weights 0.99 and 0.01 do not sum to 1).
-  """
+  """``decay * mu + (1 - decay) * batch_mean`` (Algorithm 1, step 10)."""
   wide = jnp.promote_types(mean.dtype, jnp.float32)
   return (decay * mean.astype(wide)
           + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)
 
 
 def transport(
-    spec: LayerSpec,
-    kernel: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    recorded: jax.Array,
-    decay: Any,
-    *,
-    mask: Optional[jax.Array] = None,
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
     residual: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
@@ -321,18 +253,14 @@ def transport(
     recorded: the batch mean recorded by the last forward pass.
     decay: the EMA decay of ``mu``, in ``[0, 1)`` (or a tracer).
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
-    mean_stack_axes: where ``mean``'s stack axes are, when the caller knows;
-      found from the shapes otherwise.
-    residual: a 16-bit bias's float32 transport residual (see
-      :func:`shift_bias`).
+    mean_stack_axes: ``mean``'s stack axes if known; else found from shapes.
+    residual: a 16-bit bias's float32 residual (see :func:`shift_bias`).
 
   Returns:
-    ``(new_bias, new_mean)``; ``(new_bias, new_mean, new_residual)`` when
-    ``residual`` is given.
+    ``(new_bias, new_mean)``, and ``new_residual`` third when given.
 
   Examples:
-    A dense layer with two inputs and one output. The mean moves half-way to
-    the recorded one, the bias by :math:`W \Delta\mu`, and the layer's
+    The mean moves half-way, the bias by :math:`W \Delta\mu`, and the
     output :math:`W (a - \mu) + \tilde b` stays the same:
 
     >>> import jax.numpy as jnp
@@ -349,9 +277,8 @@ def transport(
     [1.] [1.]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.2 (eqs. 8-10) and Algorithm 1, steps 10-11.
+    Layerwise Conditioned Backpropagation, §4.2 (eqs. 8-10) and Algorithm 1,
+    steps 10-11.
   """
   _checks.check_mean_decay(decay)
   return transport_layer(spec, kernel, bias, mean, recorded, decay, mask=mask,
@@ -359,14 +286,8 @@ def transport(
 
 
 def transport_layer(
-    spec: LayerSpec,
-    kernel: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    recorded: jax.Array,
-    decay: Any,
-    *,
-    mask: Optional[jax.Array] = None,
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
     residual: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, ...]:
@@ -382,20 +303,15 @@ def transport_layer(
 def register_parameter_state(state_type: type, *fields: str) -> None:
   """Declares the fields of an optimizer state type that hold parameters.
 
-  An optimizer state that holds a copy or an average of the parameters (an
-  EMA of the weights, a lookahead average) represents a function too, and
-  the transport (eq. 10) must move each copy's biases with its own kernel;
-  gradient statistics must not move. The adapters' transports and fused
-  steps move every field registered here, and optax's own; a
-  parameter-shaped tree in a state type nobody registered is refused with
-  an :class:`UnclassifiedStateError`.
+  The transport (eq. 10) moves each registered field's biases with its own
+  kernel; a parameter-shaped tree in an unregistered state type raises
+  :class:`UnclassifiedStateError`.
 
   Args:
     state_type: the state class of your transform (a ``NamedTuple``, or any
       pytree node whose children have names).
-    *fields: the names of its fields that hold a tree like the parameters.
-      With none, the state is declared to hold gradient statistics only:
-      its parameter-shaped fields are left as they are.
+    *fields: its fields holding a tree like the parameters; none declares
+      gradient statistics only.
 
   Examples:
     An EMA of the parameters, kept by a transform of your own:
@@ -415,8 +331,7 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
     ...   return optax.GradientTransformation(
     ...       lambda params: ParamEmaState(params), update)
 
-    A centered model's optimizer may now hold it; the fused step moves the
-    EMA's biases with its own kernels:
+    A centered model's fused step now moves the EMA's biases:
 
     >>> from flax import nnx
     >>> import cbp_optax as cbp
@@ -448,15 +363,12 @@ def skip_reason(layer: Any, error: Exception) -> str:
 
 
 class CenterReport(NamedTuple):
-  """What ``center`` did (NNX and Linen alike).
+  """What ``center`` did (NNX and Linen alike); ``str`` lists it by reason.
 
   Attributes:
     centered: the paths (``'block/attn/query'``) of the layers it centered.
     skipped: ``(path, reason)`` for every layer with parameters of its own
-      that it left as it was (the model itself is ``'(model)'``); the reason
-      is one line, the same for every layer of a type.
-
-  ``str(report)`` lists the centered paths, then one line per reason.
+      left as it was (the model itself is ``'(model)'``).
   """
 
   centered: list[str]

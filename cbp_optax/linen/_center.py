@@ -1,5 +1,4 @@
-"""``center``: an unmodified Linen module whose linear layers are centered.
-"""
+"""``center``: an unmodified Linen module whose linear layers are centered."""
 
 from __future__ import annotations
 
@@ -30,13 +29,8 @@ _MAPPED_REASON = ('inside nn.map_variables: it computes with transformed '
 
 
 def _under_map_variables(module: nn.Module) -> bool:
-  """Whether ``module`` runs inside ``nn.map_variables``.
-
-  There the layer computes with ``trans_in_fn`` of its stored parameters (a
-  mask, a tied or standardized weight), while the transport would move the
-  stored bias by the stored kernel: inexact, so such layers are left as
-  they are. (Flax names the lifted scope ``map_variables(...)``.)
-  """
+  """Whether ``module`` runs inside ``nn.map_variables``, whose transformed
+  parameters the transport cannot see (such layers are left as they are)."""
   return 'map_variables(' in module.scope.path_text
 
 
@@ -58,11 +52,8 @@ def _input_name(module_type: type) -> Optional[str]:
 def _call_input(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
 ) -> tuple[bool, Any, tuple[Any, ...], dict[str, Any]]:
-  """``(found, input, other args, other kwargs)`` of an intercepted call.
-
-  The input is the call's first argument, given by position or by its name
-  (``nn.Dense(1)(inputs=x)``, ``nn.BatchNorm()(x=h)``).
-  """
+  """``(found, input, other args, other kwargs)`` of an intercepted call; the
+  input is the first argument, by position or by name."""
   kwargs = dict(kwargs)
   if args:
     return True, args[0], tuple(args[1:]), kwargs
@@ -73,12 +64,8 @@ def _call_input(
 
 
 class CenteredModel(NamedTuple):
-  """A Linen module run with every supported layer centered (see :func:`center`).
-
-  ``init`` and ``apply`` take exactly what the module's own do; its
-  parameters are the module's own, at the same paths, and the
-  ``'centering'`` collection mirrors them (``centering/<layer path>/mean``).
-  """
+  """A Linen module run with every supported layer centered (see :func:`center`);
+  ``init`` and ``apply`` take what the module's own do."""
 
   module: nn.Module
   where: core.Where = None
@@ -102,17 +89,12 @@ class CenteredModel(NamedTuple):
     if not found:  # no input at all: the layer's own error says so
       return next_fun(*args, **kwargs)
     return centered_call(
-        module,
-        lambda x: next_fun(x, *rest, **kwargs),
+        module, lambda x: next_fun(x, *rest, **kwargs),
         lambda: module.get_variable('params', 'kernel'),
-        layer_spec(module, inputs),
-        getattr(module, 'mask', None),
-        inputs,
+        layer_spec(module, inputs), getattr(module, 'mask', None), inputs,
         use_running_average=False,
         mean_dtype=core.mean_dtype(self.mean_dtype, module.param_dtype),
-        axis_name=self.axis_name,
-        bias_dtype=module.param_dtype,
-    )
+        axis_name=self.axis_name, bias_dtype=module.param_dtype)
 
   def init(self, *args, **kwargs):
     """``module.init`` with the ``'centering'`` collection created."""
@@ -125,16 +107,8 @@ class CenteredModel(NamedTuple):
       return self.module.apply(*args, **kwargs)
 
   def report(self, *args, **kwargs) -> core.CenterReport:
-    """What centering does to the module called on ``args``.
-
-    Traces ``init`` once (abstractly, nothing is computed) and lists, as
-    ``cbp_optax.nnx.center`` does, the layers centered and every layer with
-    parameters of its own left as it was, with a one-line reason (``str``
-    of the result gives one line per layer type).
-
-    Returns:
-      A :class:`cbp_optax.centering.CenterReport` ``(centered, skipped)``.
-    """
+    """What centering does to the module called on ``args``: a
+    :class:`cbp_optax.centering.CenterReport`, from one abstract ``init``."""
     centered, skipped = set(), set()
 
     def spy(next_fun, call_args, call_kwargs, context):
@@ -175,19 +149,13 @@ def center(
   """Centers every supported linear layer of an unmodified Linen module.
 
   Every ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` (exact types, with
-  a bias) that the module calls is run as ``W (a - mu) + b~`` (eq. 8),
-  wherever it is: ``@nn.compact`` or ``setup`` submodules, the q/k/v/out
-  projections of ``nn.MultiHeadDotProductAttention`` / ``nn.SelfAttention``,
-  and ``nn.scan``/``nn.vmap`` layer stacks (give the ``'centering'``
-  collection the same ``variable_axes`` as ``'params'``). The module's
-  source is not touched: the layers are intercepted at call time
-  (``nn.intercept_methods``). Before training, the centered model computes
-  exactly what the module does.
+  a bias) the module calls runs as ``W (a - mu) + b~`` (eq. 8), intercepted
+  at call time; in ``nn.scan``/``nn.vmap`` give ``'centering'`` the
+  ``variable_axes`` of ``'params'``. Initially it computes what the module does.
 
   Args:
     module: the Linen module.
-    where: which layers: None for all, a type or tuple of types, or
-      ``where(path, layer) -> bool`` with ``path`` like ``'Block_0/Dense_1'``.
+    where: as for ``cbp_optax.nnx.center`` (paths like ``'Block_0/Dense_1'``).
     mean_dtype: dtype of the means; the layer's ``param_dtype`` by default.
     axis_name: the mapped batch axis to average recorded means over.
 
@@ -218,9 +186,7 @@ def center(
     True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.2, eq. (8).
+    Layerwise Conditioned Backpropagation, §4.2, eq. (8).
   """
   if not isinstance(module, nn.Module):
     raise TypeError(
@@ -235,11 +201,8 @@ def center(
 def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
   """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for a model.
 
-  M1 (eq. 7) should see one block per layer of a layer stack. A stack's root
-  is found from the centered layers in it (their means carry the stack's
-  leading axis): the highest module above a stacked centered layer all of
-  whose parameters share that leading axis. Name stack roots explicitly
-  (``'ScanBlock_0'``) to override or for a model without centered layers.
+  M1 (eq. 7) sees one block per layer of a stack, found from the stacked
+  means or named (``'ScanBlock_0'``).
 
   Args:
     params: the ``'params'`` collection.
@@ -250,8 +213,7 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
     ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
 
   Examples:
-    Three ``nn.Dense`` layers scanned with ``nn.scan`` and one head: four M1
-    blocks.
+    Three scanned ``nn.Dense`` layers and one head: four M1 blocks.
 
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
@@ -278,9 +240,7 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
     >>> tx = cbp.cbp(1e-3, stacked=stacked)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (7).
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   shapes = {
       path_names(path): tuple(jnp.shape(leaf))

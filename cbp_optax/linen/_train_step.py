@@ -1,6 +1,4 @@
-"""The fused Linen step: forward with centering, backward, update, mean
-refresh and transport as one compiled iteration (Algorithm 1).
-"""
+"""The fused Linen step: Algorithm 1 as one compiled iteration."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax._flax_state import FLAX
 from cbp_optax._step import StepOutput
-
 from cbp_optax.linen._transport import check_opt_state
 from cbp_optax.linen._transport import transport_collections
 from cbp_optax.linen._wrapper import COLLECTION
@@ -27,13 +24,9 @@ from cbp_optax.linen._wrapper import COUNT
 class TrainState(train_state.TrainState):
   """``flax.training.train_state.TrainState`` with the model's other state.
 
-  Create it with ``TrainState.create(apply_fn=..., params=...,
-  centering=variables['centering'], model_state={'batch_stats': ...},
-  tx=...)``; ``centering`` may be empty for an uncentered model.
-  ``model_state`` holds every other variable collection the model reads and
-  updates in training (BatchNorm's ``batch_stats``, ...). ``step`` counts
-  the updates applied and ``skipped_steps`` the batches :func:`train_step`
-  skipped as non-finite.
+  ``centering`` is ``variables['centering']``, ``model_state`` the other
+  updated collections (``batch_stats``); ``skipped_steps`` counts
+  non-finite batches.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -51,8 +44,7 @@ class TrainState(train_state.TrainState):
   centering: Any = flax.struct.field(default_factory=dict)
   model_state: Any = flax.struct.field(default_factory=dict)
   skipped_steps: jax.Array = flax.struct.field(
-      default_factory=lambda: jnp.zeros((), jnp.int32)
-  )
+      default_factory=lambda: jnp.zeros((), jnp.int32))
 
 
 def _like(container: Any, tree: Any) -> Any:
@@ -63,11 +55,7 @@ def _like(container: Any, tree: Any) -> Any:
 
 
 def _old_counts(new: Any, old: Any) -> Any:
-  """``new`` centering entries with ``old``'s counts of pooled positions.
-
-  The transport sets the counts to zero; a count the forward pass wrote,
-  kept in the step, would keep the untransported-model check alive.
-  """
+  """``new`` centering entries with ``old``'s counts (the transport's zeros)."""
   if not isinstance(new, Mapping):
     return new
   return {k: old[k] if k == COUNT and k in old else _old_counts(v, old.get(k))
@@ -75,11 +63,8 @@ def _old_counts(new: Any, old: Any) -> Any:
 
 
 def _tx_update(state: TrainState, grads: Any, loss: jax.Array) -> Any:
-  """``state.tx.update``; an optimizer that requires the loss as ``value=``
-  (``optax.polyak_sgd``, ``optax.contrib.momo``,
-  ``optax.contrib.reduce_on_plateau``, chains of them) gets it. Every other
-  optimizer is updated exactly as the user's own step would update it, so the
-  compiled program (and its rounding) is theirs."""
+  """``state.tx.update``; ``value=loss`` only for an optimizer that requires it
+  (polyak_sgd, momo, reduce_on_plateau), so any other compiles as the user's."""
   try:
     return state.tx.update(grads, state.opt_state, state.params)
   except TypeError as error:
@@ -95,18 +80,12 @@ def _check_state_first(args: tuple[Any, ...]) -> None:
         'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
         f'first, got {got}: build it with '
         'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
-        'centering=..., tx=...).'
-    )
+        'centering=..., tx=...).')
 
 
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                               mean_decay: Any) -> TrainState:
-  """The transport of a step that was not skipped (eq. 10).
-
-  It reads the kernels after the skip select, which is where the update's
-  pass over each kernel writes them: the updated kernel then has one consumer
-  besides the transport and is not kept as a temporary of its own.
-  """
+  """The transport (eq. 10) of an unskipped step, after the skip select."""
   if not state.centering:
     return state
 
@@ -127,27 +106,17 @@ def train_step(
 ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 
-  The returned ``step(state, *batch)`` runs the forward pass with centering
-  (recording batch means), the backward pass, ``state.tx`` (``cbp.cbp`` for
-  full CBP, any optax transform otherwise, e.g. ``optax.adam`` for "Adam +
-  Center"), the parameter update and :func:`transport` (of the parameters
-  and of the optimizer state's copies of them), in one ``jax.jit``
-  with the state donated. A non-finite loss, gradient or recorded statistic
-  skips the step: the returned state equals the input state (parameters,
-  optimizer state, centering, model state, step) but for ``skipped_steps``,
-  which grows by one, and ``StepOutput.skipped`` is True (its docstring says
-  what else ``cbp.cbp``'s chains skip). Called directly on
-  CPU, the step compiles with XLA's
-  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized
-  copies). Called inside your own ``jax.jit`` it is traced into your
-  program, with the same numbers, bit for bit.
+  ``step(state, *batch)`` runs forward, backward, ``state.tx`` (any optax
+  transform) and :func:`transport` of the parameters and the optimizer's
+  copies in one donated ``jax.jit`` (bit for bit the same inside yours). A
+  non-finite loss, gradient or statistic skips the step: only
+  ``skipped_steps`` grows, and ``StepOutput.skipped`` is True.
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
-      aux)``. ``apply(*args, **kwargs)`` runs ``state.apply_fn`` on the
-      current parameters, centering and model state, with those collections
-      mutable; pass training flags and ``rngs={'dropout': key}`` through it.
-      Call it once per step.
+      aux)``; ``apply(*args, **kwargs)`` (call it once) runs
+      ``state.apply_fn`` on the state's variables, e.g. with
+      ``rngs={'dropout': key}``.
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the input state's buffers to the step.
 
@@ -156,10 +125,9 @@ def train_step(
 
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction).
-    TypeError: a first argument that is not a :class:`TrainState` (at the
-      call); an optimizer state the transport cannot classify
-      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
-      before tracing).
+    TypeError: a first argument that is not a :class:`TrainState`, or an
+      unclassifiable optimizer state
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, before tracing).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -188,9 +156,7 @@ def train_step(
     (True, 1, 1)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    Algorithm 1.
+    Layerwise Conditioned Backpropagation, Algorithm 1.
   """
   _checks.check_mean_decay(mean_decay)
   _checks.check_function('loss_fn', loss_fn)
@@ -205,8 +171,7 @@ def train_step(
           raise ValueError(
               'train_step: loss_fn called apply twice; the recorded means and '
               'batch statistics of one step must come from one forward pass. '
-              'Concatenate the inputs into one call.'
-          )
+              'Concatenate the inputs into one call.')
         variables = {'params': params, COLLECTION: state.centering,
                      **state.model_state}
         mutable = [COLLECTION, *state.model_state]
@@ -216,14 +181,12 @@ def train_step(
           raise ValueError(
               'train_step: the model creates a centering collection but the '
               'TrainState has none: pass centering=variables["centering"] '
-              'to TrainState.create.'
-          )
+              'to TrainState.create.')
         extra = set(changed) - set(mutable)
         if extra:
           raise ValueError(
               f'train_step: the model created collections {sorted(extra)} '
-              'that the TrainState lacks: pass them in model_state.'
-          )
+              'that the TrainState lacks: pass them in model_state.')
         mutated.append(changed)
         return out
 
@@ -256,7 +219,6 @@ def train_step(
     return _transport_unless_skipped(state, out.skipped, mean_decay), out
 
   jitted = _step.jit_step(step, donate_argnums=(0,) if donate else ())
-  # The optimizers (tx) whose states this step classified.
   classified = _opt_state.CheckCache()
 
   def train(*args):
@@ -267,7 +229,7 @@ def train_step(
       if state.centering:
         check_opt_state(state.params, state.centering, state.opt_state)
 
-    # Classified once per tx (again while tracing, for any other state).
+    # Once per tx (again while tracing, for any other state).
     classified.check(state.tx, (state.apply_fn, bool(state.centering)),
                      classify)
     if donate:

@@ -1,8 +1,5 @@
-"""M2's mean refresh and bias transport for Linen variables (Algorithm 1,
-steps 10-11; eq. 10), with the optimizer state's parameter copies, and the
-helpers that read centered parameters (``eval_params``,
-``muon_dimension_numbers``).
-"""
+"""Linen mean refresh and bias transport (Algorithm 1, steps 10-11; eq. 10),
+with the optimizer's parameter copies; ``eval_params``, ``muon_dimension_numbers``."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mappi
       'transport: a centering entry has no matching layer parameters '
       f'(expected kernel and bias, or a {DENSE!r} or {CONV!r} subtree, found '
       f'{sorted(layer_params)}); pass the params and centering collections '
-      'of the same model.'
-  )
+      'of the same model.')
 
 
 def _transport_layer(layer_params, entry, mean_decay, path, moves,
@@ -54,14 +50,12 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves,
     raise ValueError(
         'transport: the centering mean is not a CenteringMean box (a '
         'collection from an older version, or unboxed with nn.meta.unbox): '
-        'initialize the model again.'
-    )
+        'initialize the model again.')
   name, inner = _layer_params(layer_params)
   mask, residual = entry.get(MASK), entry.get(RESIDUAL)
   mean = core.ema(box.value, entry[RECORDED], mean_decay)
   if recorded_only and COUNT in entry:
-    # Nothing recorded since the last transport: the recorded mean is
-    # stale, and mu (and the bias) stay.
+    # Nothing recorded since the last transport: mu and the bias stay.
     mean = jnp.where(entry[COUNT] > 0, mean, box.value)
   moved = core.shift_bias(
       box.spec, inner['kernel'], inner['bias'], box.value, mean, mask=mask,
@@ -89,11 +83,7 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves,
 
 
 def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
-  """A centering entry whose next training call records a fresh mean.
-
-  The transport calls it once it has used the recorded mean, so that every
-  step records the calls of its own forward pass only.
-  """
+  """A centering entry whose next training call records a fresh mean."""
   if COUNT not in entry:
     return dict(entry)
   return dict(entry, **{COUNT: jnp.zeros_like(entry[COUNT])})
@@ -109,8 +99,7 @@ def _transport_tree(params, centering, mean_decay, path=(), moves=None,
     if key not in params:
       raise ValueError(
           f'transport: centering has a subtree {key!r} that params lacks; '
-          'pass the params and centering collections of the same model.'
-      )
+          'pass the params and centering collections of the same model.')
     new_params[key], new_centering[key] = _transport_tree(
         params[key], sub, mean_decay, path + (key,), moves, recorded_only)
   return new_params, new_centering
@@ -150,10 +139,8 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
   return moves
 
 
-
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
-  """Refuses, before any tracing, an optimizer state the transport cannot
-  classify (see :func:`transport`)."""
+  """Refuses, before tracing, an unclassifiable optimizer state."""
   fast = params.fast if _lookahead(params) else params
   _opt_state.transport_state(opt_state, _moves(params, centering),
                              what='opt_state', kind=FLAX, params=fast)
@@ -166,35 +153,22 @@ def transport(
   """Mean refresh and bias transport for every centered layer (pure).
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
-  ``b~ += W (mu_new - mu_old)`` with the weights in ``params`` (pass the
-  *updated* parameters; Algorithm 1, steps 10-11, eq. 10). Layer stacks are
-  transported slice by slice; a layer that recorded nothing since its last
-  transport keeps its ``mu`` and bias. The model's output is unchanged for
-  every input.
-
-  Pass the ``opt_state`` whenever it may hold copies of the parameters
-  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
-  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state declared with
-  :func:`cbp_optax.centering.register_parameter_state`): each copy's biases
-  move by its own kernel, so every function the optimizer holds is
-  unchanged too, and the new state is returned third. Gradient statistics
-  are left as they are; a parameter-shaped tree in a state type the
-  transport does not know raises
-  :class:`cbp_optax.centering.UnclassifiedStateError`. ``params`` may also
-  be ``optax.LookaheadParams``: the fast and the slow parameters both move,
-  each by its own kernel.
+  ``b~ += W (mu_new - mu_old)`` with the *updated* weights in ``params``
+  (Algorithm 1, steps 10-11, eq. 10): the output is unchanged; a layer that
+  recorded nothing keeps ``mu``. Pass ``opt_state`` whenever it may hold
+  parameter copies (as for ``cbp_optax.nnx.transport``): each copy's biases
+  move by its own kernel (an unknown parameter-shaped tree raises
+  :class:`cbp_optax.centering.UnclassifiedStateError`).
 
   Args:
-    params: the ``'params'`` collection (or ``optax.LookaheadParams`` of
-      two).
+    params: the ``'params'`` collection (or ``optax.LookaheadParams``).
     centering: the ``'centering'`` collection (with recorded batch means).
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
     opt_state: the optimizer's state, to move its parameter copies too.
 
   Returns:
-    ``(params, centering)`` with transported biases and refreshed means, in
-    the containers they came in (dict or FrozenDict);
-    ``(params, centering, opt_state)`` when ``opt_state`` is given.
+    ``(params, centering)`` in their containers (dict or FrozenDict), and
+    ``opt_state`` third when given.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -213,9 +187,7 @@ def transport(
     True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (10) and Algorithm 1, steps 10-11.
+    Layerwise Conditioned Backpropagation, eq. (10), Algorithm 1 steps 10-11.
   """
   _checks.check_mean_decay(mean_decay)
   if opt_state is not None:
@@ -226,9 +198,8 @@ def transport(
 def transport_collections(params: Any, centering: Any, mean_decay: Any,
                           opt_state: Any, recorded_only: bool = True
                           ) -> tuple[Any, ...]:
-  """:func:`transport` for a ``mean_decay`` validated already and a
-  classified ``opt_state`` (a fused step, which keeps no count of recorded
-  positions, passes ``recorded_only`` False)."""
+  """:func:`transport` for a validated ``mean_decay`` and classified
+  ``opt_state`` (fused steps keep no recorded count: ``recorded_only=False``)."""
   lookahead = _lookahead(params)
   fast = params.fast if lookahead else params
   moves = []
@@ -250,15 +221,9 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
 def eval_params(params: Any, opt_state: Any = None) -> Any:
   """The parameters to evaluate a (centered) model at.
 
-  Schedule-free optimizers train at one point and evaluate at another,
-  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
-  for an ``opt_state`` holding a ``schedule_free`` state (at any depth of a
-  chain or wrapper) this is ``x``, to be used with the model's
-  ``'centering'`` collection as it is: the transport moved ``y`` and ``z``
-  alike, so ``x`` is consistent with the means. ``optax.LookaheadParams``
-  give their slow parameters. Otherwise ``params`` themselves. For a model
-  with BatchNorm, recalibrate its statistics at these parameters
-  (:func:`recalibrate_batch_stats`) before evaluating.
+  Schedule-free's evaluation point ``x = (y - (1 - b1) z) / b1`` for an
+  ``opt_state`` holding one (used with ``'centering'`` as it is), the slow
+  parameters of ``optax.LookaheadParams``, otherwise ``params``.
 
   Args:
     params: the trained ``'params'`` (or ``optax.LookaheadParams``).
@@ -285,24 +250,16 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
 def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
 
-  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
-  parameter to AdamW unless told how to see a kernel as a matrix. For every
-  centered layer this is derived from its recorded configuration: a dense
-  kernel's contracted input axes are the reduction axes and its feature
-  axes the output axes (``nn.DenseGeneral`` and attention projections
-  included); a convolution's window and input-channel axes are the
-  reduction axes (``(h, w, c_in, c_out)`` seen as ``(h w c_in, c_out)``);
-  the stack axes of ``nn.scan`` / ``nn.vmap`` stacks are batch axes. Any
-  other leaf named ``kernel`` with two or more axes is seen as a matrix over
-  its last axis; biases, norms and embeddings get None (AdamW).
+  Centered layers: contracted input axes are reduction axes, stack axes
+  batch axes; another ``kernel`` of 2+ axes is a matrix over its last axis;
+  other leaves get None (AdamW).
 
   Args:
     params: the ``'params'`` collection.
     centering: the ``'centering'`` collection (empty for a plain model).
 
   Returns:
-    ``dims(params)``, for ``optax.contrib.muon(...,
-    muon_weight_dimension_numbers=dims)``.
+    ``dims(params)`` for ``muon_weight_dimension_numbers``.
 
   Examples:
     >>> import jax, jax.numpy as jnp

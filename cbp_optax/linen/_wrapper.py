@@ -1,6 +1,4 @@
-"""Linen centering wrapper: the ``Centered`` layer and its ``'centering'``
-entries, ``z = W (a - mu) + b~`` (eq. 8).
-"""
+"""Linen ``Centered`` and its ``'centering'`` entries: ``z = W (a - mu) + b~`` (eq. 8)."""
 
 from __future__ import annotations
 
@@ -17,33 +15,24 @@ from cbp_optax import centering as core
 from cbp_optax._paths import path_str
 
 
-
 COLLECTION = 'centering'
 
-
 MEAN, RECORDED, MASK = 'mean', 'batch_mean', 'kernel_mask'
-
 
 # How many input positions 'batch_mean' averages since the last transport.
 COUNT = 'batch_count'
 
-
 # A 16-bit bias's float32 transport residual (core.needs_bias_residual).
 RESIDUAL = 'bias_residual'
-
 
 # Inside the Centered wrapper the layer's parameters live under these names.
 DENSE, CONV = 'dense', 'conv'
 
 
 class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
-  """``mu`` in the ``'centering'`` collection, with what the transport needs.
-
-  A Flax metadata box (like ``nn.Partitioned``): ``nn.scan`` and ``nn.vmap``
-  call :meth:`add_axis` when they stack it, so ``stack_axes`` always says
-  where the layer-stack axes are, and ``spec`` (static) describes one layer.
-  ``.value`` is the array; ``nn.meta.unbox`` unboxes a whole collection.
-  """
+  """``mu`` in the ``'centering'`` collection: a Flax metadata box whose
+  ``stack_axes`` follow ``nn.scan``/``nn.vmap`` (:meth:`add_axis`) and whose
+  static ``spec`` describes one layer; ``.value`` is the array."""
 
   value: Any
   spec: core.LayerSpec = flax.struct.field(pytree_node=False)
@@ -76,8 +65,7 @@ def check_layer(layer: Any) -> None:
       type(layer),
       use_bias=layer.use_bias,
       input_dilation=getattr(layer, 'input_dilation', None),
-      batch_axes=getattr(layer, 'batch_dims', None),
-  )
+      batch_axes=getattr(layer, 'batch_dims', None))
 
 
 def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
@@ -109,22 +97,14 @@ def _no_collection_message(host: nn.Module) -> str:
       "centering}, x). A layer whose parameters the transform broadcasts "
       '(a recurrent cell scanned over time) cannot be centered inside it: '
       'leave it out with center(..., where=...), or unroll the loop (its '
-      'calls then share one mean).'
-  )
+      'calls then share one mean).')
 
 
 def centered_call(
-    host: nn.Module,
-    layer_fn: Callable[[jax.Array], jax.Array],
-    kernel_of: Callable[[], jax.Array],
-    spec: core.LayerSpec,
-    mask: Optional[jax.Array],
-    inputs: jax.Array,
-    *,
-    use_running_average: bool,
-    mean_dtype: Any,
-    axis_name: Any,
-    bias_dtype: Any = None,
+    host: nn.Module, layer_fn: Callable[[jax.Array], jax.Array],
+    kernel_of: Callable[[], jax.Array], spec: core.LayerSpec,
+    mask: Optional[jax.Array], inputs: jax.Array, *, use_running_average: bool,
+    mean_dtype: Any, axis_name: Any, bias_dtype: Any = None,
 ) -> jax.Array:
   """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
   try:
@@ -135,8 +115,7 @@ def centered_call(
     raise ValueError(_no_collection_message(host)) from error
   recorded = host.variable(COLLECTION, RECORDED, jnp.zeros, spec.mean_shape,
                            mean_dtype)
-  # A collection made before the count existed has none: it then records
-  # the last call only, as it did.
+  # An older collection without a count records the last call only.
   count = None
   if host.is_initializing() or host.has_variable(COLLECTION, COUNT):
     count = host.variable(COLLECTION, COUNT, jnp.zeros,
@@ -144,8 +123,7 @@ def centered_call(
                           core.count_dtype(mean_dtype))
   if mask is not None:
     host.variable(COLLECTION, MASK, lambda: jnp.asarray(mask))
-  # A collection made before the residual existed has none: its 16-bit
-  # bias then rounds at every transport, as it did.
+  # An older collection without a residual rounds its 16-bit bias.
   if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
       and (host.is_initializing()
            or host.has_variable(COLLECTION, RESIDUAL))):
@@ -179,33 +157,18 @@ class Centered(nn.Module):
 
     x = Centered(nn.Dense(128))(x)
 
-  The wrapper re-homes the layer under itself (parameters at
-  ``<Centered>/dense`` or ``<Centered>/conv``), whether the layer was built in
-  the parent's ``@nn.compact`` method, in ``setup``, or unbound. To center a
-  model without editing it, use :func:`center` instead.
-
-  ``mu`` (``'centering'/'mean'``, a :class:`CenteringMean` box) starts at
-  zero, so the initial function is the layer's. With
-  ``use_running_average=False`` and the ``'centering'`` collection mutable,
-  the forward pass records the batch mean of its input
-  (``'centering'/'batch_mean'``) and never changes ``mu``; :func:`transport`
-  does, after the update. A layer called several times in one ``apply`` (an
-  unrolled recurrent cell) records the mean over all its calls, each
-  weighted by the positions it saw (``'centering'/'batch_count'``, which
-  the transport sets back to zero; 1,000 calls' worth without a transport
-  warns once, :class:`cbp_optax.centering.UntransportedWarning`). A convolution is centered after its
-  padding and runs as the plain layer minus ``(sum over the window of W) .
-  mu``; a conv ``mask`` is kept in ``'centering'/'kernel_mask'`` for the
-  transport.
+  Parameters live under ``<Centered>/dense`` or ``/conv`` (:func:`center`
+  centers a model without editing it). ``mu`` (``'centering'/'mean'``)
+  starts at zero; with ``'centering'`` mutable in training, the forward pass
+  records the batch mean (as ``cbp_optax.nnx.Centered``, warning with
+  :class:`cbp_optax.centering.UntransportedWarning`) for :func:`transport`.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
       ``nn.Conv`` (without input dilation) with a bias. Exact types only.
-    use_running_average: True for evaluation: use ``mu``, record nothing. May
-      also be passed to ``__call__``.
+    use_running_average: True for evaluation (also a ``__call__`` argument).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
-    axis_name: the mapped batch axis to average the recorded mean over inside
-      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``).
+    axis_name: the mapped batch axis to average the recorded mean over.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -226,9 +189,7 @@ class Centered(nn.Module):
     Array([2., 3.], dtype=float32)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.2, eqs. (8) and (9).
+    Layerwise Conditioned Backpropagation, §4.2, eqs. (8) and (9).
   """
 
   layer: nn.Module
@@ -243,11 +204,8 @@ class Centered(nn.Module):
 
   @nn.compact
   def __call__(
-      self,
-      inputs: jax.Array,
-      *args,
-      use_running_average: Optional[bool] = None,
-      **kwargs,
+      self, inputs: jax.Array, *args,
+      use_running_average: Optional[bool] = None, **kwargs,
   ) -> jax.Array:
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)
@@ -255,17 +213,12 @@ class Centered(nn.Module):
     name = CONV if isinstance(layer, nn.Conv) else DENSE
     inner = layer.clone(parent=self, name=name)
     return centered_call(
-        self,
-        lambda x: inner(x, *args, **kwargs),
-        lambda: inner.variables['params']['kernel'],
-        layer_spec(layer, inputs),
-        getattr(layer, 'mask', None),
-        inputs,
+        self, lambda x: inner(x, *args, **kwargs),
+        lambda: inner.variables['params']['kernel'], layer_spec(layer, inputs),
+        getattr(layer, 'mask', None), inputs,
         use_running_average=use_running_average,
         mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
-        axis_name=self.axis_name,
-        bias_dtype=layer.param_dtype,
-    )
+        axis_name=self.axis_name, bias_dtype=layer.param_dtype)
 
 
 def is_entry(tree: Any) -> bool:

@@ -1,5 +1,4 @@
-"""``center``: wraps every supported layer of a built NNX model in place.
-"""
+"""``center``: wraps every supported layer of a built NNX model in place."""
 
 from __future__ import annotations
 
@@ -62,12 +61,7 @@ def _has_own_params(module: nnx.Module) -> bool:
 def _graph_paths(
     model: nnx.Module,
 ) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
-  """Every path to every module and to every Variable, by ``id``.
-
-  A module reachable by two paths (one layer at two call sites, two
-  attributes naming it) has two; so has a Variable two modules hold (tied
-  weights, ``b.bias = a.bias``).
-  """
+  """Every path to every module and every Variable, by ``id``."""
   modules: dict[int, list[str]] = {}
   variables: dict[int, list[str]] = {}
 
@@ -105,20 +99,14 @@ def _check_not_shared(paths: list[str]) -> None:
         'path would leave the other path uncentered while the transport '
         'moves the shared bias, changing the function. Give each call site '
         'its own layer, or leave this one out with where=(e.g. where=lambda '
-        f'path, layer: path not in {paths!r}).'
-    )
+        f'path, layer: path not in {paths!r}).')
 
 
 def _check_bias_not_tied(
     name: str, layer: nnx.Module, variable_paths: dict[int, list[str]]
 ) -> None:
-  """Refuses a layer whose bias Variable something else holds too.
-
-  The transport moves the bias by ``W (mu_new - mu_old)`` (eq. 10), right
-  for this layer only: any other holder of the same Variable (a second layer
-  tied to it, a module reading it) would compute with a moved bias. A kernel
-  may be tied: the transport never changes it.
-  """
+  """Refuses a layer whose bias Variable is held elsewhere too: eq. 10's
+  move is right for this layer only (a tied kernel is fine)."""
   paths = variable_paths.get(id(layer.bias), [])
   if len(paths) <= 1:
     return
@@ -129,8 +117,7 @@ def _check_bias_not_tied(
       'Centering moves a bias by its own layer\'s W (mu_new - mu_old) at '
       'every transport, which would change what every other holder computes. '
       'Give each layer its own bias (tying only the kernel is fine), or leave '
-      f'every holder out: where=lambda path, layer: path not in {holders!r}.'
-  )
+      f'every holder out: where=lambda path, layer: path not in {holders!r}.')
 
 
 def center(
@@ -140,33 +127,24 @@ def center(
   """Centers every supported linear layer of a built model, in place.
 
   Each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Conv`` (exact types,
-  with a bias) is replaced by ``Centered(layer)`` wherever it sits: plain
-  attributes, lists and dicts of layers, ``nnx.Sequential``, the q/k/v/out
-  projections of ``nnx.MultiHeadAttention``, and layer stacks built with
-  ``nnx.vmap``/``nnx.scan`` (one mean per slice). ``mu`` starts at zero, so
-  the model computes exactly what it did before. Embeddings, norms and
-  anything not linear in its input are left as they are; so are layers that
-  are already centered.
+  with a bias) becomes ``Centered(layer)`` wherever it sits (stacks
+  included); with ``mu`` zero, the model computes what it did before.
 
   Args:
     model: the model; changed in place.
-    where: which layers to center: None for all, a type or tuple of types,
-      or ``where(path, layer) -> bool`` with ``path`` like
-      ``'blocks/attn/query'``.
+    where: None for all layers, a type or tuple of types, or
+      ``where(path, layer) -> bool`` (``path`` like ``'blocks/attn/query'``).
     mean_dtype: dtype of the means; the layer's ``param_dtype`` by default.
     axis_name: see :class:`Centered`.
 
   Returns:
-    A :class:`CenterReport`: the paths centered, and every module with
-    parameters that was not, with the reason.
+    A :class:`CenterReport` of the layers centered and left (with why).
 
   Raises:
-    ValueError: ``model`` itself is a layer to center (it cannot be replaced
-      in place: wrap it with :class:`Centered`), or one layer is reachable
-      at two paths.
-    cbp_optax.centering.CannotCenterError: (a ``ValueError``) a layer to
-      center whose bias Variable is held elsewhere too (tied to another
-      layer's). Nothing is changed when it raises.
+    ValueError: ``model`` itself is a layer to center (wrap it with
+      :class:`Centered`), or one layer is reachable at two paths.
+    cbp_optax.centering.CannotCenterError: (a ``ValueError``) a layer whose
+      bias Variable is tied to another's. Nothing changes when it raises.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -193,9 +171,7 @@ def center(
     True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
-    of the Backward Pass with Convergence Guarantees,
-    §4.2, eq. (8).
+    Layerwise Conditioned Backpropagation, §4.2, eq. (8).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(
@@ -231,8 +207,7 @@ def center(
     if not path:
       raise ValueError(
           'center: the model itself is a linear layer and cannot be replaced '
-          'in place; use cbp_optax.nnx.Centered(model) instead.'
-      )
+          'in place; use cbp_optax.nnx.Centered(model) instead.')
     chosen.append((path, module))
   # Every check first: a refused layer leaves the whole model as it was.
   wrapped = [(path, Centered(module, mean_dtype=mean_dtype,
@@ -252,12 +227,8 @@ def stacked_blocks(
 ) -> Callable[[Any, Any], bool]:
   """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for ``model``.
 
-  M1 (eq. 7) should see one block per layer of a layer stack, not one block
-  for the whole stack. A stack's root is found from the centered layers in it
-  (their means carry the stack's leading axis): the highest module above a
-  stacked centered layer all of whose parameters share that leading axis.
-  Name stack roots explicitly (``'blocks'``) for a model without centered
-  layers, or to override.
+  M1 (eq. 7) sees one block per layer of a stack; roots are found from the
+  stacked centered layers, or named (``'blocks'``).
 
   Args:
     model: the model (after :func:`center`, for automatic detection).
@@ -292,9 +263,7 @@ def stacked_blocks(
     >>> tx = cbp.cbp(1e-3, stacked=stacked)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
-    of the Backward Pass with Convergence Guarantees,
-    eq. (7).
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   params = nnx.state(model, nnx.Param)
   shapes = {

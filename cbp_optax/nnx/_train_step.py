@@ -1,6 +1,4 @@
-"""The fused NNX step: forward with centering, backward, update, mean
-refresh and transport as one compiled iteration (Algorithm 1).
-"""
+"""The fused NNX step: Algorithm 1 as one compiled iteration."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import blocks
 from cbp_optax._step import StepOutput
-
 from cbp_optax._paths import path_str
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._transport import check_optimizer_state
@@ -36,15 +33,9 @@ _LATE_CENTERING = dict(
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` that also counts the steps :func:`train_step` skipped.
 
-  ``optimizer.skipped_steps`` (an ``nnx.OptState`` int32 scalar) grows by one
-  for every batch whose loss, gradients or recorded statistics were not
-  finite; ``optimizer.step`` counts only the updates applied. A plain
-  ``nnx.Optimizer`` works with :func:`train_step` too, without the count.
-  On a centered model the optimizer state is classified at construction
-  (see :func:`transport`): one holding a parameter-shaped tree the
-  transport cannot tell copy from statistic is refused with a
-  :class:`cbp_optax.centering.UnclassifiedStateError` there, not at the
-  first step.
+  ``step`` counts updates applied, ``skipped_steps`` non-finite batches. An
+  unclassifiable state raises
+  :class:`cbp_optax.centering.UnclassifiedStateError` here.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -65,8 +56,6 @@ class Optimizer(nnx.Optimizer):
   def __init__(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param):
     super().__init__(model, tx, wrt=wrt)
     self.skipped_steps = nnx.OptState(jnp.zeros((), jnp.int32))
-    # A centered model's transport must know what the state holds: refuse
-    # an unclassifiable one now rather than at the first step.
     check_optimizer_state(model, self, 'Optimizer')
 
   def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
@@ -113,14 +102,12 @@ def _check_step_arguments(model: Any, optimizer: Any) -> None:
     raise TypeError(
         'train_step: step(model, optimizer, *args) got the optimizer first '
         f'and a {type(optimizer).__name__} second: pass the model first, '
-        'then the optimizer.'
-    )
+        'then the optimizer.')
   if not isinstance(optimizer, nnx.Optimizer):
     raise TypeError(
         'train_step: step(model, optimizer, *args) takes an nnx.Optimizer '
         f'(or cbp_optax.nnx.Optimizer) second, got a '
-        f'{type(optimizer).__name__}.'
-    )
+        f'{type(optimizer).__name__}.')
 
 
 def _check_training_mode(model: nnx.Module) -> None:
@@ -130,8 +117,7 @@ def _check_training_mode(model: nnx.Module) -> None:
     raise ValueError(
         'train_step: the model is in evaluation mode (centered layers '
         f'{evaluating[:3]} record no batch mean, so the transport would move '
-        'mu toward a stale one). Call model.train() before training.'
-    )
+        'mu toward a stale one). Call model.train() before training.')
 
 
 def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
@@ -140,17 +126,13 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
         'train_step: the model has no variable the optimizer trains (its '
         f'wrt filter is {optimizer.wrt!r}); there are no gradients to take. '
         'Give the model parameters (nnx.Param), or build the optimizer with '
-        'wrt= naming the variables to train.'
-    )
+        'wrt= naming the variables to train.')
 
 
 def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
             loss: jax.Array) -> None:
-  """``optimizer.update``; an optimizer that requires the loss as ``value=``
-  (``optax.polyak_sgd``, ``optax.contrib.momo``,
-  ``optax.contrib.reduce_on_plateau``, chains of them) gets it. Every other
-  optimizer is updated exactly as the user's own step would update it, so the
-  compiled program (and its rounding) is theirs."""
+  """``optimizer.update``; ``value=loss`` only for an optimizer that requires it
+  (polyak_sgd, momo, reduce_on_plateau), so any other compiles as the user's."""
   try:
     optimizer.update(model, grads)
   except TypeError as error:
@@ -161,17 +143,11 @@ def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
 
 def _select(ok: Any, apply_step: Callable[..., None],
             skip_step: Callable[..., None], *operands: Any) -> None:
-  """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a select.
-
-  Runs both in-place steps on the graph nodes among ``operands`` (from the
-  same starting state) and keeps, leaf by leaf, the state of the one ``ok``
-  chooses: :func:`cbp_optax._step.select` for graph nodes.
-  """
+  """``nnx.cond(ok, apply_step, skip_step, *operands)`` as a leafwise select."""
   nodes = _graph_nodes(operands)
   start = nnx.as_pure(nnx.state(nodes))
   apply_step(*operands)
   applied = nnx.as_pure(nnx.state(nodes))
-  # A decision that reads the applied state reads it from the live nodes.
   ok = _step.decide(ok, applied)
   nnx.update(nodes, start)
   skip_step(*operands)
@@ -179,21 +155,14 @@ def _select(ok: Any, apply_step: Callable[..., None],
   applied_leaves, treedef = jax.tree.flatten(applied)
   skipped_leaves, skipped_def = jax.tree.flatten(skipped)
   if treedef != skipped_def and len(applied_leaves) == len(skipped_leaves):
-    # An update that turned a list in the optimizer state into a graph
-    # node (optax.sm3's accumulators): the same leaves, in the same order.
+    # An update that made a state list a graph node (optax.sm3): same leaves.
     skipped = jax.tree.unflatten(treedef, skipped_leaves)
   nnx.update(nodes, _step.select_leaves(ok, applied, skipped))
 
 
 def _flat_arguments(args: Sequence[Any], donate: bool,
                     classified: _opt_state.CheckCache) -> tuple[Any, Any]:
-  """``(variables, (graphdef, values, slotted args))`` of a step's arguments.
-
-  One traversal: the graph's Variables in flattening order, whose values go
-  into the step and come back as flat lists (``nnx.split`` and
-  ``nnx.update`` walk the graph once each and build nested States: most of a
-  small model's step).
-  """
+  """``(variables, (graphdef, values, extra))`` of a step's arguments."""
   if len(args) < 2:
     raise TypeError(
         'train_step: step(model, optimizer, *args) takes the model and the '
@@ -208,9 +177,7 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
   nodes = _graph_nodes(args)
   graphdef, flat = nnx.flatten((model, optimizer, nodes))
   variables = flat.leaves
-  # A module's plain array attributes (``nnx.data``, a Conv's mask) are
-  # leaves of the graph too: constants of the step, passed undonated (a
-  # donated one would be deleted, and there is no Variable to write back).
+  # Plain array attributes (a Conv's mask) are undonated constants.
   values = [variable.get_raw_value() if isinstance(variable, nnx.Variable)
             else None for variable in variables]
   constants = {i: leaf for i, leaf in enumerate(variables)
@@ -226,9 +193,7 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
 
 def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
                     values: list[Any], extra: Any) -> tuple[Any, Any]:
-  """``step`` as a function of :func:`_flat_arguments`' values (and its
-  constants and slotted arguments, ``extra``): the new values and the
-  step's output."""
+  """``step`` on :func:`_flat_arguments`' values: new values and output."""
   constants, slotted_args = extra
   values = list(values)
   for i, constant in constants.items():
@@ -241,20 +206,14 @@ def _on_flat_values(step: Callable[..., StepOutput], graphdef: Any,
     new_values = [None if i in constants else value
                   for i, value in enumerate(new_values)]
   if new_graphdef != graphdef:
-    # The forward pass created or replaced a variable (a lazily built
-    # cache): hand back the whole state, for nnx.update to add it.
+    # The forward pass changed the graph (a lazy cache): the whole state.
     return nnx.state((model, optimizer, nodes)), out
   return new_values, out
 
 
 def _write_back(args: Sequence[Any], variables: Sequence[Any],
                 new_values: Any) -> None:
-  """Stores a step's results in the graph of ``args`` (model, optimizer, ...).
-
-  ``new_values`` is the list of the values of ``variables`` (the graph's
-  Variables in flattening order), or an ``nnx.State`` where the step
-  changed the graph's structure.
-  """
+  """Stores a step's new values (or an ``nnx.State``) in the graph of ``args``."""
   if isinstance(new_values, nnx.State):
     model, optimizer, *rest = args
     nnx.update((model, optimizer, _graph_nodes(rest)), new_values)
@@ -265,8 +224,7 @@ def _write_back(args: Sequence[Any], variables: Sequence[Any],
 
 
 class _CompiledStep:
-  """A compiled fused step, called as the step is: ``(model, optimizer,
-  *args) -> StepOutput``, updating the model and optimizer in place."""
+  """A compiled fused step, called as the step is."""
 
   def __init__(self, compiled: Any, split_arguments: Callable[..., Any]):
     self._compiled = compiled
@@ -283,8 +241,7 @@ class _CompiledStep:
 
 
 class _LoweredStep:
-  """``step.lower(model, optimizer, *args)``: the program a direct call
-  runs, with its donation and, on CPU, its compiler options."""
+  """``step.lower(model, optimizer, *args)``: the program a call runs."""
 
   def __init__(self, lowered: Any, split_arguments: Callable[..., Any]):
     self._lowered = lowered
@@ -307,34 +264,15 @@ def train_step(
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 
-  The returned ``step(model, optimizer, *args)`` runs ``loss_fn(model,
-  *args)`` (the forward pass with centering, recording batch means), the
-  backward pass, ``optimizer.update`` with whatever optax transform the
-  ``nnx.Optimizer`` holds (``cbp.cbp`` for full CBP, ``optax.adam`` for
-  "Adam + Center", ``optax.contrib.schedule_free_adamw``, Muon, ...), then
-  :func:`transport` of the model and of the optimizer state's copies of the
-  parameters (schedule-free's ``z``, ...); all in one compiled program with
-  the model and optimizer buffers donated. Calling ``step`` inside your own
-  ``@nnx.jit`` train step works too (the tutorials' pattern: metrics, EMA
-  or logging beside it): it is then traced into your program, with the same
-  numbers, bit for bit; keep the ``donate_argnums`` you want on your own
-  jit.
-
-  ``args`` may hold anything a plain ``nnx.jit`` train step takes: arrays,
-  ``nnx.Rngs`` (dropout keys), other modules or graph nodes. Every state the
-  forward pass changes (BatchNorm statistics, RNG counts, the recorded
-  means, state in graph-node arguments) is updated exactly as a plain
-  ``nnx.jit`` step would. If the loss, any gradient or any recorded
-  statistic is not finite the step is skipped: parameters, optimizer state,
-  centering and batch statistics and RNG counts stay exactly as they were,
-  ``StepOutput.skipped`` is True (its docstring says what else ``cbp.cbp``'s
-  chains skip), and a :class:`Optimizer` counts it in ``skipped_steps``.
-  With no centered layer it is an ordinary train step.
-  Called directly on CPU, the step compiles with XLA's
-  ``xla_cpu_copy_insertion_use_region_analysis`` (no parameter-sized buffer
-  copies); ``step.lower(model, optimizer, *args)`` lowers that same
-  program (``.as_text()``, ``.compile(options)``, whose result is called
-  as the step is).
+  ``step(model, optimizer, *args)`` runs ``loss_fn(model, *args)``, the
+  backward pass, ``optimizer.update`` (any optax transform: ``cbp.cbp``,
+  ``optax.adam`` for "Adam + Center", ...) and :func:`transport` of the model
+  and the optimizer's parameter copies, as one donated program (also
+  callable inside your own ``@nnx.jit``, bit for bit). ``args`` may hold
+  arrays or graph nodes (``nnx.Rngs``). A non-finite loss, gradient or
+  statistic skips the step: nothing changes, ``StepOutput.skipped`` is True
+  and an :class:`Optimizer` counts it. ``step.lower(model, optimizer,
+  *args)`` lowers the program a call runs.
 
   Args:
     loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,
@@ -343,21 +281,16 @@ def train_step(
     donate: donate the model and optimizer buffers to the step.
 
   Returns:
-    ``step(model, optimizer, *args) -> StepOutput``; the model, optimizer
-    and graph-node arguments are updated in place.
+    ``step(model, optimizer, *args) -> StepOutput``, updating in place.
 
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction); a
       model whose centered layers are in evaluation mode (at the call).
-    TypeError: ``step(optimizer, model, ...)``, or a second argument that is
-      not an ``nnx.Optimizer`` (at the call); an optimizer state the
-      transport cannot classify
-      (:class:`cbp_optax.centering.UnclassifiedStateError`, at the call,
-      before tracing).
+    TypeError: ``step(optimizer, model, ...)``, a second argument that is
+      not an ``nnx.Optimizer``, or an unclassifiable optimizer state
+      (:class:`cbp_optax.centering.UnclassifiedStateError`, before tracing).
 
   Examples:
-    Full CBP on a centered two-layer model:
-
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp
@@ -378,9 +311,7 @@ def train_step(
     [0.01 0.01 0.01]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
-    of the Backward Pass with Convergence Guarantees,
-    Algorithm 1.
+    Layerwise Conditioned Backpropagation, Algorithm 1.
   """
   _checks.check_mean_decay(mean_decay)
   _checks.check_function('loss_fn', loss_fn)
@@ -389,20 +320,14 @@ def train_step(
   def step(model, optimizer, *args):
     _check_training_mode(model)
     nodes = _graph_nodes(args)
-    # Split the model with the graph-node arguments, so that references
-    # shared between them (an Rngs held by both) stay shared, but
-    # differentiate the model's own parameters only: their paths are those
-    # the optimizer was initialized with.
+    # Split with the graph-node arguments, so shared references stay shared.
     graphdef, params, rest = nnx.split((model, nodes), optimizer.wrt, ...)
     _check_has_params(params, optimizer)
     node_params = {k: v for k, v in params.items() if k != 0}
     rest = nnx.as_pure(rest)
 
     def loss_of(model_params):
-      # A pure function of the parameters, so it differentiates the same way
-      # in graph and tree mode. Merging builds fresh Variables at this trace
-      # level (from arrays for `rest`), which the forward pass may write
-      # statistics and RNG counts into.
+      # Pure in the parameters; merged Variables take the forward's writes.
       inner_model, inner_nodes = nnx.merge(
           graphdef, nnx.State({0: model_params, **node_params}), rest)
       swap = dict(zip(map(id, nodes), inner_nodes))
@@ -410,8 +335,7 @@ def train_step(
                                 is_leaf=nnx.graph.is_graph_node)
       loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
       _step.check_scalar_loss(loss)
-      # Not the counts of pooled positions, which the transport sets to
-      # zero: kept, they would keep the untransported-model check.
+      # Not the recorded counts, which the transport zeroes.
       changed = nnx.state((inner_model, inner_nodes), nnx.All(
           nnx.Not(optimizer.wrt), nnx.Not(RecordedCount)))
       return loss, (aux, changed)
@@ -433,11 +357,7 @@ def train_step(
             nnx.as_pure(optimizer.opt_state),
             lambda _: nnx.as_pure(optimizer.opt_state)))
     if centered_layers(model):
-      # The transport reads the kernels after the skip select, which is
-      # where the update's pass over each kernel writes them: the updated
-      # kernel then has one consumer besides the transport and is not kept
-      # as a temporary of its own (one kernel-sized write and two reads
-      # fewer per centered layer). A skipped step discards its transport.
+      # After the skip select, where the update writes the kernels.
       _select(jnp.logical_not(out.skipped),
               lambda model, optimizer: transport_model(
                   model, mean_decay, optimizer, None, recorded_only=False),
@@ -450,7 +370,6 @@ def train_step(
   jitted = _step.jit_step(pure_step, static_argnums=(0,),
                           donate_argnums=(1,) if donate else ())
 
-  # The optimizers whose states this step classified (for which model).
   classified = _opt_state.CheckCache()
 
   def split_arguments(args):

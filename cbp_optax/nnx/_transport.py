@@ -1,7 +1,5 @@
-"""M2's mean refresh and bias transport for NNX models (Algorithm 1, steps
-10-11; eq. 10), with the optimizer state's parameter copies, and the helpers
-that read a centered model (``eval_model``, ``muon_dimension_numbers``).
-"""
+"""NNX mean refresh and bias transport (Algorithm 1, steps 10-11; eq. 10),
+with the optimizer's parameter copies; ``eval_model``, ``muon_dimension_numbers``."""
 
 from __future__ import annotations
 
@@ -31,18 +29,15 @@ def _is_variable(node: Any) -> bool:
 
 
 def _layer_moves(
-    model: nnx.Module, wrt: Any,
-    shifts: Optional[Sequence[Any]] = None,
+    model: nnx.Module, wrt: Any, shifts: Optional[Sequence[Any]] = None,
 ) -> list[_opt_state.LayerMove]:
-  """The centered layers as the copies of an optimizer of ``wrt`` (the
-  filter it trains) see them."""
+  """The centered layers as an optimizer of ``wrt`` sees them."""
   layers = centered_paths(model)
   if not layers:
     return []
   trained = {tuple(path) for path, _ in
              nnx.to_flat_state(nnx.state(model, wrt))}
-  # Where each Variable sits in the parameter tree: a kernel shared between
-  # layers appears once, at its first owner's path, and so in every copy.
+  # A kernel shared between layers sits at its first owner's path.
   where = {id(v): tuple(path) for path, v in
            nnx.to_flat_state(nnx.state(model, nnx.Param))}
   shifts = shifts if shifts is not None else [None] * len(layers)
@@ -75,7 +70,6 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
                              params=nnx.state(model, optimizer.wrt))
 
 
-
 def transport(
     model: nnx.Module, mean_decay: Any = 0.99, *,
     optimizer: Optional[nnx.Optimizer] = None, opt_state: Any = None,
@@ -83,38 +77,18 @@ def transport(
   """Mean refresh and bias transport for every centered layer, in place.
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
-  ``b~ += W (mu_new - mu_old)`` with the current (updated) weights
-  (Algorithm 1, steps 10-11), so the model's output is unchanged. Layer
-  stacks are transported slice by slice. Call it after the optimizer update,
-  inside the same ``nnx.jit`` -- or use :func:`train_step`, which does. A
-  layer that recorded nothing since its last transport keeps its ``mu``
-  and bias.
-
-  Pass the ``optimizer`` whenever its state holds copies of the parameters
-  (``optax.contrib.schedule_free``'s ``z``, SAM's cache, the initial point
-  of DoG, Prodigy, MADGRAD, Mechanic or COCOB, or a state of your own
-  declared with :func:`cbp_optax.centering.register_parameter_state`): each
-  copy's biases then move by its own kernel, so that every function the
-  optimizer holds (schedule-free's evaluation point included) is unchanged
-  too. Gradient statistics (moments, momenta, M1's energies) are left as
-  they are. A parameter-shaped tree in a state type the transport does not
-  know is refused with a :class:`cbp_optax.centering.UnclassifiedStateError`.
-  Without ``optimizer`` only the model moves.
-
-  In the functional style (``nnx.split`` the model, ``tx.update`` on its
-  ``nnx.Param`` state) pass that optax state as ``opt_state`` instead: its
-  copies move the same way and the new state is returned. It must have been
-  initialized on the whole ``nnx.Param`` state of ``model`` (a copy holding
-  a centered bias without its kernel is refused). A state initialized on the
-  Variables themselves holds the model's own Variables where an optimizer
-  keeps the parameters as given (DoG, Prodigy, COCOB, SAM): those move once,
-  as the model's.
+  ``b~ += W (mu_new - mu_old)`` with the updated weights (Algorithm 1, steps
+  10-11): the output is unchanged. Call it after the update (or use
+  :func:`train_step`); a layer that recorded nothing keeps ``mu``. Pass the
+  ``optimizer`` (or, functionally, its ``opt_state``) whenever its state may
+  hold parameter copies (schedule-free, SAM, DoG, Prodigy, ..., or a
+  :func:`cbp_optax.centering.register_parameter_state` type): each copy's
+  biases move by its own kernel.
 
   Args:
     model: any NNX module; layers that are not :class:`Centered` are ignored.
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
-    optimizer: the ``nnx.Optimizer`` training ``model``; its state's
-      parameter copies are moved in place.
+    optimizer: the ``nnx.Optimizer`` training ``model`` (moved in place).
     opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
       (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
 
@@ -122,11 +96,9 @@ def transport(
     The transported ``opt_state`` when one is given; otherwise None.
 
   Raises:
-    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) the
-      optimizer's state holds a parameter-shaped tree (or a raveled copy,
-      or a list of the parameters' leaves) that is neither a registered
-      copy nor a known statistic, or a copy of another tree than ``model``
-      (an optimizer built for a submodule), before anything moves.
+    cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) an
+      unclassified parameter-shaped tree, or a copy of another tree than
+      ``model``; before anything moves.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -145,9 +117,7 @@ def transport(
     True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
-    of the Backward Pass with Convergence Guarantees,
-    eq. (10) and Algorithm 1, steps 10-11.
+    Layerwise Conditioned Backpropagation, eq. (10), Algorithm 1 steps 10-11.
   """
   _checks.check_mean_decay(mean_decay)
   if optimizer is not None and opt_state is not None:
@@ -159,9 +129,8 @@ def transport(
 def transport_model(model: nnx.Module, mean_decay: Any,
                     optimizer: Optional[nnx.Optimizer],
                     opt_state: Any, recorded_only: bool = True) -> Any:
-  """:func:`transport` for a ``mean_decay`` validated already (a fused step,
-  which keeps no count of recorded positions, passes ``recorded_only``
-  False)."""
+  """:func:`transport` for a validated ``mean_decay`` (fused steps keep no
+  recorded count: ``recorded_only=False``)."""
   if optimizer is None and opt_state is None:
     for layer in centered_layers(model):
       transport_layer(layer, mean_decay, recorded_only)
@@ -183,9 +152,7 @@ def transport_model(model: nnx.Module, mean_decay: Any,
         mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
   moves = _layer_moves(model, trained, shifts)
-  # A state initialized on ``nnx.state(model, nnx.Param)`` itself holds the
-  # model's Variables where it keeps the parameters as they are: those moved
-  # above, as the model's, and must not move twice.
+  # The model's own Variables in the state moved above: not twice.
   own = {id(v) for v in jax.tree.leaves(nnx.state(model), is_leaf=_is_variable)
          if _is_variable(v)}
   kind = FLAX._replace(moved=lambda box: id(box) in own)
@@ -201,16 +168,9 @@ def eval_model(model: nnx.Module,
                optimizer: Optional[nnx.Optimizer] = None) -> nnx.Module:
   """A copy of ``model`` to evaluate: in eval mode, at the evaluation point.
 
-  Schedule-free optimizers train at one point and evaluate at another,
-  ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``);
-  with ``optimizer`` holding a ``schedule_free`` state, the copy has those
-  parameters, with the model's centering means (both ``y`` and ``z`` were
-  transported, so ``x`` is too). Otherwise it has the model's own. Either
-  way the copy is in ``eval()`` mode (running averages, no dropout, no mean
-  recording) and the model itself is left as it is. For a model with
-  BatchNorm, whose running averages were gathered at ``y``, recalibrate the
-  copy at ``x``: ``recalibrate_batch_stats(eval_model(model, optimizer),
-  batches)``.
+  With a ``schedule_free`` state in ``optimizer``, the copy has its
+  evaluation point ``x = (y - (1 - b1) z) / b1`` and the model's means
+  (recalibrate BatchNorm statistics at ``x``); otherwise the model's own.
 
   Args:
     model: the trained model.
@@ -220,8 +180,8 @@ def eval_model(model: nnx.Module,
     A new module sharing no variable with ``model``.
 
   Raises:
-    ValueError: an optimizer state with more than one ``schedule_free``
-      state, or one that covers only part of the parameters.
+    ValueError: several ``schedule_free`` states, or one over part of the
+      parameters.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -254,25 +214,15 @@ def eval_model(model: nnx.Module,
 def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
 
-  ``optax.contrib.muon`` orthogonalizes 2-D matrices and sends every other
-  parameter to AdamW unless told how to see a kernel as a matrix. This
-  derives that from each linear layer's own configuration, centered or not:
-  a dense kernel's contracted input axes are the reduction axes and its
-  feature axes the output axes (``nnx.LinearGeneral`` and attention
-  projections included); a convolution's window and input-channel axes are
-  the reduction axes (the reshape of a kernel ``(h, w, c_in, c_out)`` to
-  ``(h w c_in, c_out)``); the stack axes of a layer stack are batch axes
-  (each slice is its own matrix). Biases, norms, embeddings and other
-  parameters get None (AdamW).
+  From each linear layer, centered or not: contracted input axes are
+  reduction axes, stack axes batch axes; other parameters get None (AdamW).
 
   Args:
-    model: the model, before or after :func:`center`: the views are read
-      from it when muon asks for them.
+    model: the model, before or after :func:`center` (read when muon asks).
 
   Returns:
-    ``dims(params)``, a callable for ``optax.contrib.muon(...,
-    muon_weight_dimension_numbers=dims)``, valid for the parameters
-    ``nnx.state(model, nnx.Param)`` (with variables or as arrays).
+    ``dims(params)`` for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``, on ``nnx.state(model, nnx.Param)``.
 
   Examples:
     >>> import optax
@@ -287,9 +237,7 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
     ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
     ...     wrt=nnx.Param)
   """
-  # Read when muon calls it (at init, and while tracing its update), from
-  # the model as it is then: taken before or after center, it sees the
-  # centered paths; a model gone by then leaves the table of this call.
+  # Read when muon calls it, from the model as it is then.
   model_ref = weakref.ref(model)
   fallback = _muon_table(model)
 

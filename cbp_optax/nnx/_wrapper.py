@@ -1,8 +1,5 @@
-"""NNX centering wrapper: the ``Centered`` layer and its statistics variables.
-
-``Centered`` computes ``z = W (a - mu) + b~`` (eq. 8) for a wrapped
-``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Conv``, layer stacks included.
-"""
+"""NNX ``Centered``: ``z = W (a - mu) + b~`` (eq. 8) for Linear, LinearGeneral
+and Conv layers, layer stacks included."""
 
 from __future__ import annotations
 
@@ -27,15 +24,9 @@ _STACK_REMEDY = (
 )
 
 
-
 class _StackTracked(nnx.BatchStat):
-  """A statistic that keeps ``stack_axes`` metadata through ``add_axis``.
-
-  NNX calls ``add_axis`` / ``remove_axis`` when a transform is given a
-  ``transform_metadata`` partition name; then the stack axes are known
-  exactly. Otherwise :func:`cbp_optax.centering.transport` finds them from
-  the shapes.
-  """
+  """A statistic whose ``stack_axes`` metadata follows NNX's ``add_axis``
+  (under a ``transform_metadata`` partition name); else found from shapes."""
 
   def add_axis(self, axis_index, axis_name):
     axes = self.get_metadata().get('stack_axes') or ()
@@ -57,19 +48,12 @@ class RecordedMean(_StackTracked):
 
 
 class RecordedCount(_StackTracked):
-  """How many input positions :class:`RecordedMean` averages (0: none yet).
-
-  ``mu``'s shape with every feature axis 1 (its stack axes kept), so that
-  the calls of one forward pass are weighted by the positions each saw.
-  """
+  """Input positions :class:`RecordedMean` averages: ``mu``'s shape with
+  feature axes 1, so each call weighs by the positions it saw."""
 
 
 class TransportResidual(_StackTracked):
-  """What a 16-bit bias lacks of its exact transported value (float32).
-
-  See :func:`cbp_optax.centering.needs_bias_residual`: carried into the next
-  transport, so that the roundings of the bias do not add up.
-  """
+  """A 16-bit bias's float32 transport residual (``needs_bias_residual``)."""
 
 
 def _linear_spec(layer: nnx.Linear) -> core.LayerSpec:
@@ -99,13 +83,8 @@ SPEC_OF = {
 
 
 def layer_spec(layer: nnx.Module) -> core.LayerSpec:
-  """The :class:`~cbp_optax.centering.LayerSpec` of a layer, or why not.
-
-  Raises:
-    TypeError: a type the core does not know exactly.
-    cbp_optax.centering.CannotCenterError: a known type configured so that
-      the transport could not be exact.
-  """
+  """The :class:`~cbp_optax.centering.LayerSpec` of a layer (TypeError for an
+  unknown type, CannotCenterError for an inexact configuration)."""
   spec_of = SPEC_OF.get(type(layer))
   if spec_of is None:
     raise core.unsupported_layer_error(type(layer), tuple(SPEC_OF))
@@ -126,8 +105,7 @@ def _given_stack_axes(
     raise ValueError(
         f'{name}: stack_axes={given!r} does not fit: the kernel of shape '
         f'{kernel_shape} is {spec.kernel_shape} with stack axes at '
-        f'{placements or "no placement"}.'
-    )
+        f'{placements or "no placement"}.')
   return axes
 
 
@@ -162,45 +140,21 @@ def _stacked_shape(
 class Centered(nnx.Module):
   """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
 
-  ``mu`` starts at zero, so a freshly wrapped layer computes exactly what the
-  layer did. The forward pass centers with the stored ``mu`` and, in training
-  mode, records the batch mean of its input (per input feature; per input
-  channel over batch and spatial positions for convolutions); it never changes
-  ``mu`` itself. :func:`transport` does, after the parameter update, together
-  with the bias shift that keeps the function unchanged. A layer called
-  several times before the transport (an unrolled recurrent cell, one layer
-  applied twice) records the mean over all those calls, each weighted by the
-  positions it saw (``batch_count`` counts them; the transport sets it back
-  to zero; a layer that counts 1,000 calls without a transport warns once,
-  :class:`cbp_optax.centering.UntransportedWarning`). ``model.eval()`` (or ``nnx.view(model,
-  use_running_average=True)``) stops the recording; ``model.train()``
-  resumes it; ``use_running_average`` may also be passed to the call. Other
-  keyword arguments (e.g. ``out_sharding``) go to the layer.
-
-  The layer may already be a stack (built under ``nnx.vmap``/``nnx.scan``):
-  ``mu`` then gets the same stack axes, and :func:`transport` moves every
-  slice's bias by its own kernel. Built inside ``nnx.vmap``, the wrapper is
-  stacked along with the layer.
-
-  A convolution is centered after its padding (``mu`` is subtracted at the
-  border too, which keeps the transport exact there). It runs as the plain
-  layer, on the raw input with its own padding, minus
-  ``(sum over the window of W) . mu`` (``centering.mean_correction``): the
-  same values and gradients (eq. 9), without a pass over the activation.
+  ``mu`` starts at zero. In training the forward pass records its input's
+  batch mean, pooled over calls (``batch_count``; 1,000 calls without a
+  transport warn, :class:`cbp_optax.centering.UntransportedWarning`), which
+  :func:`transport` moves ``mu`` to. A convolution runs as the plain layer
+  minus ``centering.mean_correction`` (eq. 9).
 
   Args:
     layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
-      ``nnx.Conv`` (without input dilation; any padding, stride, groups,
-      kernel dilation or mask), built with a bias. Exact types only.
+      ``nnx.Conv`` (without input dilation), with a bias. Exact types only.
     use_running_average: True stops recording batch means (evaluation).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
-    axis_name: the mapped batch axis to average the recorded mean over inside
-      ``shard_map`` / ``pmap`` / ``vmap`` (not needed under ``jit``, where a
-      sharded batch's mean is already global).
-    stack_axes: for a layer stacked before wrapping, the axes of its kernel
-      that are stack axes (``(1,)`` for ``nnx.vmap(..., out_axes=1)``);
-      needed only where the shapes cannot tell (a stack as long as a feature
-      size), found from them otherwise.
+    axis_name: the mapped batch axis (``shard_map``/``pmap``/``vmap``) to
+      average the recorded mean over.
+    stack_axes: a pre-stacked layer's kernel stack axes, where the shapes
+      cannot tell (``(1,)`` for ``nnx.vmap(..., out_axes=1)``).
 
   Raises:
     TypeError: for any other layer type, subclasses included.
@@ -208,9 +162,6 @@ class Centered(nnx.Module):
       without bias, with input dilation or with kernel batch axes.
 
   Examples:
-    The forward pass records the batch mean; :meth:`transport` moves ``mu``
-    to it (``mean_decay=0``) and the bias with it, so the output is the same:
-
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp
@@ -226,18 +177,12 @@ class Centered(nnx.Module):
     [2. 3.] True
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware Reparameterization
-    of the Backward Pass with Convergence Guarantees,
-    §4.2, eqs. (8) and (9).
+    Layerwise Conditioned Backpropagation, §4.2, eqs. (8) and (9).
   """
 
   def __init__(
-      self,
-      layer: nnx.Module,
-      *,
-      use_running_average: bool = False,
-      mean_dtype: Optional[Any] = None,
-      axis_name: Optional[Any] = None,
+      self, layer: nnx.Module, *, use_running_average: bool = False,
+      mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
       stack_axes: Optional[Sequence[int]] = None,
   ):
     _checks.check_bool('use_running_average', use_running_average)
@@ -275,12 +220,8 @@ class Centered(nnx.Module):
       self.batch_count[...] = _untransported.check(
           before, after, core.input_count(inputs, self.spec), 'nnx')
     return core.centered_output(
-        self.spec,
-        lambda x: self.layer(x, *args, **kwargs),
-        inputs,
-        self._kernel,
-        self.mean[...],
-    )
+        self.spec, lambda x: self.layer(x, *args, **kwargs), inputs,
+        self._kernel, self.mean[...])
 
   def _kernel(self) -> jax.Array:
     """The kernel the layer applies (a convolution's ``mask`` included)."""
@@ -295,47 +236,27 @@ class Centered(nnx.Module):
 
   @property
   def bias(self) -> jax.Array:
-    """The bias of the uncentered layer this one equals: ``b~ - W mu``.
-
-    For modules that read a layer's parameters instead of calling it (a
-    LoRA adapter computing ``x @ base.kernel + base.bias``): with these,
-    ``x @ kernel + bias`` is the centered layer's output, before and after
-    every transport. Read-only; the trained bias ``b~`` is
-    ``layer.bias``. (Such a module never calls the layer, so no batch mean
-    is recorded and ``mu`` stays where it is.)
-    """
+    """The uncentered layer's equivalent bias, ``b~ - W mu`` (read-only), for
+    modules that read ``x @ kernel + bias`` (the trained ``b~`` is ``layer.bias``)."""
     correction = core.mean_correction(self.spec, self._kernel(),
                                       self.mean[...])
     bias = self.layer.bias[...]
     return bias - correction.astype(bias.dtype)
 
   def transport(self, mean_decay: Any = 0.99) -> None:
-    """Refreshes ``mu`` from the recorded mean and shifts the bias (eq. 10).
-
-    The layer's own bias only: an optimizer's copies of the parameters move
-    with :func:`cbp_optax.nnx.transport` ``(model, optimizer=...)``.
-    """
+    """Refreshes ``mu`` and shifts this layer's own bias (eq. 10)."""
     _checks.check_mean_decay(mean_decay)
     transport_layer(self, mean_decay)
 
   def restart_recording(self) -> None:
-    """Starts a fresh recorded mean: the next training call overwrites it.
-
-    :meth:`transport` calls it once it has used the recorded mean, so that
-    every step records the calls of its own forward pass only.
-    """
+    """Starts a fresh recorded mean: the next training call overwrites it."""
     self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
 
 
 def transport_layer(layer: Centered, mean_decay: Any,
                     recorded_only: bool = True) -> None:
-  """:meth:`Centered.transport` for a ``mean_decay`` validated already.
-
-  With ``recorded_only``, a layer (or stack slice) that recorded nothing
-  since its last transport (``batch_count`` zero) keeps its ``mu`` and
-  bias: its recorded mean is stale. The fused steps, which keep no count,
-  pass False.
-  """
+  """:meth:`Centered.transport` for a validated ``mean_decay``; with
+  ``recorded_only``, a slice that recorded nothing keeps ``mu`` and bias."""
   residual = getattr(layer, 'bias_residual', None)
   mean = layer.mean[...]
   new_mean = core.ema(mean, layer.batch_mean[...], mean_decay)
@@ -343,15 +264,10 @@ def transport_layer(layer: Centered, mean_decay: Any,
     new_mean = jnp.where(layer.batch_count[...] > 0, new_mean, mean)
   try:
     moved = core.shift_bias(
-        layer.spec,
-        layer.layer.kernel[...],
-        layer.layer.bias[...],
-        mean,
-        new_mean,
-        mask=getattr(layer.layer, 'mask', None),
+        layer.spec, layer.layer.kernel[...], layer.layer.bias[...], mean,
+        new_mean, mask=getattr(layer.layer, 'mask', None),
         mean_stack_axes=layer.mean.get_metadata().get('stack_axes'),
-        residual=None if residual is None else residual[...],
-    )
+        residual=None if residual is None else residual[...])
   except ValueError as error:
     if core.AMBIGUOUS_STACK_REMEDY not in str(error):
       raise
