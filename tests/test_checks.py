@@ -630,7 +630,8 @@ def test_a_module_reading_the_centered_layers_parameters_keeps_its_function():
   assert cbp.nnx.center(model).centered == ['base']
   chex.assert_trees_all_equal(model(x), before)
   model.base.batch_mean[...] = jnp.array([0.3, -1.0, 2.0])
-  cbp.nnx.transport(model, mean_decay=0.0)  # mu and b~ move
+  model.base.batch_count[...] = jnp.ones_like(model.base.batch_count[...])
+  cbp.nnx.transport(model, mean_decay=0.0)  # a recorded mean: mu, b~ move
   assert not np.allclose(model.base.layer.bias[...], 0.0)
   np.testing.assert_allclose(model(x), before, atol=1e-5)
 
