@@ -11,7 +11,11 @@ with the load average before and after.
 import os
 import sys
 
-from benchmarks import user_path
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from benchmarks import user_path  # noqa: E402
 
 
 def main():
