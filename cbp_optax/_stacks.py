@@ -65,8 +65,6 @@ def resolve_stack_axes(
   return placements[0]
 
 
-locate_stack_axes = resolve_stack_axes
-
 AMBIGUOUS_STACK_REMEDY = (
     'Record where the stack axis is: pass the means\' stack axes '
     '(mean_stack_axes), or create the centered layers inside the stacking '

@@ -32,7 +32,6 @@ from cbp_optax._layer_spec import feature_axes
 from cbp_optax._layer_spec import normalize_axes  # noqa: F401  (for the adapters)
 from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY  # noqa: F401  (for the adapters)
 from cbp_optax._stacks import layer_axes  # noqa: F401  (for the adapters)
-from cbp_optax._stacks import locate_stack_axes  # noqa: F401  (for the adapters)
 from cbp_optax._stacks import muon_dimension_numbers
 from cbp_optax._stacks import stack_axes_placements  # noqa: F401  (for the adapters)
 from cbp_optax._bias_shift import bias_shift

@@ -13,6 +13,7 @@ from cbp_optax import centering as core
 
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
+from cbp_optax._stacks import resolve_stack_axes
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import SPEC_OF
 from cbp_optax.nnx._wrapper import layer_spec
@@ -276,7 +277,7 @@ def stacked_blocks(
     for path, module in nnx.iter_modules(model):
       path = tuple(str(p) for p in path)
       if isinstance(module, Centered):
-        axes = core.locate_stack_axes(
+        axes = resolve_stack_axes(
             module.mean.shape, module.spec.mean_shape,
             module.mean.get_metadata().get('stack_axes'))
         if axes and axes[0] == 0:

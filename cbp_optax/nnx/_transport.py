@@ -13,6 +13,7 @@ from flax import nnx
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
 from cbp_optax._paths import path_names
+from cbp_optax._stacks import resolve_stack_axes
 from cbp_optax import _checks
 from cbp_optax import centering as core
 
@@ -264,8 +265,7 @@ def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
           core.muon_dimension_numbers(module.spec, axes))
     elif type(module) in SPEC_OF and path[-1:] != ('layer',):
       spec = plain_spec(module)
-      axes = core.locate_stack_axes(tuple(module.kernel.shape),
-                                    spec.kernel_shape)
+      axes = resolve_stack_axes(tuple(module.kernel.shape), spec.kernel_shape)
       if axes is not None:
         table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
