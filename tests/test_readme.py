@@ -16,7 +16,6 @@ ROWS = {
     'Muon': ('muon', 'muon_centered'),
     'NAdamW': ('nadamw', 'nadamw_centered'),
     'AdamW': ('adamw', 'adamw_centered'),
-    'ADOPT': ('adopt', 'adopt_centered'),
     '`cbp.recommended`': (None, 'recommended'),
     '`cbp.cbp_robust`': (None, 'cbp_robust'),
     '`cbp.cbp`': (None, 'cbp'),

@@ -176,7 +176,7 @@ def test_arm_names_are_stable_and_ordered():
   names = list(arms_lib.builtin_arms())
   assert names[:3] == list(arms_lib.BASELINES)
   expected = {'adamw', 'nadamw', 'sgd_nesterov', 'muon',
-              'schedule_free_adamw', 'adopt', 'cbp',
+              'schedule_free_adamw', 'cbp',
               'cbp_robust'} | {f'{p}_centered' for p in arms_lib.PEERS}
   assert set(names) == expected | {
       a.name for a in arms_lib.RECOMMENDED + arms_lib.CANDIDATES}
@@ -190,11 +190,10 @@ def test_arm_names_are_stable_and_ordered():
   workload = definitions.workload('spiral', quick=True)
   chex.assert_trees_all_close(arms['sgd_nesterov'].grid(workload),
                               [30 * g for g in workload.grid])
-  assert arms['adopt'].grid(workload) == list(workload.grid)
+  assert arms['muon'].grid(workload) == list(workload.grid)
 
 
 @pytest.mark.parametrize('name,reference', [
-    ('adopt', lambda s: optax.contrib.adopt(s)),
     ('sgd_nesterov', lambda s: optax.sgd(s, momentum=0.9, nesterov=True)),
 ])
 def test_new_peer_arms_are_the_optax_optimizers(name, reference):

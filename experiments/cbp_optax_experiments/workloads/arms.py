@@ -56,7 +56,7 @@ REFERENCE = 'adamw'
 # AlgoPerf's target-setting baselines, run first on every workload.
 BASELINES = ('adamw', 'nadamw', 'sgd_nesterov')
 # The peers whose ``<peer>_centered`` arm is built.
-PEERS = ('adamw', 'nadamw', 'muon', 'schedule_free_adamw', 'adopt')
+PEERS = ('adamw', 'nadamw', 'muon', 'schedule_free_adamw')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +159,6 @@ def _schedule_free_adamw(lr, ctx):
   return optax.contrib.schedule_free(base, learning_rate=rate, b1=0.9)
 
 
-def _adopt(lr, ctx):
-  """``optax.contrib.adopt`` (its defaults: b2 0.9999, eps 1e-6, clipping)
-  with the shared decoupled decay: the chain that function builds, plus
-  ``add_decayed_weights`` before the rate, as in ``optax.adamw``."""
-  return optax.chain(
-      optax.contrib.scale_by_adopt(),
-      optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
-      optax.scale_by_learning_rate(ctx.schedule(lr)))
-
-
 def _sgd_nesterov(lr, ctx):
   """SGD with Nesterov momentum 0.9 and the shared decoupled decay (times
   the scheduled rate, kernels only)."""
@@ -202,8 +192,6 @@ def _peer_arms() -> list[Arm]:
           eval_params=optax.contrib.schedule_free_eval_params,
           description='optax.contrib.schedule_free AdamW, scored at its '
           'evaluation parameters'),
-      Arm('adopt', _adopt, description='optax.contrib.adopt (b2 0.9999, '
-          'eps 1e-6, clipped) with decoupled decay'),
   ]
 
 

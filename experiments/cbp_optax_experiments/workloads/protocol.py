@@ -57,7 +57,7 @@ BLOWUP = 3.0
 # Step cost: chunks of the arm and of AdamW alternate until each has run for
 # this long (and at least COST_MIN_CHUNKS chunks); medians per step. Short
 # for --quick (a smoke test).
-COST_WINDOW_SECONDS = 2.0
+COST_WINDOW_SECONDS = 1.0
 QUICK_COST_WINDOW_SECONDS = 0.2
 COST_MIN_CHUNKS = 3
 # Bumped when a change would make stored runs differ from new ones.
