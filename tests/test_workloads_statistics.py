@@ -401,3 +401,41 @@ def test_workloads_compare_runs_of_a_missing_or_damaged_file(tmp_path,
     cli.main(['--compare-runs', str(a), str(tmp_path / 'bad.json')])
   assert info.value.code == 2
   assert 'bad.json is damaged: meta is missing' in capsys.readouterr().err
+
+
+def test_centering_verdicts_count_workloads_and_pool_the_seeds():
+  # Centered AdamW is 2x faster on two workloads of three, equal on one;
+  # centered Muon is equal everywhere; a peer without its centered arm is
+  # not listed.
+  results = _dev({
+      'adamw': _noisy(200, 0),
+      'adamw_centered': lambda i, n: _noisy(100 if i < 2 else 200, 0)(i, n),
+      'muon': _const(100), 'muon_centered': _const(100),
+      'nadamw': _const(100)})
+  verdicts = decision.centering_verdicts(results)
+  assert set(verdicts) == {'adamw', 'muon'}
+  adamw = verdicts['adamw']
+  assert adamw['verdict'] == stats.BETTER
+  assert adamw['counts'] == {stats.BETTER: 2, stats.NO_DIFFERENCE: 1,
+                             stats.WORSE: 0}
+  assert adamw['speedup'] == pytest.approx(2.0, rel=0.1)
+  assert adamw['interval'][0] <= adamw['speedup'] <= adamw['interval'][1]
+  assert verdicts['muon']['verdict'] == stats.NO_DIFFERENCE
+  assert verdicts['muon']['speedup'] == 1.0
+
+
+def test_the_answer_names_the_dev_choice_and_needs_the_test_split():
+  candidates = decision.CANDIDATES
+  names = [c.arm for c in candidates]
+  steps = {name: _const(100 if name == 'muon_centered' else 300)
+           for name in names}
+  dev = _dev(steps)
+  assert decision.recommend(dev).arm == 'muon_centered'
+  test = copy.deepcopy(dev)
+  test['meta']['split'] = 'test'
+  text = decision.answer(dev, test)
+  assert text.startswith('Use ' + decision.RECIPES['muon_centered'])
+  assert '10 paired seeds' in text and text.count('1.000 [1.000, 1.000]') == 2
+  with pytest.raises(ValueError, match='test split'):
+    decision.answer(dev, dev)
+  assert set(decision.RECIPES) == set(names)
