@@ -91,6 +91,9 @@ STACKS = [
         mask=jnp.asarray(np.random.default_rng(0).integers(0, 2, (3, 3, 2, 4)),
                          jnp.float64),
         param_dtype=jnp.float64, rngs=r), (2, 6, 6, 4), 0),
+    ('conv_transpose_axis1', lambda r: nnx.ConvTranspose(
+        4, 4, (3, 3), padding='CIRCULAR', transpose_kernel=True,
+        param_dtype=jnp.float64, rngs=r), (2, 6, 6, 4), 1),
 ]
 
 
