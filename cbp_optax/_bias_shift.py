@@ -50,6 +50,8 @@ def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Arra
   mu_old`` (eq. 10); :func:`mean_correction` is it for ``delta = mu``.
   """
   if spec.kind == CONV:
+    if spec.transpose_kernel:  # (*window, C_out, C_in): the same window sum
+      kernel = jnp.swapaxes(kernel, -1, -2)
     return _conv_shift(kernel, delta, spec.feature_group_count)
   return _dense_shift(kernel, delta)
 

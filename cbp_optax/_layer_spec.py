@@ -25,6 +25,8 @@ class LayerSpec(NamedTuple):
     kernel_shape: the kernel's shape.
     bias_shape: the bias's shape.
     feature_group_count: the convolution's feature groups (1 for dense).
+    transpose_kernel: a transposed convolution's kernel is
+      ``(*window, C_out, C_in)`` (Flax's ``transpose_kernel=True``).
   """
 
   kind: str
@@ -33,6 +35,7 @@ class LayerSpec(NamedTuple):
   kernel_shape: Shape
   bias_shape: Shape
   feature_group_count: int = 1
+  transpose_kernel: bool = False
 
 
 def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
@@ -58,12 +61,16 @@ def conv_spec(
     in_features: int,
     out_features: int,
     feature_group_count: int,
+    transpose_kernel: bool = False,
 ) -> LayerSpec:
-  """The spec of a convolution with a ``(*window, C_in/G, C_out)`` kernel."""
+  """The spec of a convolution with a ``(*window, C_in/G, C_out)`` kernel,
+  or a stride-1 transposed one (``(*window, C_out, C_in)`` if
+  ``transpose_kernel``): both are centered as the plain layer minus ``W mu``."""
+  channels = (in_features // feature_group_count, out_features)
   kernel_shape = tuple(kernel_size) + (
-      in_features // feature_group_count, out_features)
+      channels[::-1] if transpose_kernel else channels)
   return LayerSpec(CONV, (-1,), (in_features,), kernel_shape, (out_features,),
-                   feature_group_count)
+                   feature_group_count, bool(transpose_kernel))
 
 
 def feature_axes(spec: LayerSpec, ndim: int) -> tuple[int, ...]:

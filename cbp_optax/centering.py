@@ -63,24 +63,36 @@ def _layer_label(layer_type: type) -> str:
   return f'{layer_type.__module__}.{layer_type.__qualname__}'
 
 
+def _not_ones(value: Optional[Union[int, Sequence[int]]]) -> bool:
+  values = (value,) if isinstance(value, int) else (value or ())
+  return any(v != 1 for v in values)
+
+
 def check_centerable(
     layer_type: type, *, use_bias: bool,
     input_dilation: Optional[Union[int, Sequence[int]]] = None,
     batch_axes: Any = None,
+    transposed_strides: Optional[Union[int, Sequence[int]]] = None,
 ) -> None:
   """Refuses a supported layer type configured so that centering is inexact
-  (CannotCenterError: no bias, input dilation, or kernel batch axes)."""
+  (CannotCenterError: no bias, input dilation, kernel batch axes, or a
+  transposed convolution's strides)."""
   name = _layer_label(layer_type)
   if not use_bias:
     raise CannotCenterError(
         f'{name} was built with use_bias=False: centering needs a bias to '
         'transport (eq. 10).')
-  dilation = ((input_dilation,) if isinstance(input_dilation, int)
-              else input_dilation)
-  if dilation is not None and any(d != 1 for d in dilation):
+  if _not_ones(input_dilation):
     raise CannotCenterError(
         f'{name} has input dilation {input_dilation}: the zeros it inserts '
         'are not shifted by mu, so no bias transport keeps it exact.')
+  if _not_ones(transposed_strides):
+    # Output positions of each phase (position mod stride) sum their own
+    # subset of the kernel taps: W mu differs between phases, which one
+    # bias per channel cannot follow.
+    raise CannotCenterError(
+        f'{name} has strides {transposed_strides}: W mu differs per output '
+        'phase: no per-channel bias carries it.')
   if batch_axes:
     raise CannotCenterError(
         f'{name} has kernel batch axes {batch_axes}: the kernel, and so mu, '
@@ -93,10 +105,9 @@ def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> Type
   return TypeError(
       f'Cannot center {_layer_label(layer_type)}: centering is exact only for '
       f'layers whose maths it knows, the exact types {names} (a subclass may '
-      'change the maths, so it is refused too). Transposed and locally '
-      'connected convolutions cannot be centered exactly; embeddings, norms '
-      'and other layers that are not linear in their input are left as they '
-      'are.')
+      'change the maths, so it is refused too). Locally connected '
+      'convolutions cannot be centered exactly; embeddings, norms and other '
+      'layers that are not linear in their input are left as they are.')
 
 
 Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
@@ -358,7 +369,7 @@ def skip_reason(layer: Any, error: Exception) -> str:
   if isinstance(error, CannotCenterError):
     return str(error)
   return (f'{type(layer).__name__}: not a layer type centering knows (exact '
-          'Linear/Dense, LinearGeneral/DenseGeneral, Conv)')
+          'Linear/Dense, LinearGeneral/DenseGeneral, Conv, ConvTranspose)')
 
 
 class CenterReport(NamedTuple):

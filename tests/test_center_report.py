@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import cbp_optax as cbp
@@ -65,3 +66,28 @@ def test_where_filters_supported_layers_only():
   assert report.centered == ['conv']
   assert reasons['head'] == 'not selected by where'
   assert reasons['norm1'].startswith('BatchNorm: ')
+
+
+@pytest.mark.parametrize('strides, centered', [
+    (None, True), (1, True), ((1, 1), True),
+    (2, False), ((1, 2), False), ((2, 1), False),
+])
+def test_conv_transpose_is_centered_at_strides_1_and_reported_left_else(
+    strides, centered):
+  """A strided transposed convolution is no per-channel-bias transport
+  (each output phase sums its own kernel taps): left, with that reason."""
+  nnx_report = cbp.nnx.center(nnx.Sequential(
+      nnx.ConvTranspose(2, 3, (3, 3), strides=strides, rngs=nnx.Rngs(0))))
+  linen_report_ = cbp.linen.center(nn.Sequential(
+      [nn.ConvTranspose(3, (3, 3), strides=strides)])).report(
+          jax.random.key(0), jnp.ones((1, 5, 5, 2)))
+  for report, path in ((nnx_report, 'layers/0'),
+                       (linen_report_, 'layers_0')):
+    if centered:
+      assert (report.centered, report.skipped) == ([path], [])
+      continue
+    assert report.centered == []
+    [(left, reason)] = report.skipped
+    assert left == path
+    assert f'ConvTranspose has strides {strides}: ' in reason
+    assert 'output phase' in reason and len(reason) <= 120, reason

@@ -1,5 +1,7 @@
 """M2 centering: exactness of the transport, gradients (eq. 9), modes, refusals."""
 
+import functools
+
 import flax
 import flax.linen as nn
 import jax
@@ -11,6 +13,8 @@ from jax import lax
 
 from cbp_optax import linen as cbp_linen
 from cbp_optax import nnx as cbp_nnx
+
+MASK_1D = np.random.default_rng(0).integers(0, 2, (4, 3, 4)).astype(np.float32)
 
 # (name, input shape, NNX constructor, Linen constructor)
 LAYERS = [
@@ -59,6 +63,49 @@ LAYERS = [
                            param_dtype=d, rngs=r),
      lambda d: nn.Conv(4, (3,), padding='CAUSAL', kernel_dilation=2,
                        param_dtype=d)),
+    # Stride-1 transposed convolutions: convolutions, centered as Conv is.
+    ('conv_transpose_same', (2, 7, 6, 4),
+     lambda d, r: nnx.ConvTranspose(4, 6, (3, 3), padding='SAME',
+                                    param_dtype=d, rngs=r),
+     lambda d: nn.ConvTranspose(6, (3, 3), padding='SAME', param_dtype=d)),
+    ('conv_transpose_valid_transposed_kernel', (2, 5, 5, 3),
+     lambda d, r: nnx.ConvTranspose(3, 5, (3, 2), padding='VALID',
+                                    transpose_kernel=True, param_dtype=d,
+                                    rngs=r),
+     lambda d: nn.ConvTranspose(5, (3, 2), padding='VALID',
+                                transpose_kernel=True, param_dtype=d)),
+    ('conv_transpose_explicit_pairs_dilated', (2, 8, 9, 3),
+     lambda d, r: nnx.ConvTranspose(3, 5, (3, 2), strides=(1, 1),
+                                    padding=((1, 2), (0, 1)),
+                                    kernel_dilation=(2, 1), param_dtype=d,
+                                    rngs=r),
+     lambda d: nn.ConvTranspose(5, (3, 2), strides=(1, 1),
+                                padding=((1, 2), (0, 1)),
+                                kernel_dilation=(2, 1), param_dtype=d)),
+    ('conv_transpose_explicit_int_transposed_kernel', (2, 6, 6, 3),
+     lambda d, r: nnx.ConvTranspose(3, 4, (3, 3), padding=2,
+                                    transpose_kernel=True, param_dtype=d,
+                                    rngs=r),
+     lambda d: nn.ConvTranspose(4, (3, 3), padding=2, transpose_kernel=True,
+                                param_dtype=d)),
+    ('conv_transpose_circular_dilated', (2, 6, 7, 3),
+     lambda d, r: nnx.ConvTranspose(3, 4, (3, 3), padding='CIRCULAR',
+                                    kernel_dilation=2, param_dtype=d, rngs=r),
+     lambda d: nn.ConvTranspose(4, (3, 3), padding='CIRCULAR',
+                                kernel_dilation=2, param_dtype=d)),
+    ('conv_transpose_circular_transposed_kernel', (2, 6, 6, 3),
+     lambda d, r: nnx.ConvTranspose(3, 4, (4, 3), padding='CIRCULAR',
+                                    transpose_kernel=True, param_dtype=d,
+                                    rngs=r),
+     lambda d: nn.ConvTranspose(4, (4, 3), padding='CIRCULAR',
+                                transpose_kernel=True, param_dtype=d)),
+    ('conv_transpose_1d_cropped_dilated_masked', (2, 10, 3),
+     lambda d, r: nnx.ConvTranspose(3, 4, (4,), strides=1,
+                                    padding=((-1, 2),), kernel_dilation=2,
+                                    mask=MASK_1D, param_dtype=d, rngs=r),
+     lambda d: nn.ConvTranspose(4, (4,), strides=1, padding=((-1, 2),),
+                                kernel_dilation=2, mask=MASK_1D,
+                                param_dtype=d)),
 ]
 IDS = [layer[0] for layer in LAYERS]
 TOLERANCE = {jnp.float32: 2e-5, jnp.float64: 1e-12}
@@ -192,22 +239,23 @@ def explicit_centered_conv(layer, kernel, bias, mu, x):
   return out + bias
 
 
-CONVS = [layer for layer in LAYERS if layer[0].startswith('conv')]
+CONVS = [layer for layer in LAYERS
+         if layer[0].startswith('conv') and 'transpose' not in layer[0]]
+CONV_TRANSPOSES = [layer for layer in LAYERS if 'transpose' in layer[0]]
 
 
-@pytest.mark.parametrize('name, shape, make_nnx, make_linen', CONVS,
-                         ids=[c[0] for c in CONVS])
-def test_centered_conv_matches_the_explicit_definition(
-    name, shape, make_nnx, make_linen):
-  """Values and gradients (eq. 9: dW = (pad(a) - mu)^T delta, border
-  included) equal those of pad -> subtract mu -> unpadded convolution, for
-  every padding mode, stride, dilation and grouping (float64)."""
-  del name
+def check_matches_definition(definition, shape, make_nnx, make_linen):
+  """Values and gradients of both frameworks' centered layer equal those of
+  ``definition(layer, kernel, bias, mu, x)`` (float64)."""
   with jax.enable_x64(True):
     dtype = jnp.float64
     x = inputs(shape, 0, dtype)
     mu = inputs(shape[-1:], 3, dtype, offset=1.5)
     layer = make_nnx(dtype, nnx.Rngs(0))
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    # With mu = 0 the definition is the plain layer (its pads are right).
+    np.testing.assert_allclose(definition(layer, kernel, bias, 0 * mu, x),
+                               layer(x), rtol=1e-12, atol=1e-12)
     centered = cbp_nnx.Centered(layer)
     centered.mean[...] = mu
     centered.eval()
@@ -215,11 +263,9 @@ def test_centered_conv_matches_the_explicit_definition(
     delta = inputs(out.shape, 4, dtype, offset=0.0)
 
     def reference(kernel, bias, x):
-      return jnp.sum(explicit_centered_conv(layer, kernel, bias, mu, x)
-                     * delta)
+      return jnp.sum(definition(layer, kernel, bias, mu, x) * delta)
 
-    kernel, bias = layer.kernel[...], layer.bias[...]
-    expected = explicit_centered_conv(layer, kernel, bias, mu, x)
+    expected = definition(layer, kernel, bias, mu, x)
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
     want = jax.grad(reference, argnums=(0, 1, 2))(kernel, bias, x)
     grads, grad_x = nnx.grad(lambda m, x: jnp.sum(m(x) * delta),
@@ -231,7 +277,7 @@ def test_centered_conv_matches_the_explicit_definition(
     module = cbp_linen.Centered(make_linen(dtype))
     variables = module.init(jax.random.key(0), x)
     params = variables['params']['conv']
-    centering = {'mean': mu, 'batch_mean': jnp.zeros_like(mu)}
+    centering = dict(variables['centering'], mean=mu)
 
     def linen_loss(params, x):
       out = module.apply({'params': {'conv': params}, 'centering': centering},
@@ -240,13 +286,70 @@ def test_centered_conv_matches_the_explicit_definition(
 
     (_, out), got = jax.value_and_grad(linen_loss, argnums=(0, 1),
                                        has_aux=True)(params, x)
-    expected = explicit_centered_conv(layer, params['kernel'],
-                                      params['bias'], mu, x)
+    expected = definition(layer, params['kernel'], params['bias'], mu, x)
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
     want = jax.grad(reference, argnums=(0, 1, 2))(
         params['kernel'], params['bias'], x)
     for g, w in zip((got[0]['kernel'], got[0]['bias'], got[1]), want):
       assert max_relative(g, w) <= 1e-12
+
+
+@pytest.mark.parametrize('name, shape, make_nnx, make_linen', CONVS,
+                         ids=[c[0] for c in CONVS])
+def test_centered_conv_matches_the_explicit_definition(
+    name, shape, make_nnx, make_linen):
+  """Values and gradients (eq. 9: dW = (pad(a) - mu)^T delta, border
+  included) equal those of pad -> subtract mu -> unpadded convolution, for
+  every padding mode, stride, dilation and grouping (float64)."""
+  del name
+  check_matches_definition(explicit_centered_conv, shape, make_nnx,
+                           make_linen)
+
+
+def conv_transpose_pads(layer):
+  """The ``(low, high)`` pads of the stride-1 convolution a non-circular
+  ``ConvTranspose`` runs (``lax.conv_transpose``'s, for strides 1)."""
+  rank = len(layer.kernel_size)
+  dilation = layer.kernel_dilation or 1
+  dilation = (dilation,) * rank if isinstance(dilation, int) else dilation
+  dilated = [(k - 1) * d + 1 for k, d in zip(layer.kernel_size, dilation)]
+  if layer.padding == 'VALID':
+    return [(k - 1, k - 1) for k in dilated]
+  if layer.padding == 'SAME':
+    return [(-(-(k - 1) // 2), (k - 1) // 2) for k in dilated]
+  if isinstance(layer.padding, int):
+    return [(layer.padding, layer.padding)] * rank
+  return [(p, p) if isinstance(p, int) else tuple(p) for p in layer.padding]
+
+
+def explicit_centered_conv_transpose(layer, kernel, bias, mu, x):
+  """The definition: pad (or crop), subtract ``mu`` everywhere, run the
+  unpadded transposed convolution; a circular one (no border) runs on
+  ``a - mu``."""
+  params = {'params': {'kernel': kernel, 'bias': bias}}
+  twin = functools.partial(
+      nn.ConvTranspose, layer.out_features, layer.kernel_size,
+      kernel_dilation=layer.kernel_dilation,
+      transpose_kernel=layer.transpose_kernel, mask=layer.mask,
+      precision=lax.Precision.HIGHEST)
+  if layer.padding == 'CIRCULAR':
+    return twin(padding='CIRCULAR').apply(params, x - mu)
+  pads = [(lo, hi, 0) for lo, hi in conv_transpose_pads(layer)]
+  padded = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] + pads + [(0, 0, 0)])
+  return twin(padding=[(0, 0)] * len(pads)).apply(params, padded - mu)
+
+
+@pytest.mark.parametrize('name, shape, make_nnx, make_linen', CONV_TRANSPOSES,
+                         ids=[c[0] for c in CONV_TRANSPOSES])
+def test_centered_conv_transpose_matches_the_explicit_definition(
+    name, shape, make_nnx, make_linen):
+  """A stride-1 transposed convolution is a convolution, centered as Conv
+  is: values and gradients equal those of pad -> subtract mu -> unpadded
+  transposed convolution, for every padding (circular: no border), kernel
+  dilation and kernel layout (float64)."""
+  del name
+  check_matches_definition(explicit_centered_conv_transpose, shape, make_nnx,
+                           make_linen)
 
 
 def test_gradient_is_centered_outer_product():

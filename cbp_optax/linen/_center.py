@@ -148,8 +148,9 @@ def center(
 ) -> CenteredModel:
   """Centers every supported linear layer of an unmodified Linen module.
 
-  Every ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` (exact types, with
-  a bias) the module calls runs as ``W (a - mu) + b~`` (eq. 8), intercepted
+  Every ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv`` and stride-1
+  ``nn.ConvTranspose`` (exact types, with a bias) the module calls runs as
+  ``W (a - mu) + b~`` (eq. 8), intercepted
   at call time; in ``nn.scan``/``nn.vmap`` give ``'centering'`` the
   ``variable_axes`` of ``'params'``. Initially it computes what the module does.
 

@@ -54,7 +54,8 @@ class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
         a - 1 if a > index else a for a in self.stack_axes if a != index))
 
 
-SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv)
+SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose)
+CONVS = (nn.Conv, nn.ConvTranspose)
 
 
 def check_layer(layer: Any) -> None:
@@ -65,7 +66,9 @@ def check_layer(layer: Any) -> None:
       type(layer),
       use_bias=layer.use_bias,
       input_dilation=getattr(layer, 'input_dilation', None),
-      batch_axes=getattr(layer, 'batch_dims', None))
+      batch_axes=getattr(layer, 'batch_dims', None),
+      transposed_strides=(layer.strides
+                          if isinstance(layer, nn.ConvTranspose) else None))
 
 
 def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
@@ -75,10 +78,11 @@ def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
 def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
   """The :class:`~cbp_optax.centering.LayerSpec` of a layer on ``inputs``."""
   check_layer(layer)
-  if isinstance(layer, nn.Conv):
-    kernel_size = _features(layer.kernel_size)
-    return core.conv_spec(kernel_size, inputs.shape[-1], layer.features,
-                          layer.feature_group_count)
+  if isinstance(layer, CONVS):
+    return core.conv_spec(
+        _features(layer.kernel_size), inputs.shape[-1], layer.features,
+        getattr(layer, 'feature_group_count', 1),
+        getattr(layer, 'transpose_kernel', False))
   axis = -1 if isinstance(layer, nn.Dense) else layer.axis
   axes = core.normalize_axes(axis, inputs.ndim)
   return core.dense_spec(axis, tuple(inputs.shape[a] for a in axes),
@@ -164,8 +168,9 @@ class Centered(nn.Module):
   :class:`cbp_optax.centering.UntransportedWarning`) for :func:`transport`.
 
   Attributes:
-    layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``) or
-      ``nn.Conv`` (without input dilation) with a bias. Exact types only.
+    layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``),
+      ``nn.Conv`` (without input dilation) or ``nn.ConvTranspose`` (with
+      strides 1), with a bias. Exact types only.
     use_running_average: True for evaluation (also a ``__call__`` argument).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis to average the recorded mean over.
@@ -210,7 +215,7 @@ class Centered(nn.Module):
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)
     layer = self.layer
-    name = CONV if isinstance(layer, nn.Conv) else DENSE
+    name = CONV if isinstance(layer, CONVS) else DENSE
     inner = layer.clone(parent=self, name=name)
     return centered_call(
         self, lambda x: inner(x, *args, **kwargs),

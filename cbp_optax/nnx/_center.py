@@ -34,6 +34,9 @@ def plain_spec(layer: nnx.Module) -> core.LayerSpec:
   if isinstance(layer, nnx.Conv):
     return core.conv_spec(layer.kernel_size, layer.in_features,
                           layer.out_features, layer.feature_group_count)
+  if isinstance(layer, nnx.ConvTranspose):
+    return core.conv_spec(layer.kernel_size, layer.in_features,
+                          layer.out_features, 1, layer.transpose_kernel)
   if isinstance(layer, nnx.LinearGeneral):
     return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
   return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
@@ -127,9 +130,10 @@ def center(
 ) -> CenterReport:
   """Centers every supported linear layer of a built model, in place.
 
-  Each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Conv`` (exact types,
-  with a bias) becomes ``Centered(layer)`` wherever it sits (stacks
-  included); with ``mu`` zero, the model computes what it did before.
+  Each ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Conv`` and stride-1
+  ``nnx.ConvTranspose`` (exact types, with a bias) becomes ``Centered(layer)``
+  wherever it sits (stacks included); with ``mu`` zero, the model computes
+  what it did before.
 
   Args:
     model: the model; changed in place.

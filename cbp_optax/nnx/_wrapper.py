@@ -1,5 +1,5 @@
-"""NNX ``Centered``: ``z = W (a - mu) + b~`` (eq. 8) for Linear, LinearGeneral
-and Conv layers, layer stacks included."""
+"""NNX ``Centered``: ``z = W (a - mu) + b~`` (eq. 8) for Linear, LinearGeneral,
+Conv and ConvTranspose layers, layer stacks included."""
 
 from __future__ import annotations
 
@@ -74,11 +74,19 @@ def _conv_spec(layer: nnx.Conv) -> core.LayerSpec:
                         layer.out_features, layer.feature_group_count)
 
 
+def _conv_transpose_spec(layer: nnx.ConvTranspose) -> core.LayerSpec:
+  core.check_centerable(type(layer), use_bias=layer.use_bias,
+                        transposed_strides=layer.strides)
+  return core.conv_spec(layer.kernel_size, layer.in_features,
+                        layer.out_features, 1, layer.transpose_kernel)
+
+
 # Exact types only: a subclass may override __call__ and change the maths.
 SPEC_OF = {
     nnx.Linear: _linear_spec,
     nnx.LinearGeneral: _linear_general_spec,
     nnx.Conv: _conv_spec,
+    nnx.ConvTranspose: _conv_transpose_spec,
 }
 
 
@@ -147,8 +155,9 @@ class Centered(nnx.Module):
   minus ``centering.mean_correction`` (eq. 9).
 
   Args:
-    layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes) or
-      ``nnx.Conv`` (without input dilation), with a bias. Exact types only.
+    layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes),
+      ``nnx.Conv`` (without input dilation) or ``nnx.ConvTranspose`` (with
+      strides 1), with a bias. Exact types only.
     use_running_average: True stops recording batch means (evaluation).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis (``shard_map``/``pmap``/``vmap``) to
@@ -159,7 +168,8 @@ class Centered(nnx.Module):
   Raises:
     TypeError: for any other layer type, subclasses included.
     cbp_optax.centering.CannotCenterError: (a ``ValueError``) for a layer
-      without bias, with input dilation or with kernel batch axes.
+      without bias, with input dilation, with kernel batch axes or a
+      strided transposed convolution.
 
   Examples:
     >>> import jax.numpy as jnp
