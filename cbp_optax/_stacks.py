@@ -121,7 +121,8 @@ def muon_dimension_numbers(
   """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
 
   Reduction axes: the kernel's input axes (a convolution's window and input
-  channels); output axes: its feature axes; stack axes are batch axes.
+  channels, wherever ``transpose_kernel`` puts them); output axes: its
+  feature axes; stack axes are batch axes.
 
   Args:
     spec: the layer, unstacked.
@@ -136,14 +137,12 @@ def muon_dimension_numbers(
     >>> centering.muon_dimension_numbers(spec, kernel_stack_axes=(0,))
     MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=(4,))
   """
-  stack = sorted(kernel_stack_axes)
-  ndim = len(spec.kernel_shape) + len(stack)
-  own_axes = [a for a in range(ndim) if a not in stack]
-  inputs = (len(spec.kernel_shape) - 1 if spec.kind == CONV
-            else len(spec.mean_shape))
-  return optax.contrib.MuonDimensionNumbers(
-      reduction_axis=tuple(own_axes[:inputs]),
-      output_axis=tuple(own_axes[inputs:]))
+  ndim = len(spec.kernel_shape)
+  inputs = ndim - 1 if spec.kind == CONV else len(spec.mean_shape)
+  reduction, output = tuple(range(inputs)), tuple(range(inputs, ndim))
+  if getattr(spec, 'transpose_kernel', False):  # (*window, C_out, C_in)
+    reduction, output = reduction[:-1] + (ndim - 1,), (ndim - 2,)
+  return place_kernel_dims(reduction, output, ndim, kernel_stack_axes)
 
 
 def place_kernel_dims(

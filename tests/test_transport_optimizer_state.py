@@ -1146,6 +1146,27 @@ def test_linen_muon_dimension_numbers_of_an_einsum_kernel():
   assert got == {'kernel': ((1,), (0,))}
   assert nnx_views(nnx.Einsum('bi,oi->bo', (5, 4), rngs=nnx.Rngs(0))) == got
 
+
+def test_muon_dimension_numbers_of_a_transposed_kernel():
+  # transpose_kernel=True stores (*window, C_out, C_in): C_in is reduced.
+  x, expected = jnp.ones((1, 5, 5, 2)), {'kernel': ((0, 1, 3), (2,))}
+  layer = nn.ConvTranspose(4, (3, 3), transpose_kernel=True)
+  assert linen_views(layer, x) == expected
+  model = nnx.ConvTranspose(2, 4, (3, 3), transpose_kernel=True,
+                            rngs=nnx.Rngs(0))
+  try:
+    cbp.nnx.Centered(model)
+  except TypeError:
+    return  # centering does not know transposed convolutions
+  assert nnx_views(model) == expected
+  sequential = nnx.Sequential(model)
+  cbp.nnx.center(sequential)
+  assert nnx_views(sequential) == {'layers/0/layer/kernel': expected['kernel']}
+  variables = cbp.linen.center(layer).init(jax.random.key(0), x)
+  assert views(cbp.linen.muon_dimension_numbers(
+      variables['params'], variables['centering'])(
+          variables['params'])) == expected
+
 @pytest.mark.slow
 def test_muon_with_the_helper_trains_centered_models():
   x = jnp.ones(X_SHAPE) + 1.0
