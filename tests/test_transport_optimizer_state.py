@@ -1067,6 +1067,8 @@ def linen_views(module, x):
   params = module.init(jax.random.key(0), x)['params']
   with pytest.raises(ValueError, match='belongs to no centered layer'):
     cbp.linen.muon_dimension_numbers(params, {})
+  with pytest.raises(TypeError, match='what its init takes'):
+    cbp.linen.muon_dimension_numbers(module)  # no rngs and inputs
   dims = cbp.linen.muon_dimension_numbers(module, jax.random.key(0), x)
   tx = optax.contrib.muon(1.0, muon_weight_dimension_numbers=dims)
   updates, table = muon_update(tx, params), dims(params)

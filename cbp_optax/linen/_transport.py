@@ -373,13 +373,15 @@ def muon_dimension_numbers(model: Any, *args: Any, **kwargs: Any
     >>> dims(variables['params'])['kernel']
     MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
   """
-  if isinstance(model, (nn.Module, CenteredModel)):
+  is_model = isinstance(model, (nn.Module, CenteredModel))
+  if is_model and args:
     table = _model_table(model, args, kwargs)
-  elif len(args) == 1 and not kwargs:
+  elif not is_model and len(args) == 1 and not kwargs:
     table = _collections_table(model, args[0])
   else:
     raise TypeError(
         'muon_dimension_numbers: pass a Linen module (or center(module)) and '
         'what its init takes, e.g. muon_dimension_numbers(model, '
-        f'jax.random.key(0), x); got a {type(model).__name__}.')
+        f'jax.random.key(0), x); got a {type(model).__name__} and '
+        f'{len(args)} more arguments.')
   return _opt_state.dimension_numbers_fn(table, FLAX)
