@@ -217,7 +217,7 @@ def linen_runner(arch: models.Arch, row: Row, batch: int) -> Runner:
     module = cbp.linen.center(module)
   variables = module.init(jax.random.key(0), x)
   tx = OPTIMIZERS[row.optimizer](None, cbp.linen.muon_dimension_numbers(
-      variables['params'], variables.get('centering', {})))
+      module, jax.random.key(0), x))
   holder: dict[str, Any] = {}
 
   if row.path == 'user':

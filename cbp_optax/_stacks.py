@@ -121,7 +121,8 @@ def muon_dimension_numbers(
   """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
 
   Reduction axes: the kernel's input axes (a convolution's window and input
-  channels); output axes: its feature axes; stack axes are batch axes.
+  channels, wherever ``transpose_kernel`` puts them); output axes: its
+  feature axes; stack axes are batch axes.
 
   Args:
     spec: the layer, unstacked.
@@ -136,11 +137,51 @@ def muon_dimension_numbers(
     >>> centering.muon_dimension_numbers(spec, kernel_stack_axes=(0,))
     MuonDimensionNumbers(reduction_axis=(1, 2, 3), output_axis=(4,))
   """
-  stack = sorted(kernel_stack_axes)
-  ndim = len(spec.kernel_shape) + len(stack)
-  own_axes = [a for a in range(ndim) if a not in stack]
-  inputs = (len(spec.kernel_shape) - 1 if spec.kind == CONV
-            else len(spec.mean_shape))
+  ndim = len(spec.kernel_shape)
+  inputs = ndim - 1 if spec.kind == CONV else len(spec.mean_shape)
+  reduction, output = tuple(range(inputs)), tuple(range(inputs, ndim))
+  if getattr(spec, 'transpose_kernel', False):  # (*window, C_out, C_in)
+    reduction, output = reduction[:-1] + (ndim - 1,), (ndim - 2,)
+  return place_kernel_dims(reduction, output, ndim, kernel_stack_axes)
+
+
+def place_kernel_dims(
+    reduction: Sequence[int], output: Sequence[int], ndim: int,
+    stack_axes: Sequence[int] = (),
+) -> Any:
+  """A kernel's ``MuonDimensionNumbers`` from its own axes' roles.
+
+  Args:
+    reduction: the reduction axes among the kernel's ``ndim`` own axes.
+    output: its output axes (own axes in neither are batch axes).
+    ndim: how many own axes the kernel has.
+    stack_axes: where stack axes (batch axes) sit in the stacked kernel.
+
+  Returns:
+    An ``optax.contrib.MuonDimensionNumbers`` on the stacked kernel.
+  """
+  stack = sorted(stack_axes)
+  own = [a for a in range(ndim + len(stack)) if a not in stack]
   return optax.contrib.MuonDimensionNumbers(
-      reduction_axis=tuple(own_axes[:inputs]),
-      output_axis=tuple(own_axes[inputs:]))
+      reduction_axis=tuple(own[a] for a in reduction),
+      output_axis=tuple(own[a] for a in output))
+
+
+def einsum_kernel_dims(
+    einsum_str: Optional[str],
+) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+  """(reduction, output) axes of an einsum's kernel, its second operand.
+
+  Kernel axes summed away are reduction axes, those only the output has are
+  output axes, those the input and output share are batch axes. None for no
+  equation, an ellipsis in the kernel, or a kernel that is no matrix.
+  """
+  if not einsum_str or '->' not in einsum_str or ',' not in einsum_str:
+    return None
+  operands, out = einsum_str.replace(' ', '').split('->')
+  lhs, rhs = operands.split(',', 1)
+  if '.' in rhs:
+    return None
+  reduction = tuple(i for i, c in enumerate(rhs) if c not in out)
+  output = tuple(i for i, c in enumerate(rhs) if c in out and c not in lhs)
+  return (reduction, output) if reduction and output else None

@@ -97,7 +97,7 @@ def main():
   tx = {
       'recommended': lambda: cbp.recommended(
           args.learning_rate, dimension_numbers=cbp.linen.muon_dimension_numbers(
-              variables['params'], variables.get('centering', {}))),
+              model, key, images[:2], train=False)),
       'cbp': lambda: cbp.cbp(args.learning_rate),
       'adam': lambda: optax.adam(args.learning_rate),
       'adamw': lambda: optax.adamw(args.learning_rate),

@@ -77,7 +77,7 @@ def main():
   if args.optimizer == 'recommended':
     tx = cbp.recommended(
         args.learning_rate, dimension_numbers=cbp.linen.muon_dimension_numbers(
-            variables['params'], variables['centering']))
+            model, jax.random.key(args.seed), data.train_images[:1]))
   else:
     tx = cbp.cbp(args.learning_rate)
   state = cbp.linen.TrainState.create(

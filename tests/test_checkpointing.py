@@ -139,7 +139,8 @@ def linen_state(name):
   module = LinenMLP() if name in PLAIN else cbp.linen.center(LinenMLP())
   variables = module.init(jax.random.key(0), X, train=False)
   centering = variables.get('centering', {})
-  dims = cbp.linen.muon_dimension_numbers(variables['params'], centering)
+  dims = cbp.linen.muon_dimension_numbers(module, jax.random.key(0), X,
+                                          train=False)
   return cbp.linen.TrainState.create(
       apply_fn=module.apply, params=variables['params'],
       centering=centering, tx=OPTIMIZERS[name](dims))

@@ -1040,6 +1040,134 @@ def test_linen_muon_dimension_numbers_treat_centered_kernels_as_matrices():
   assert not isinstance(mu['Conv_0']['kernel'], optax.MaskedNode)
   assert isinstance(mu['Conv_0']['bias'], optax.MaskedNode)
 
+  # The model form reads the same views from the layers themselves.
+  model, _, _ = linen_muon_model()
+  from_model = cbp.linen.muon_dimension_numbers(
+      model, jax.random.key(0), jnp.ones(X_SHAPE))(params)
+  assert jax.tree.leaves(from_model, is_leaf=is_view) == jax.tree.leaves(
+      table, is_leaf=is_view)
+
+
+def is_view(x):
+  return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+
+
+def views(table):
+  """``{'a/b/kernel': (reduction, output)}`` for every kernel Muon sees."""
+  return {
+      '/'.join(str(getattr(k, 'key', k)) for k in path):
+      (tuple(d.reduction_axis), tuple(d.output_axis))
+      for path, d in jax.tree_util.tree_leaves_with_path(
+          table, is_leaf=is_view) if d is not None}
+
+
+def linen_views(module, x):
+  """The Linen views from the model, after checking that the parameters
+  alone are refused (their shapes cannot tell these kernels apart)."""
+  params = module.init(jax.random.key(0), x)['params']
+  with pytest.raises(ValueError, match='belongs to no centered layer'):
+    cbp.linen.muon_dimension_numbers(params, {})
+  with pytest.raises(TypeError, match='what its init takes'):
+    cbp.linen.muon_dimension_numbers(module)  # no rngs and inputs
+  dims = cbp.linen.muon_dimension_numbers(module, jax.random.key(0), x)
+  tx = optax.contrib.muon(1.0, muon_weight_dimension_numbers=dims)
+  updates, table = muon_update(tx, params), dims(params)
+  for path, view in views(table).items():
+    node, dim = updates, table
+    for key in path.split('/'):
+      node, dim = node[key], dim[key]
+    assert_orthogonalized(node, dim)
+  return views(table)
+
+
+def nnx_views(model):
+  dims = cbp.nnx.muon_dimension_numbers(model)
+  return views(dims(nnx.as_pure(nnx.state(model, nnx.Param))))
+
+
+class _BiasLessBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, h, _):
+    return nn.Dense(4, use_bias=False)(h), None
+
+
+class _BiasLessStacks(nn.Module):
+  """Four bias-less layers scanned (stack axis 0) and four vmapped with
+  their stack axis at 1: kernels (4, 4, 4), the same shape either way."""
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(_BiasLessBlock, length=4, split_rngs={'params': True},
+                   variable_axes={'params': 0})
+    h, _ = scan(name='scanned')(x, None)
+    vmap = nn.vmap(nn.Dense, in_axes=0, out_axes=0, split_rngs={'params': True},
+                   variable_axes={'params': 1})
+    return vmap(4, use_bias=False, name='mapped')(jnp.stack([h] * 4))
+
+
+def test_linen_muon_dimension_numbers_of_bias_less_layer_stacks():
+  got = linen_views(_BiasLessStacks(), jnp.ones((2, 4)))
+  assert got == {'scanned/Dense_0/kernel': ((1,), (2,)),
+                 'mapped/kernel': ((0,), (2,))}
+
+  @nnx.split_rngs(splits=4)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def create(rngs):
+    return nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+
+  assert nnx_views(nnx.Dict(scanned=create(nnx.Rngs(0)))) == {
+      'scanned/kernel': ((1,), (2,))}
+
+
+def test_linen_muon_dimension_numbers_of_bias_less_attention():
+  x = jnp.ones((2, 3, 4))
+  got = linen_views(nn.MultiHeadDotProductAttention(
+      num_heads=2, qkv_features=6, out_features=5, use_bias=False), x)
+  expected = {f'{name}/kernel': ((0,), (1, 2))
+              for name in ('query', 'key', 'value')}
+  expected['out/kernel'] = ((0, 1), (2,))
+  assert got == expected
+  assert nnx_views(nnx.MultiHeadAttention(
+      num_heads=2, in_features=4, qkv_features=6, out_features=5,
+      use_bias=False, decode=False, rngs=nnx.Rngs(0))) == expected
+
+
+def test_linen_muon_dimension_numbers_of_multi_output_dense_general():
+  got = linen_views(nn.DenseGeneral((3, 5), use_bias=False),
+                    jnp.ones((2, 4)))
+  assert got == {'kernel': ((0,), (1, 2))}
+  assert nnx_views(nnx.LinearGeneral(4, (3, 5), use_bias=False,
+                                     rngs=nnx.Rngs(0))) == got
+
+
+def test_linen_muon_dimension_numbers_of_an_einsum_kernel():
+  # The equation, not the axis order, says which axis is contracted.
+  got = linen_views(nn.Einsum((5, 4), 'bi,oi->bo', use_bias=False),
+                    jnp.ones((2, 4)))
+  assert got == {'kernel': ((1,), (0,))}
+  assert nnx_views(nnx.Einsum('bi,oi->bo', (5, 4), rngs=nnx.Rngs(0))) == got
+
+
+def test_muon_dimension_numbers_of_a_transposed_kernel():
+  # transpose_kernel=True stores (*window, C_out, C_in): C_in is reduced.
+  x, expected = jnp.ones((1, 5, 5, 2)), {'kernel': ((0, 1, 3), (2,))}
+  layer = nn.ConvTranspose(4, (3, 3), transpose_kernel=True)
+  assert linen_views(layer, x) == expected
+  model = nnx.ConvTranspose(2, 4, (3, 3), transpose_kernel=True,
+                            rngs=nnx.Rngs(0))
+  try:
+    cbp.nnx.Centered(model)
+  except TypeError:
+    return  # centering does not know transposed convolutions
+  assert nnx_views(model) == expected
+  sequential = nnx.Sequential(model)
+  cbp.nnx.center(sequential)
+  assert nnx_views(sequential) == {'layers/0/layer/kernel': expected['kernel']}
+  variables = cbp.linen.center(layer).init(jax.random.key(0), x)
+  assert views(cbp.linen.muon_dimension_numbers(
+      variables['params'], variables['centering'])(
+          variables['params'])) == expected
 
 @pytest.mark.slow
 def test_muon_with_the_helper_trains_centered_models():

@@ -9,6 +9,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 from flax import nnx
 import optax
 import pytest
@@ -729,6 +730,34 @@ def test_workloads_attention_muon_dims_of_a_list_named_blocks(centered):
   tx = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=task.muon_dims)
   tx.init(params)
 
+
+
+class _LinenScanned(nn.Module):
+  """Three scanned bias-less (3, 3) layers, then multi-output attention-like
+  projections: (3, 3, 3) and (3, 2, 2) kernels, neither a matrix over its
+  last axis."""
+
+  @nn.compact
+  def __call__(self, x):
+    def body(module, h, _):
+      return nn.Dense(3, use_bias=False)(h), None
+    h, _ = nn.scan(body, length=3, variable_axes={'params': 0},
+                   split_rngs={'params': True})(self, x, None)
+    h = nn.DenseGeneral((2, 2), use_bias=False, name='heads')(h)
+    return nn.DenseGeneral(1, axis=(-2, -1), name='out')(h)
+
+
+def test_workloads_linen_task_reads_muon_dims_from_its_model():
+  task = tasks.linen_model_task(
+      _LinenScanned(), None, jnp.ones((2, 3)), lambda key: 0,
+      lambda forward, index: jnp.mean(forward(jnp.ones((2, 3))) ** 2),
+      lambda forward: jnp.zeros(()))
+  params, _ = task.init(jax.random.key(0))
+  dims = task.muon_dims(params)
+  assert _axes(dims['Dense_0']['kernel']) == ((1,), (2,))  # axis 0: stack
+  assert _axes(dims['heads']['kernel']) == ((0,), (1, 2))
+  assert _axes(dims['out']['kernel']) == ((0, 1), (2,))
+  assert dims['out']['bias'] is None
 
 @pytest.mark.parametrize('centered', [False, True])
 def test_workloads_scanned_transformer_keeps_its_layer_axis_as_a_batch_axis(

@@ -7,17 +7,23 @@ import functools
 from typing import Any, Callable, Mapping, Optional
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.core import meta
 
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
 from cbp_optax._paths import path_names
+from cbp_optax._paths import path_str
+from cbp_optax._stacks import einsum_kernel_dims
+from cbp_optax._stacks import place_kernel_dims
 from cbp_optax import _checks
 from cbp_optax import blocks
 from cbp_optax import centering as core
 
+from cbp_optax.linen._center import CenteredModel
 from cbp_optax.linen._wrapper import CenteringMean
 from cbp_optax.linen._wrapper import CONV
 from cbp_optax.linen._wrapper import COUNT
@@ -247,41 +253,67 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
   return _opt_state.evaluation_params(opt_state, params)
 
 
-def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
-  """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
+# A kernel-shaped parameter that muon_dimension_numbers adds next to each
+# kernel in its abstract init only, in a CenteringMean box: Flax's stacking
+# transforms call the box's add_axis, so it learns where they put the stack
+# axes (its spec is unused).
+_PROBE = 'cbp_muon_probe'
 
-  Centered layers: contracted input axes are reduction axes, stack axes
-  batch axes; another ``kernel`` of 2+ axes is a matrix over its last axis;
-  other leaves get None (AdamW).
+_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.Einsum)
 
-  Args:
-    params: the ``'params'`` collection.
-    centering: the ``'centering'`` collection (empty for a plain model).
 
-  Returns:
-    ``dims(params)`` for ``muon_weight_dimension_numbers``.
+def _own_dims(module: nn.Module, ndim: int, args, kwargs
+              ) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+  """(reduction, output) axes of one layer's own (unstacked) kernel."""
+  if isinstance(module, nn.Einsum):
+    einsum_str = kwargs.get('einsum_str', args[1] if len(args) > 1 else None)
+    return einsum_kernel_dims(einsum_str or module.einsum_str)
+  if isinstance(module, nn.DenseGeneral):
+    batch = len(module.batch_dims)
+    outputs = 1 if isinstance(module.features, int) else len(module.features)
+    return (tuple(range(batch, ndim - outputs)),
+            tuple(range(ndim - outputs, ndim)))
+  last = ndim - 1  # Dense (in, out) and Conv (*window, in, out) ...
+  if getattr(module, 'transpose_kernel', False):  # ... or (*window, out, in)
+    return tuple(range(ndim - 2)) + (last,), (last - 1,)
+  return tuple(range(last)), (last,)
 
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import flax.linen as nn
-    >>> import cbp_optax as cbp
-    >>> model = cbp.linen.center(nn.Conv(4, (3, 3)))
-    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 5, 5, 3)))
-    >>> dims = cbp.linen.muon_dimension_numbers(
-    ...     variables['params'], variables['centering'])
-    >>> dims(variables['params'])['kernel']
-    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
-  """
+
+def _model_table(model, args, kwargs) -> dict[tuple[str, ...], Any]:
+  """Kernel path -> its view, from one abstract ``init`` of ``model``."""
+  own = {}  # layer path -> (reduction, output, ndim) of its own kernel
+
+  def probe(next_fun, call_args, call_kwargs, context):
+    out = next_fun(*call_args, **call_kwargs)
+    module = context.module
+    if (context.method_name == '__call__' and isinstance(module, _LAYERS)
+        and module.has_variable('params', 'kernel')
+        and 'map_variables(' not in module.scope.path_text):
+      shape = jnp.shape(meta.unbox(module.get_variable('params', 'kernel')))
+      dims = _own_dims(module, len(shape), call_args, call_kwargs)
+      if dims is not None:
+        own[tuple(module.scope.path)] = dims + (len(shape),)
+        module.param(_PROBE, lambda _: CenteringMean(
+            jnp.zeros(shape, jnp.int8), None))
+    return out
+
+  with nn.intercept_methods(probe):
+    variables = jax.eval_shape(functools.partial(model.init, **kwargs), *args)
   table = {}
+  for path, box in jax.tree_util.tree_leaves_with_path(
+      flax.core.unfreeze(variables.get('params', {})),
+      is_leaf=lambda x: isinstance(x, CenteringMean)):
+    layer = path_names(path[:-1])
+    if path_names(path[-1:]) == (_PROBE,) and layer in own:
+      table[layer + ('kernel',)] = place_kernel_dims(*own[layer],
+                                                     box.stack_axes)
+  return table
 
-  def plain(path, leaf):
-    if str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2:
-      names = path_names(path)
-      table[names] = optax.contrib.MuonDimensionNumbers(
-          reduction_axis=tuple(range(jnp.ndim(leaf) - 1)),
-          output_axis=(jnp.ndim(leaf) - 1,))
 
-  jax.tree_util.tree_map_with_path(plain, flax.core.unfreeze(params))
+def _collections_table(params, centering) -> dict[tuple[str, ...], Any]:
+  """Kernel path -> its view, for the layers ``centering`` describes; any
+  other kernel is refused (its layer cannot be told from its shape)."""
+  table = {}
   unfrozen = flax.core.unfreeze(params)
   for move in _moves(params, centering):
     layer = unfrozen
@@ -290,6 +322,66 @@ def muon_dimension_numbers(params: Any, centering: Any) -> Callable[[Any], Any]:
     box = entry_at(centering, move.path)[MEAN]
     _, axes, _ = core.layer_axes(box.spec, layer['kernel'], layer['bias'],
                                  box.value, box.stack_axes)
-    names = tuple(str(k) for k in move.path) + ('kernel',)
-    table[names] = core.muon_dimension_numbers(box.spec, axes)
+    table[tuple(str(k) for k in move.path) + ('kernel',)] = (
+        core.muon_dimension_numbers(box.spec, axes))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(unfrozen):
+    names = path_names(path)
+    if (str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2
+        and names not in table):
+      raise ValueError(
+          f'muon_dimension_numbers: the kernel {path_str(path)!r} of shape '
+          f'{jnp.shape(leaf)} belongs to no centered layer, and its shape '
+          'cannot tell which axes Muon should reduce over (a layer stack, '
+          'attention heads, DenseGeneral features and Einsum kernels look '
+          'alike). Pass the model and what its init takes instead: '
+          'muon_dimension_numbers(model, jax.random.key(0), x).')
+  return table
+
+
+def muon_dimension_numbers(model: Any, *args: Any, **kwargs: Any
+                           ) -> Callable[[Any], Any]:
+  """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
+
+  From one abstract ``init`` (nothing is computed), each ``nn.Dense``,
+  ``nn.DenseGeneral`` (attention projections too), ``nn.Conv``,
+  ``nn.ConvTranspose`` and ``nn.Einsum`` kernel, centered or not, is a
+  matrix from its contracted input axes (reduction axes) to its feature
+  axes (output axes); ``nn.scan``/``nn.vmap`` stack axes and kernel batch
+  axes are batch axes. Other parameters get None (AdamW).
+
+  The older form ``muon_dimension_numbers(params, centering)`` reads the
+  centered layers from the ``'centering'`` collection and refuses any other
+  kernel, whose layer its shape does not tell.
+
+  Args:
+    model: the ``nn.Module``, or ``cbp.linen.center(module)``.
+    *args: what ``model.init`` takes: its rngs, then example inputs.
+    **kwargs: ``model.init``'s keyword arguments.
+
+  Returns:
+    ``dims(params)`` for ``optax.contrib.muon(...,
+    muon_weight_dimension_numbers=dims)``, on the ``'params'`` collection.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import cbp_optax as cbp
+    >>> model = cbp.linen.center(nn.Conv(4, (3, 3)))
+    >>> x = jnp.ones((1, 5, 5, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> dims = cbp.linen.muon_dimension_numbers(model, jax.random.key(0), x)
+    >>> dims(variables['params'])['kernel']
+    MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
+  """
+  is_model = isinstance(model, (nn.Module, CenteredModel))
+  if is_model and args:
+    table = _model_table(model, args, kwargs)
+  elif not is_model and len(args) == 1 and not kwargs:
+    table = _collections_table(model, args[0])
+  else:
+    raise TypeError(
+        'muon_dimension_numbers: pass a Linen module (or center(module)) and '
+        'what its init takes, e.g. muon_dimension_numbers(model, '
+        f'jax.random.key(0), x); got a {type(model).__name__} and '
+        f'{len(args)} more arguments.')
   return _opt_state.dimension_numbers_fn(table, FLAX)

@@ -13,6 +13,8 @@ from flax import nnx
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
 from cbp_optax._paths import path_names
+from cbp_optax._stacks import einsum_kernel_dims
+from cbp_optax._stacks import place_kernel_dims
 from cbp_optax._stacks import resolve_stack_axes
 from cbp_optax import _checks
 from cbp_optax import centering as core
@@ -215,8 +217,9 @@ def eval_model(model: nnx.Module,
 def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
 
-  From each linear layer, centered or not: contracted input axes are
-  reduction axes, stack axes batch axes; other parameters get None (AdamW).
+  From each linear layer (``nnx.Einsum`` too), centered or not: contracted
+  input axes are reduction axes, stack axes batch axes; other parameters get
+  None (AdamW).
 
   Args:
     model: the model, before or after :func:`center` (read when muon asks).
@@ -269,4 +272,11 @@ def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
       if axes is not None:
         table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(
             spec, axes)
+    elif type(module) is nnx.Einsum:
+      dims = einsum_kernel_dims(module.einsum_str)
+      own = tuple(module.kernel_shape)
+      axes = resolve_stack_axes(tuple(module.kernel.shape), own)
+      if dims is not None and axes is not None:
+        table[path_names(path + ('kernel',))] = place_kernel_dims(
+            *dims, len(own), axes)
   return table

@@ -128,7 +128,10 @@ def scale_kernels(params, scale: float):
 
 def default_muon_dims(params):
   """Muon on every kernel: matrices as they are, convolution kernels
-  (h, w, in, out) flattened over their input axes; other leaves to AdamW."""
+  (h, w, in, out) flattened over their input axes; other leaves to AdamW.
+  Guessed from the parameters' names and ranks (wrong for layer stacks,
+  attention and multi-output kernels): the tasks read the dims from their
+  models instead (``model_muon_dims``, ``cbp.linen.muon_dimension_numbers``)."""
   def dims(path, x):
     if not kernel_path(path) or x.ndim < 2:
       return None
@@ -153,14 +156,15 @@ def _model_muon_dims(model):
   return cbp.nnx.muon_dimension_numbers(model)
 
 
-# Muon dimension numbers of an NNX model with ``nnx.MultiHeadAttention``,
-# from each layer's own configuration (``cbp.nnx.muon_dimension_numbers``):
-# attention kernels (in, heads, head_dim) and (heads, head_dim, out) are
-# matrices over their input/output axes, and an axis is a layer-stack (batch)
-# axis only where the layer's kernel has one beyond its own shape (a scanned
-# stack), whatever the module holding it is called; a plain list of blocks
-# has none.
-attention_muon_dims = FromModel(_model_muon_dims)
+# Muon dimension numbers of an NNX model, from each layer's own
+# configuration (``cbp.nnx.muon_dimension_numbers``): dense and convolution
+# kernels are matrices over their input/output axes, attention kernels (in,
+# heads, head_dim) and (heads, head_dim, out) too, and an axis is a
+# layer-stack (batch) axis only where the layer's kernel has one beyond its
+# own shape (a scanned stack), whatever the module holding it is called; a
+# plain list of blocks has none.
+model_muon_dims = FromModel(_model_muon_dims)
+attention_muon_dims = model_muon_dims
 
 
 # ---------------------------------------------------------------------------
@@ -183,7 +187,7 @@ def linen_model_task(
     loss_of: Callable[[Callable[..., Any], Any], jax.Array],
     metric_of: Callable[[Callable[..., Any]], jax.Array],
     init_scale_: Optional[float] = None,
-    muon_dims=default_muon_dims,
+    muon_dims=None,
 ) -> Task:
   """A Linen model as a ``Task``.
 
@@ -200,8 +204,12 @@ def linen_model_task(
     metric_of: ``metric_of(forward)``: the validation metric, ``forward`` in
       evaluation mode.
     init_scale_: multiply every kernel by it after initialization.
-    muon_dims: ``muon_weight_dimension_numbers`` for Muon.
+    muon_dims: ``muon_weight_dimension_numbers`` for Muon; by default read
+      from ``model`` (``cbp.linen.muon_dimension_numbers``).
   """
+  if muon_dims is None:
+    muon_dims = cbp.linen.muon_dimension_numbers(model, jax.random.key(0),
+                                                 sample)
   def init(key):
     params, state = training.init_variables(model, key, sample)
     if plain is not None:
@@ -286,14 +294,14 @@ def nnx_task(make_model: Callable[[nnx.Rngs], nnx.Module], centered: bool,
              loss_fn: Callable[..., jax.Array],
              batch: Callable[[jax.Array], Any],
              metric: Callable[[nnx.Module], jax.Array],
-             stacked_fn=None, muon_dims=default_muon_dims) -> Task:
+             stacked_fn=None, muon_dims=model_muon_dims) -> Task:
   """An NNX model as pure functions of its ``nnx.split`` states.
 
   ``make_model(rngs)`` builds it (``cbp.nnx.center`` is applied when
   ``centered``); ``loss_fn(model, batch, rngs)`` runs in training mode with
   ``rngs.dropout``; ``metric(model)`` runs in evaluation mode. ``muon_dims``
   is a function of the parameters, or a :class:`FromModel` read from the
-  built model (``attention_muon_dims``).
+  built model (the default, ``model_muon_dims``).
   """
   def build(key):
     model = make_model(nnx.Rngs(params=key))
