@@ -140,7 +140,7 @@ def muon_dimension_numbers(
   ndim = len(spec.kernel_shape)
   inputs = ndim - 1 if spec.kind == CONV else len(spec.mean_shape)
   reduction, output = tuple(range(inputs)), tuple(range(inputs, ndim))
-  if getattr(spec, 'transpose_kernel', False):  # (*window, C_out, C_in)
+  if spec.transpose_kernel:  # (*window, C_out, C_in)
     reduction, output = reduction[:-1] + (ndim - 1,), (ndim - 2,)
   return place_kernel_dims(reduction, output, ndim, kernel_stack_axes)
 
