@@ -211,6 +211,7 @@ def test_stability_reports_disjoint_intervals_and_flips():
 
 from cbp_optax_experiments.workloads import arms as arms_lib  # noqa: E402
 from cbp_optax_experiments.workloads import decision  # noqa: E402
+from cbp_optax_experiments.workloads import summary  # noqa: E402
 
 
 def _dev(arms_steps, n=10, workloads=3):
@@ -412,7 +413,7 @@ def test_centering_verdicts_count_workloads_and_pool_the_seeds():
       'adamw_centered': lambda i, n: _noisy(100 if i < 2 else 200, 0)(i, n),
       'muon': _const(100), 'muon_centered': _const(100),
       'nadamw': _const(100)})
-  verdicts = decision.centering_verdicts(results)
+  verdicts = summary.centering_verdicts(results)
   assert set(verdicts) == {'adamw', 'muon'}
   adamw = verdicts['adamw']
   assert adamw['verdict'] == stats.BETTER
@@ -433,9 +434,9 @@ def test_the_answer_names_the_dev_choice_and_needs_the_test_split():
   assert decision.recommend(dev).arm == 'muon_centered'
   test = copy.deepcopy(dev)
   test['meta']['split'] = 'test'
-  text = decision.answer(dev, test)
-  assert text.startswith('Use ' + decision.RECIPES['muon_centered'])
+  text = summary.answer(dev, test)
+  assert text.startswith('Use ' + summary.RECIPES['muon_centered'])
   assert '10 paired seeds' in text and text.count('1.000 [1.000, 1.000]') == 2
   with pytest.raises(ValueError, match='test split'):
-    decision.answer(dev, dev)
-  assert set(decision.RECIPES) == set(names)
+    summary.answer(dev, dev)
+  assert set(summary.RECIPES) == set(names)

@@ -128,7 +128,7 @@ def _eligible(results: Mapping[str, Any], candidates: Sequence[Candidate],
   return eligible, left_out
 
 
-def _steps_scores(results: Mapping[str, Any]) -> dict[str, float]:
+def steps_scores(results: Mapping[str, Any]) -> dict[str, float]:
   times = {name: {arm: scoring.arm_time(r['steps_to_target'], 1.0)
                   for arm, r in entry['arms'].items()}
            for name, entry in results['workloads'].items()}
@@ -170,7 +170,7 @@ def recommend(results: Mapping[str, Any],
     raise ValueError('no candidate to choose from: ' + '; '.join(
         f'{arm} {why}' for arm, why in left_out.items()))
   names = [c.arm for c in eligible]
-  all_scores = _steps_scores(results)
+  all_scores = steps_scores(results)
   intervals = statistics.score_intervals(results, resamples=resamples)
   scores = {n: (all_scores[n], intervals[n]) for n in names}
   pairs = list(itertools.combinations(names, 2))
@@ -198,7 +198,9 @@ def recommend(results: Mapping[str, Any],
                         left_out, scores)
 
 
-def _fmt(score: tuple[float, list[float]]) -> str:
+def fmt(score: tuple[float, list[float]]) -> str:
+  """A score and its interval as every page prints them: ``0.700 [0.600,
+  0.800]``."""
   value, (low, high) = score
   return f'{value:.3f} [{low:.3f}, {high:.3f}]'
 
@@ -209,7 +211,7 @@ def _reason(chosen: str, undominated: Sequence[str],
             scores: Mapping[str, tuple[float, list[float]]],
             left_out: Mapping[str, str]) -> str:
   c = by_name[chosen]
-  parts = [f'{chosen} (steps score {_fmt(scores[chosen])}): ']
+  parts = [f'{chosen} (steps score {fmt(scores[chosen])}): ']
   if len(undominated) == 1:
     parts.append('the only candidate no other beat (significantly faster '
                  f'in the pooled paired test, by at least {MIN_SPEEDUP:g}x, '
@@ -244,81 +246,3 @@ def maybe_recommend(results: Mapping[str, Any]) -> Optional[Recommendation]:
     return None
 
 
-
-# ---------------------------------------------------------------------------
-# The answer the docs give
-
-
-# Each candidate in a user's words: what to build and what to center.
-RECIPES: dict[str, str] = {
-    'recommended': ('Muon on the centered model, a model with BatchNorm '
-                    'left plain: cbp.recommended'),
-    'muon_centered': 'Muon (optax.contrib.muon) on the centered model',
-    'adamw_centered': 'AdamW (optax.adamw) on the centered model',
-    'nadamw_centered': 'NAdamW (optax.nadamw) on the centered model',
-    'schedule_free_adamw_centered': (
-        'schedule-free AdamW (optax.contrib.schedule_free_adamw) on the '
-        'centered model'),
-    'cbp_robust': 'cbp.cbp_robust on the centered model',
-    'schedule_free_cbp_robust': (
-        'schedule-free cbp_robust preconditioning on the centered model'),
-}
-
-
-def _score(results: Mapping[str, Any], arm: str) -> tuple[float, list[float]]:
-  return (_steps_scores(results)[arm],
-          statistics.score_intervals(results)[arm])
-
-
-def _seed_count(results: Mapping[str, Any], arm: str) -> int:
-  return min(len(entry['arms'][arm]['steps_to_target'])
-             for entry in results['workloads'].values())
-
-
-def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
-  """The recommendation in the words every page gives it: the dev rule's
-  choice (``recommend``), its dev steps score and its test steps score, each
-  with its 95% bootstrap interval.
-
-  Args:
-    dev: the dev split's results.json.
-    test: the test split's (run after the choice; it only reports).
-
-  Returns:
-    One paragraph of plain text (names without markup).
-  """
-  chosen = recommend(dev).arm
-  if (test.get('meta') or {}).get('split') != 'test':
-    raise ValueError('the second results must be the test split\'s')
-  return (f'Use {RECIPES[chosen]}. The decision rule, written before the '
-          f'runs, chose it on the dev split (steps score '
-          f'{_fmt(_score(dev, chosen))}, 95% interval, '
-          f'{_seed_count(dev, chosen)} paired seeds); on the test split, '
-          f'run after the choice, it scores {_fmt(_score(test, chosen))}.')
-
-
-def centering_verdicts(results: Mapping[str, Any]
-                       ) -> dict[str, dict[str, Any]]:
-  """``<peer>_centered`` against ``<peer>``, for each peer with both.
-
-  Returns:
-    peer -> ``verdict`` (pooled over workloads and seeds, Holm-corrected),
-    ``speedup`` and ``interval`` (the pooled median paired speedup in steps
-    and its 95% bootstrap interval), and ``counts``: how many workloads gave
-    each per-workload verdict.
-  """
-  comparisons = results.get('comparisons') or statistics.compare(results)
-  out: dict[str, dict[str, Any]] = {}
-  for c in comparisons:
-    a, b = c['a'], c['b']
-    if a != b + statistics.CENTERED_SUFFIX:
-      continue
-    entry = out.setdefault(b, {'counts': {statistics.BETTER: 0,
-                                          statistics.NO_DIFFERENCE: 0,
-                                          statistics.WORSE: 0}})
-    if c['workload'] == 'pooled':
-      entry.update(verdict=c['verdict'], speedup=c['speedup'],
-                   interval=[2.0 ** v for v in c['interval']])
-    else:
-      entry['counts'][c['verdict']] += 1
-  return out

@@ -1,0 +1,132 @@
+"""What the docs say, computed from the committed results files.
+
+``answer(dev, test)`` is the recommendation in the words every page gives it
+(the README, the FAQ, ``cbp_optax.recommended``'s docstring, the examples,
+``cbp-optax compare``); ``results_table(test)`` the README's table;
+``score_table(dev, test)`` the workloads page's. A test compares each page
+with these, so a number in the docs is always the results file's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from cbp_optax_experiments.workloads import decision
+from cbp_optax_experiments.workloads import statistics
+
+
+
+# Each candidate in a user's words: what to build and what to center.
+RECIPES: dict[str, str] = {
+    'recommended': ('Muon on the centered model, a model with BatchNorm '
+                    'left plain: cbp.recommended'),
+    'muon_centered': 'Muon (optax.contrib.muon) on the centered model',
+    'adamw_centered': 'AdamW (optax.adamw) on the centered model',
+    'nadamw_centered': 'NAdamW (optax.nadamw) on the centered model',
+    'schedule_free_adamw_centered': (
+        'schedule-free AdamW (optax.contrib.schedule_free_adamw) on the '
+        'centered model'),
+    'cbp_robust': 'cbp.cbp_robust on the centered model',
+    'schedule_free_cbp_robust': (
+        'schedule-free cbp_robust preconditioning on the centered model'),
+}
+
+
+def _score(results: Mapping[str, Any], arm: str) -> tuple[float, list[float]]:
+  return (decision.steps_scores(results)[arm],
+          statistics.score_intervals(results)[arm])
+
+
+def _seed_count(results: Mapping[str, Any], arm: str) -> int:
+  return min(len(entry['arms'][arm]['steps_to_target'])
+             for entry in results['workloads'].values())
+
+
+def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
+  """The recommendation in the words every page gives it: the dev rule's
+  choice (``recommend``), its dev steps score and its test steps score, each
+  with its 95% bootstrap interval.
+
+  Args:
+    dev: the dev split's results.json.
+    test: the test split's (run after the choice; it only reports).
+
+  Returns:
+    One paragraph of plain text (names without markup).
+  """
+  chosen = decision.recommend(dev).arm
+  if (test.get('meta') or {}).get('split') != 'test':
+    raise ValueError('the second results must be the test split\'s')
+  return (f'Use {RECIPES[chosen]}. The decision rule, written before the '
+          f'runs, chose it on the dev split (steps score '
+          f'{decision.fmt(_score(dev, chosen))}, 95% interval, '
+          f'{_seed_count(dev, chosen)} paired seeds); on the test split, '
+          f'run after the choice, it scores {decision.fmt(_score(test, chosen))}.')
+
+
+def centering_verdicts(results: Mapping[str, Any]
+                       ) -> dict[str, dict[str, Any]]:
+  """``<peer>_centered`` against ``<peer>``, for each peer with both.
+
+  Returns:
+    peer -> ``verdict`` (pooled over workloads and seeds, Holm-corrected),
+    ``speedup`` and ``interval`` (the pooled median paired speedup in steps
+    and its 95% bootstrap interval), and ``counts``: how many workloads gave
+    each per-workload verdict.
+  """
+  comparisons = results.get('comparisons') or statistics.compare(results)
+  out: dict[str, dict[str, Any]] = {}
+  for c in comparisons:
+    a, b = c['a'], c['b']
+    if a != b + statistics.CENTERED_SUFFIX:
+      continue
+    entry = out.setdefault(b, {'counts': {statistics.BETTER: 0,
+                                          statistics.NO_DIFFERENCE: 0,
+                                          statistics.WORSE: 0}})
+    if c['workload'] == 'pooled':
+      entry.update(verdict=c['verdict'], speedup=c['speedup'],
+                   interval=[2.0 ** v for v in c['interval']])
+    else:
+      entry['counts'][c['verdict']] += 1
+  return out
+
+
+# The README's labels: peers (plain and centered columns), then the arms
+# that exist only on the centered model, in this order.
+PEER_LABELS: dict[str, str] = {
+    'schedule_free_adamw': 'schedule-free AdamW', 'muon': 'Muon',
+    'nadamw': 'NAdamW', 'adamw': 'AdamW'}
+CENTERED_ONLY_LABELS: dict[str, str] = {
+    'recommended': '`cbp.recommended`', 'cbp_robust': '`cbp.cbp_robust`',
+    'schedule_free_cbp_robust': 'schedule-free `cbp_robust` M3',
+    'cbp': '`cbp.cbp`'}
+
+
+def results_table(results: Mapping[str, Any]) -> str:
+  """The README's table: each peer's steps score [95% interval] plain and
+  centered, the pooled paired verdict of centered against plain (median
+  speedup in steps [interval]) and the per-workload verdict counts; then the
+  arms that exist only on the centered model."""
+  scores = decision.steps_scores(results)
+  intervals = statistics.score_intervals(results)
+  verdicts = centering_verdicts(results)
+  cell = lambda arm: (decision.fmt((scores[arm], intervals[arm]))
+                      if arm in scores else '')
+  lines = ['| optimizer | plain | centered | centered vs plain (pooled, '
+           'median speedup in steps) | workloads: better / no difference / '
+           'worse |', '|---|---|---|---|---|']
+  for peer, label in PEER_LABELS.items():
+    v = verdicts.get(peer)
+    if v is None:
+      continue
+    low, high = v['interval']
+    counts = v['counts']
+    lines.append(
+        f'| {label} | {cell(peer)} | {cell(peer + "_centered")} | '
+        f'{v["verdict"]}, {v["speedup"]:.2f}x [{low:.2f}x, {high:.2f}x] | '
+        f'{counts[statistics.BETTER]} / {counts[statistics.NO_DIFFERENCE]} '
+        f'/ {counts[statistics.WORSE]} |')
+  for arm, label in CENTERED_ONLY_LABELS.items():
+    if arm in scores:
+      lines.append(f'| {label} | | {cell(arm)} | | |')
+  return '\n'.join(lines)
