@@ -55,8 +55,9 @@ def _warn_once(framework: str) -> None:
   with _lock:
     if framework in _warned:
       return
+    # An error filter raises here: that shows no warning, so the once stays.
+    warnings.warn(message(framework), UntransportedWarning, stacklevel=2)
     _warned.add(framework)
-  warnings.warn(message(framework), UntransportedWarning, stacklevel=2)
 
 
 def _ignored(framework: str) -> bool:

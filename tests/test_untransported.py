@@ -301,3 +301,34 @@ def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
       for _ in range(CALLS):
         _, changed = linen_model.apply(variables, x, mutable=['centering'])
         variables = {**variables, **changed}
+
+
+@pytest.mark.parametrize('loop,framework', [(nnx_user_loop, 'nnx'),
+                                            (linen_user_loop, 'linen')])
+def test_an_error_filter_fails_compiled_loops_with_the_fix_and_keeps_the_once(
+    loop, framework):
+  # A host callback's exception reaches the caller of a compiled program as
+  # the runtime's error (its type is lost), with the warning's text in it.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(Exception) as error:  # noqa: B017 (the runtime's type)
+      loop(3 * CALLS, transport=False)
+  assert _untransported.message(framework) in str(error.value)
+  # The error was no warning shown: the normal mode still warns, once.
+  with pytest.warns(UntransportedWarning) as record:
+    loop(3 * CALLS, transport=False)
+  assert len(record) == 1
+
+
+def test_an_eager_error_keeps_the_once():
+  x, _ = batch()
+  model, _ = nnx_pair()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(UntransportedWarning, match='cbp.nnx.transport'):
+      for _ in range(CALLS):
+        model(x)
+  with pytest.warns(UntransportedWarning) as record:
+    model(x)
+    nnx_user_loop(3 * CALLS, transport=False)
+  assert len(record) == 1
