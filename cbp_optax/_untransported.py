@@ -6,7 +6,8 @@ grows, and :func:`check` warns once it crosses :data:`CALLS` calls' worth
 program that transports discards the count, so XLA removes the check. A
 program traced while :class:`UntransportedWarning` is ignored has none (to
 ``jax.export`` it); in a compiled program an error filter surfaces as the
-runtime's callback error, in an eager call as the warning itself.
+runtime's callback error (its message ends with the warning's text), in an
+eager call as the warning itself; either leaves the warn-once unspent.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,10 +112,36 @@ def _pass_through(framework: str):
   return differentiable
 
 
+# A count ``check`` returned in the trace in progress -> the count the
+# layer's first use in that trace read (its uses in one program chain).
+_entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def _entry(before: jax.Array) -> jax.Array:
+  """The count this program read before its first use of the layer."""
+  found = _entries.get(id(before))
+  return found[1] if found is not None and found[0]() is before else before
+
+
+def _remember(after: jax.Array, entry: jax.Array) -> None:
+  key = id(after)
+
+  def forget(ref):
+    if _entries.get(key, (None,))[0] is ref:
+      del _entries[key]
+
+  _entries[key] = (weakref.ref(after, forget), entry)
+
+
 def check(before: jax.Array, after: jax.Array, positions: int,
           framework: str) -> jax.Array:
   """``after`` (store it as the layer's count), warning once it crosses
   :data:`CALLS` calls' worth.
+
+  In a traced program the uses of one layer chain (a recurrence unrolled in
+  one forward pass): the count the program read first decides, so that one
+  program warns, and only when calls before it left the count high. (A
+  ``lax.scan`` body reads its carry: each step is one call.)
 
   Args:
     before: the layer's ``batch_count`` before this call.
@@ -122,11 +151,16 @@ def check(before: jax.Array, after: jax.Array, positions: int,
   """
   if positions <= 0 or _ignored(framework):
     return after
-  threshold = CALLS * positions
   if not any(isinstance(x, jax.core.Tracer) for x in (before, after)):
     # Eager: decided in Python, so an error filter raises the warning itself.
+    threshold = CALLS * positions
     if bool(jnp.any((before < threshold) & (after >= threshold))):
       _warn_once(framework)
     return after
-  return _pass_through(framework)(
-      (before < threshold) & (after >= threshold), after)
+  entry = _entry(before)
+  # The program whose entry count first reaches CALLS - 1 calls' worth.
+  start = (CALLS - 1) * positions
+  crossed = (entry >= start) & (entry < start + (after - entry))
+  after = _pass_through(framework)(crossed, after)
+  _remember(after, entry)
+  return after

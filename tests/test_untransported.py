@@ -1,5 +1,6 @@
 """A centered model trained without a transport warns once, naming the fix."""
 
+import functools
 import warnings
 
 import chex
@@ -331,4 +332,90 @@ def test_an_eager_error_keeps_the_once():
   with pytest.warns(UntransportedWarning) as record:
     model(x)
     nnx_user_loop(3 * CALLS, transport=False)
+  assert len(record) == 1
+
+
+class NnxUnrolled(nnx.Module):
+  """One centered layer applied ``CALLS + 1`` times in one forward pass."""
+
+  def __init__(self, rngs):
+    self.cell = nnx.Linear(6, 6, rngs=rngs)
+    self.out = nnx.Linear(6, 4, rngs=rngs)
+
+  def __call__(self, x):
+    for _ in range(CALLS + 1):
+      x = jnp.tanh(self.cell(x))
+    return self.out(x)
+
+
+class LinenUnrolled(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    cell = nn.Dense(6)
+    for _ in range(CALLS + 1):
+      x = jnp.tanh(cell(x))
+    return nn.Dense(4)(x)
+
+
+def nnx_unrolled_loop(steps, *, transport, separate=False):
+  model = NnxUnrolled(nnx.Rngs(0))
+  cbp.nnx.center(model)
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def update(model, optimizer, x, y):
+    grads = nnx.grad(lambda m: loss_of(m(x), y))(model)
+    optimizer.update(model, grads)
+    if transport and not separate:
+      cbp.nnx.transport(model, optimizer=optimizer)
+
+  move = nnx.jit(lambda m, o: cbp.nnx.transport(m, optimizer=o))
+  x, y = batch()
+  for _ in range(steps):
+    update(model, optimizer, x, y)
+    if transport and separate:
+      move(model, optimizer)
+  jax.effects_barrier()
+
+
+def linen_unrolled_loop(steps, *, transport):
+  model = cbp.linen.center(LinenUnrolled())
+  x, y = batch()
+  variables = model.init(jax.random.key(0), x)
+  params, centering = variables['params'], variables['centering']
+
+  @jax.jit
+  def update(params, centering, x, y):
+    def loss_fn(p):
+      logits, changed = model.apply({'params': p, 'centering': centering}, x,
+                                    mutable=['centering'])
+      return loss_of(logits, y), changed['centering']
+    grads, centering = jax.grad(loss_fn, has_aux=True)(params)
+    params = jax.tree.map(lambda p, g: p - 1e-2 * g, params, grads)
+    if transport:
+      params, centering = cbp.linen.transport(params, centering)
+    return params, centering
+
+  for _ in range(steps):
+    params, centering = update(params, centering, x, y)
+  jax.effects_barrier()
+
+
+@pytest.mark.parametrize('loop', [
+    nnx_unrolled_loop, functools.partial(nnx_unrolled_loop, separate=True),
+    linen_unrolled_loop], ids=['nnx', 'nnx_separate_jits', 'linen'])
+def test_a_layer_applied_more_than_calls_times_per_step_is_no_untransported(
+    loop):
+  # Each step's forward pass applies the cell CALLS + 1 times: the count
+  # crossed CALLS calls' worth inside the first step, which warned.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    loop(3, transport=True)
+  # Never transported, it warns once, at the second step.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    loop(1, transport=False)
+  with pytest.warns(UntransportedWarning) as record:
+    loop(3, transport=False)
   assert len(record) == 1
