@@ -294,6 +294,7 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
   Raises:
     UnclassifiedStateError: a copy holding a layer's bias without its kernel
       (or the reverse), or a copy of another tree than the model's.
+    ValueError: a 16-bit copy of a centered bias.
   """
   if copy is None:
     return copy
@@ -322,6 +323,15 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
           'function of such a copy. Give the kernel and the bias of a '
           'centered layer the same optimizer.')
     shared = kind.is_box(bias) and kind.moved(bias)
+    dtype = np.dtype(getattr(_value(bias, kind), 'dtype', np.float32))
+    if not shared and dtype.itemsize < 4:
+      raise ValueError(
+          f'transport: {where} keeps the bias of the centered layer '
+          f'{path_str(move.path)!r} in {dtype}: every transport would round '
+          'it, and the roundings add up over training (the model\'s own '
+          '16-bit bias carries a float32 residual, a copy has none). Keep '
+          "the optimizer's parameter copies in float32, e.g. "
+          'optax.contrib.schedule_free_adamw(..., state_dtype=jnp.float32).')
     if move.shift is not None and not shared:
       new = move.shift(_value(kernel, kind), _value(bias, kind))
       copy = _replace(copy, move.path + move.bias_key, new, kind)

@@ -2,11 +2,13 @@
 
 The transport zeroes a layer's ``batch_count``; without it the count only
 grows, and :func:`check` warns once it crosses :data:`CALLS` calls' worth
-(a ``pure_callback`` in a ``lax.cond``, returning the count unchanged). A
+at another step (another kernel) than the layer started recording at (a
+``pure_callback`` in a ``lax.cond``, returning the count unchanged). A
 program that transports discards the count, so XLA removes the check. A
 program traced while :class:`UntransportedWarning` is ignored has none (to
 ``jax.export`` it); in a compiled program an error filter surfaces as the
-runtime's callback error, in an eager call as the warning itself.
+runtime's callback error (its message ends with the warning's text), in an
+eager call as the warning itself; either leaves the warn-once unspent.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +58,9 @@ def _warn_once(framework: str) -> None:
   with _lock:
     if framework in _warned:
       return
+    # An error filter raises here: that shows no warning, so the once stays.
+    warnings.warn(message(framework), UntransportedWarning, stacklevel=2)
     _warned.add(framework)
-  warnings.warn(message(framework), UntransportedWarning, stacklevel=2)
 
 
 def _ignored(framework: str) -> bool:
@@ -71,61 +75,100 @@ def _ignored(framework: str) -> bool:
   return False
 
 
-def _warn_and_return(framework: str, count: np.ndarray) -> np.ndarray:
-  _warn_once(framework)
-  return np.asarray(count)
+# A layer's kernel fingerprint (the sum of its entries) when it last started
+# recording with mu at zero: the optimizer changes it between steps only.
+_started: dict[Any, np.ndarray] = {}
 
 
-@functools.cache
-def _pass_through(framework: str):
-  """``pass_through(crossed, count)``: ``count``; warns when any is crossed."""
+def _decide(framework: str, layer: Any, start: np.ndarray,
+            fingerprint: np.ndarray) -> np.ndarray:
+  """Warns when ``layer`` fired at another step than it started at; 0."""
+  fingerprint = np.asarray(fingerprint)
+  with _lock:
+    started = _started.get(layer)
+    if bool(np.any(start)) or started is None:
+      _started[layer] = fingerprint
+      return np.int32(0)
+  if not np.array_equal(started, fingerprint):
+    _warn_once(framework)
+  return np.int32(0)
 
-  def warn(count):
-    shape = jax.ShapeDtypeStruct(count.shape, count.dtype)
-    return jax.pure_callback(functools.partial(_warn_and_return, framework),
-                             shape, count)
+
+def _pass_through(framework: str, layer: Any):
+  """``pass_through(fires, start, kernel, count)``: ``count``; calls
+  :func:`_decide` back when any fires."""
+
+  def fire(start, kernel, count):
+    # An int32 zero added: a float64 result would fail the callback's dtype
+    # check outside an x64 context.
+    zero = jax.pure_callback(
+        functools.partial(_decide, framework, layer),
+        jax.ShapeDtypeStruct((), jnp.int32), start,
+        jnp.sum(kernel, dtype=jnp.float32))
+    return count + zero.astype(count.dtype)
 
   @jax.custom_batching.custom_vmap
-  def pass_through(crossed: jax.Array, count: jax.Array) -> jax.Array:
-    return lax.cond(jnp.any(crossed), warn, lambda count: count, count)
+  def pass_through(fires, start, kernel, count):
+    return lax.cond(jnp.any(fires), fire, lambda s, k, count: count, start,
+                    kernel, count)
 
   @pass_through.def_vmap
-  def _vmap(axis_size, in_batched, crossed, count):
+  def _vmap(axis_size, in_batched, fires, start, kernel, count):
     # Once over the whole batch (a batched predicate would call back always).
-    if not in_batched[1]:
+    if not in_batched[3]:
       count = jnp.broadcast_to(count, (axis_size,) + count.shape)
-    return pass_through(crossed, count), True
+    return pass_through(fires, start, kernel, count), True
 
   # The identity to differentiation (a pure_callback has no JVP).
   @jax.custom_jvp
-  def differentiable(crossed: jax.Array, count: jax.Array) -> jax.Array:
-    return pass_through(crossed, count)
+  def differentiable(fires, start, kernel, count):
+    return pass_through(fires, start, kernel, count)
 
   @differentiable.defjvp
   def _jvp(primals, tangents):
-    return differentiable(*primals), tangents[1]
+    return differentiable(*primals), tangents[3]
 
   return differentiable
 
 
+def _level(count: jax.Array, threshold: int) -> jax.Array:
+  """-1 below ``threshold``; ``k`` from ``2**k * threshold`` on."""
+  ratio = jnp.maximum(count, threshold) / threshold
+  return jnp.where(count >= threshold, jnp.floor(jnp.log2(ratio)), -1.0)
+
+
 def check(before: jax.Array, after: jax.Array, positions: int,
-          framework: str) -> jax.Array:
+          framework: str, layer: Any, mean: jax.Array,
+          kernel: jax.Array) -> jax.Array:
   """``after`` (store it as the layer's count), warning once it crosses
-  :data:`CALLS` calls' worth.
+  :data:`CALLS` calls' worth at another step than it started recording.
+
+  While ``mu`` is at zero (never transported), the first recording call and
+  each crossing of ``2**k`` times the threshold fire; a firing with another
+  kernel than at the start (the optimizer moved it: another step) warns. A
+  layer applied many times in one forward pass (a recurrence, unrolled or in
+  a ``lax.scan``) fires with the kernel it started with, and a loop that
+  transports records no start after its first.
 
   Args:
     before: the layer's ``batch_count`` before this call.
     after: after this call (``before + positions``).
     positions: the input positions this call pooled (static).
     framework: ``'nnx'`` or ``'linen'``, for the fix the warning names.
+    layer: a hashable key of the layer (static).
+    mean: the layer's ``mu``.
+    kernel: the layer's kernel.
   """
   if positions <= 0 or _ignored(framework):
     return after
   threshold = CALLS * positions
-  if not any(isinstance(x, jax.core.Tracer) for x in (before, after)):
+  start = (before == 0) & (after > 0)
+  fires = jnp.all(mean == 0) & jnp.any(
+      start | (_level(after, threshold) > _level(before, threshold)))
+  if not any(isinstance(x, jax.core.Tracer)
+             for x in (before, after, mean, kernel)):
     # Eager: decided in Python, so an error filter raises the warning itself.
-    if bool(jnp.any((before < threshold) & (after >= threshold))):
-      _warn_once(framework)
+    if bool(fires):
+      _decide(framework, layer, start, jnp.sum(kernel, dtype=jnp.float32))
     return after
-  return _pass_through(framework)(
-      (before < threshold) & (after >= threshold), after)
+  return _pass_through(framework, layer)(fires, start, kernel, after)

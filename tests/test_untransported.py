@@ -1,11 +1,13 @@
 """A centered model trained without a transport warns once, naming the fix."""
 
+import functools
 import warnings
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -226,26 +228,27 @@ def test_the_check_changes_no_number(monkeypatch):
   chex.assert_trees_all_equal(nnx.state(checked), nnx.state(unchecked))
 
 
-def test_a_batched_count_warns_once_not_every_call(monkeypatch):
+def test_a_batched_count_calls_back_rarely_not_every_call(monkeypatch):
   """Under ``vmap`` the predicate is batched; a plain ``cond`` would become
   a select and call back at every step."""
   calls = []
-  monkeypatch.setattr(_untransported, '_warn_once', calls.append)
-  _untransported._pass_through.cache_clear()
+  monkeypatch.setattr(_untransported, '_decide',
+                      lambda *args: calls.append(args[0]) or np.int32(0))
 
   @jax.jit
-  def step(counts):
+  def step(counts, kernel):
     def one(count):
-      return _untransported.check(count, count + 16.0, 16, 'nnx')
+      return _untransported.check(count, count + 16.0, 16, 'nnx', 'layer',
+                                  jnp.zeros(3), kernel)
     return jax.vmap(jax.vmap(one))(counts)
 
   counts = jnp.zeros((2, 3, 1))
-  for _ in range(3 * CALLS):
-    counts = step(counts)
+  for i in range(3 * CALLS):
+    counts = step(counts, jnp.full((3, 2), float(i)))
   chex.assert_trees_all_equal(counts, jnp.full((2, 3, 1), 48.0 * CALLS))
   jax.effects_barrier()
-  _untransported._pass_through.cache_clear()
-  assert calls == ['nnx']
+  # The start, and the crossings of the threshold and of twice it.
+  assert calls == ['nnx'] * 3
 
 
 def test_ignoring_the_warning_removes_the_check_so_export_works():
@@ -282,6 +285,12 @@ def test_gradients_may_be_taken_with_respect_to_every_collection():
   assert float(changed['centering']['Dense_0']['batch_count'][0]) == 16.0
 
 
+def nudge(model):
+  """An update's change of every parameter (each step has its kernels)."""
+  nnx.update(model, jax.tree.map(lambda p: p + 1e-3,
+                                 nnx.state(model, nnx.Param)))
+
+
 def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
   # Decided in Python, not in a host callback (whose exception reached the
   # caller as the runtime's INTERNAL callback error).
@@ -292,6 +301,7 @@ def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
     with pytest.raises(UntransportedWarning, match='cbp.nnx.transport'):
       for _ in range(CALLS):
         model(x)
+        nudge(model)
   _untransported._warned.clear()
   linen_model = cbp.linen.center(LinenNet())
   variables = linen_model.init(jax.random.key(0), x)
@@ -300,4 +310,156 @@ def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
     with pytest.raises(UntransportedWarning, match='cbp.linen.transport'):
       for _ in range(CALLS):
         _, changed = linen_model.apply(variables, x, mutable=['centering'])
-        variables = {**variables, **changed}
+        variables = {**variables, **changed,
+                     'params': jax.tree.map(lambda p: p + 1e-3,
+                                            variables['params'])}
+
+
+@pytest.mark.parametrize('loop,framework', [(nnx_user_loop, 'nnx'),
+                                            (linen_user_loop, 'linen')])
+def test_an_error_filter_fails_compiled_loops_with_the_fix_and_keeps_the_once(
+    loop, framework):
+  # A host callback's exception reaches the caller of a compiled program as
+  # the runtime's error (its type is lost), with the warning's text in it.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(Exception) as error:  # noqa: B017 (the runtime's type)
+      loop(3 * CALLS, transport=False)
+  assert _untransported.message(framework) in str(error.value)
+  # The error was no warning shown: the normal mode still warns, once.
+  with pytest.warns(UntransportedWarning) as record:
+    loop(3 * CALLS, transport=False)
+  assert len(record) == 1
+
+
+def test_an_eager_error_keeps_the_once():
+  x, _ = batch()
+  model, _ = nnx_pair()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(UntransportedWarning, match='cbp.nnx.transport'):
+      for _ in range(CALLS):
+        model(x)
+        nudge(model)
+  with pytest.warns(UntransportedWarning) as record:
+    model(x)
+    nnx_user_loop(3 * CALLS, transport=False)
+  assert len(record) == 1
+
+
+class NnxUnrolled(nnx.Module):
+  """One centered layer applied ``CALLS + 1`` times in one forward pass."""
+
+  def __init__(self, rngs, scan=False):
+    self.cell = nnx.Linear(6, 6, rngs=rngs)
+    self.out = nnx.Linear(6, 4, rngs=rngs)
+    self.scan = scan
+
+  def __call__(self, x):
+    if self.scan:
+      @nnx.scan(in_axes=(nnx.Carry,), out_axes=nnx.Carry, length=CALLS + 1)
+      def body(carry):
+        x, cell = carry
+        return jnp.tanh(cell(x)), cell
+      return self.out(body((x, self.cell))[0])
+    for _ in range(CALLS + 1):
+      x = jnp.tanh(self.cell(x))
+    return self.out(x)
+
+
+class LinenUnrolled(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    cell = nn.Dense(6)
+    for _ in range(CALLS + 1):
+      x = jnp.tanh(cell(x))
+    return nn.Dense(4)(x)
+
+
+def nnx_unrolled_loop(steps, *, transport, separate=False, scan=False):
+  model = NnxUnrolled(nnx.Rngs(0), scan)
+  cbp.nnx.center(model)
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def update(model, optimizer, x, y):
+    grads = nnx.grad(lambda m: loss_of(m(x), y))(model)
+    optimizer.update(model, grads)
+    if transport and not separate:
+      cbp.nnx.transport(model, optimizer=optimizer)
+
+  move = nnx.jit(lambda m, o: cbp.nnx.transport(m, optimizer=o))
+  x, y = batch()
+  for _ in range(steps):
+    update(model, optimizer, x, y)
+    if transport and separate:
+      move(model, optimizer)
+  jax.effects_barrier()
+
+
+def linen_unrolled_loop(steps, *, transport):
+  model = cbp.linen.center(LinenUnrolled())
+  x, y = batch()
+  variables = model.init(jax.random.key(0), x)
+  params, centering = variables['params'], variables['centering']
+
+  @jax.jit
+  def update(params, centering, x, y):
+    def loss_fn(p):
+      logits, changed = model.apply({'params': p, 'centering': centering}, x,
+                                    mutable=['centering'])
+      return loss_of(logits, y), changed['centering']
+    grads, centering = jax.grad(loss_fn, has_aux=True)(params)
+    params = jax.tree.map(lambda p, g: p - 1e-2 * g, params, grads)
+    if transport:
+      params, centering = cbp.linen.transport(params, centering)
+    return params, centering
+
+  for _ in range(steps):
+    params, centering = update(params, centering, x, y)
+  jax.effects_barrier()
+
+
+@pytest.mark.parametrize('loop', [
+    nnx_unrolled_loop, functools.partial(nnx_unrolled_loop, separate=True),
+    functools.partial(nnx_unrolled_loop, scan=True),
+    functools.partial(nnx_unrolled_loop, scan=True, separate=True),
+    linen_unrolled_loop],
+    ids=['nnx', 'nnx_separate_jits', 'nnx_scan', 'nnx_scan_separate_jits',
+         'linen'])
+def test_a_layer_applied_more_than_calls_times_per_step_is_no_untransported(
+    loop):
+  # Each step's forward pass applies the cell CALLS + 1 times: the count
+  # crossed CALLS calls' worth inside the first step, which warned.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    loop(3, transport=True)
+  # Never transported, it warns once, at the second step.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    loop(1, transport=False)
+  with pytest.warns(UntransportedWarning) as record:
+    loop(3, transport=False)
+  assert len(record) == 1
+
+
+def test_forward_passes_at_one_step_and_fresh_models_never_warn():
+  # Gradient accumulation (CALLS forward passes per update, then a
+  # transport) and a sweep of fresh models through one compiled step.
+  x, y = batch()
+  grad = nnx.jit(lambda m, x, y: nnx.grad(lambda m: loss_of(m(x), y))(m))
+
+  @nnx.jit
+  def update(model, optimizer, grads):
+    optimizer.update(model, grads)
+    cbp.nnx.transport(model, optimizer=optimizer)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    for _ in range(3):
+      model, optimizer = nnx_pair()
+      for _ in range(3):
+        grads = [grad(model, x, y) for _ in range(2 * CALLS)]
+        update(model, optimizer, jax.tree.map(lambda *g: sum(g), *grads))
+    jax.effects_barrier()

@@ -145,7 +145,8 @@ def centered_call(
       recorded.value, after = core.record_mean(
           inputs, spec, recorded.value, before, axis_name)
       count.value = _untransported.check(
-          before, after, core.input_count(inputs, spec), 'linen')
+          before, after, core.input_count(inputs, spec), 'linen',
+          tuple(host.path), mean.value, kernel_of())
 
   def kernel():
     value = kernel_of()

@@ -228,7 +228,8 @@ class Centered(nnx.Module):
       self.batch_mean[...], after = core.record_mean(
           inputs, self.spec, self.batch_mean[...], before, self.axis_name)
       self.batch_count[...] = _untransported.check(
-          before, after, core.input_count(inputs, self.spec), 'nnx')
+          before, after, core.input_count(inputs, self.spec), 'nnx', id(self),
+          self.mean[...], self.layer.kernel[...])
     return core.centered_output(
         self.spec, lambda x: self.layer(x, *args, **kwargs), inputs,
         self._kernel, self.mean[...])
