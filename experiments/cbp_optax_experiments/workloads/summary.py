@@ -16,6 +16,9 @@ from cbp_optax_experiments.workloads import statistics
 
 
 
+# The arm whose recipe ``cbp_optax.recommended`` builds.
+RECOMMENDED_ARM = 'recommended'
+
 # Each candidate in a user's words: what to build and what to center.
 RECIPES: dict[str, str] = {
     'recommended': ('Muon on the centered model, a model with BatchNorm '
@@ -129,4 +132,33 @@ def results_table(results: Mapping[str, Any]) -> str:
   for arm, label in CENTERED_ONLY_LABELS.items():
     if arm in scores:
       lines.append(f'| {label} | | {cell(arm)} | | |')
+  return '\n'.join(lines)
+
+
+def _profile(results: Mapping[str, Any], profile: str
+             ) -> tuple[dict[str, float], dict[str, list[float]]]:
+  stored = results['profiles'][profile]
+  return stored['score'], stored.get('score_interval') or {}
+
+
+def score_table(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
+  """The workloads page's table: every arm's steps and wall-clock scores
+  with their 95% intervals on dev and on test, and its normalized final
+  metric on test, in the order of the dev steps score (the split that
+  chooses)."""
+  columns = [(dev, 'steps'), (dev, 'wall_clock'), (test, 'steps'),
+             (test, 'wall_clock')]
+  tables = [_profile(r, p) for r, p in columns]
+  finals = test['profiles']['final_metric']['score']
+  arms = sorted(tables[0][0], key=lambda a: (-tables[0][0][a], a))
+  cell = lambda t, a: (decision.fmt((t[0][a], t[1][a])) if a in t[1]
+                       else f'{t[0][a]:.3f}') if a in t[0] else '—'
+  lines = ['| arm | dev: steps | dev: wall-clock | test: steps | '
+           'test: wall-clock | test: final, normalized |',
+           '|:---|---:|---:|---:|---:|---:|']
+  for arm in arms:
+    name = f'**{arm}**' if arm == RECOMMENDED_ARM else arm
+    lines.append('| ' + ' | '.join(
+        [name] + [cell(t, arm) for t in tables]
+        + [f'{finals[arm]:.3f}' if arm in finals else '—']) + ' |')
   return '\n'.join(lines)
