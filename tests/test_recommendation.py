@@ -47,7 +47,9 @@ def _page(path: str) -> str:
 def test_the_committed_dev_results_choose_what_the_library_recommends():
   dev = _load('dev')
   assert dev['meta']['split'] == 'dev' and len(dev['meta']['seeds']) >= 10
+  # The rule applied now, and as the run stored it.
   assert decision.recommend(dev).arm == summary.RECOMMENDED_ARM
+  assert dev['recommendation']['arm'] == summary.RECOMMENDED_ARM
   assert _load('test')['meta']['seeds'] == dev['meta']['seeds']
 
 

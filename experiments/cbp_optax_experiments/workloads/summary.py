@@ -35,9 +35,20 @@ RECIPES: dict[str, str] = {
 }
 
 
+def _steps(results: Mapping[str, Any]
+           ) -> tuple[dict[str, float], dict[str, list[float]]]:
+  """Every arm's steps score and its interval: as stored by
+  ``report.rescore``, else computed."""
+  stored = (results.get('profiles') or {}).get('steps') or {}
+  if stored.get('score') and stored.get('score_interval'):
+    return stored['score'], stored['score_interval']
+  return (decision.steps_scores(results),
+          statistics.score_intervals(results))
+
+
 def _score(results: Mapping[str, Any], arm: str) -> tuple[float, list[float]]:
-  return (decision.steps_scores(results)[arm],
-          statistics.score_intervals(results)[arm])
+  scores, intervals = _steps(results)
+  return scores[arm], intervals[arm]
 
 
 def _seed_count(results: Mapping[str, Any], arm: str) -> int:
@@ -57,7 +68,8 @@ def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
   Returns:
     One paragraph of plain text (names without markup).
   """
-  chosen = decision.recommend(dev).arm
+  stored = dev.get('recommendation') or {}
+  chosen = stored.get('arm') or decision.recommend(dev).arm
   if (test.get('meta') or {}).get('split') != 'test':
     raise ValueError('the second results must be the test split\'s')
   return (f'Use {RECIPES[chosen]}. The decision rule, written before the '
@@ -110,8 +122,7 @@ def results_table(results: Mapping[str, Any]) -> str:
   centered, the pooled paired verdict of centered against plain (median
   speedup in steps [interval]) and the per-workload verdict counts; then the
   arms that exist only on the centered model."""
-  scores = decision.steps_scores(results)
-  intervals = statistics.score_intervals(results)
+  scores, intervals = _steps(results)
   verdicts = centering_verdicts(results)
   cell = lambda arm: (decision.fmt((scores[arm], intervals[arm]))
                       if arm in scores else '')
