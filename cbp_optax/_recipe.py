@@ -31,9 +31,7 @@ def recommended(
   with BatchNorm is left plain). This builds ``optax.contrib.muon`` with its
   update RMS matched to AdamW's, so a tuned AdamW learning rate is the place
   to start, and decoupled weight decay on the kernels. Algorithm 1 itself is
-  :func:`cbp_optax.cbp`.
-
-<<ANSWER_PY2>>
+  :func:`cbp_optax.cbp`; the evidence is in the docs page "Workloads".
 
   Args:
     learning_rate: a float or an optax schedule (a linear warm-up followed

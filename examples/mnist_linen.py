@@ -10,8 +10,6 @@ recipe's, ``cbp_optax.recommended`` (Muon, its dimension numbers from
 Algorithm 1's ``cbp_optax.cbp`` (M1 + M3); ``cbp_optax.linen.train_step``
 fuses the whole iteration into one ``jax.jit`` step, including the pure
 ``cbp_optax.linen.transport``.
-
-<<ANSWER_PY0>>
 """
 
 import argparse

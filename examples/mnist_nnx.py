@@ -12,8 +12,6 @@ bias transport into one ``nnx.jit`` step. With ``--checkpoint-dir`` the state
 of the model and the optimizer is saved after every epoch with Orbax's
 ``CheckpointManager`` and a rerun resumes from the latest epoch (see
 docs/checkpointing.md).
-
-<<ANSWER_PY0>>
 """
 
 import argparse

@@ -439,4 +439,7 @@ def test_the_answer_names_the_dev_choice_and_needs_the_test_split():
   assert '10 paired seeds' in text and text.count('1.000 [1.000, 1.000]') == 2
   with pytest.raises(ValueError, match='test split'):
     summary.answer(dev, dev)
+  assert summary.dev_answer(dev).startswith(
+      'On the dev split, the decision rule (written before the runs) chose '
+      + summary.RECIPES['muon_centered'])
   assert set(summary.RECIPES) == set(names)

@@ -24,7 +24,6 @@ import json
 import math
 import pathlib
 import sys
-import textwrap
 import time
 from typing import Callable, Optional, Sequence
 
@@ -90,10 +89,6 @@ def _methods(lr_adam: float, lr_cbp: float):
       'Recommended (Muon + Center)': (True, lambda: cbp.recommended(lr_adam)),
   }
 
-
-# What to use, as every page says it (summary.answer of the committed dev
-# and test results; a test holds the two equal).
-RECOMMENDATION = 'TBD'
 
 _EMA = 0.9  # smoothing of the reported training loss
 
@@ -316,7 +311,6 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
     })
   print()
   print('\n'.join(_table(rows)))
-  print('\n' + textwrap.fill(RECOMMENDATION, 79))
   if args.out is not None:
     config = {key: (str(value) if isinstance(value, pathlib.Path) else value)
               for key, value in vars(args).items()}

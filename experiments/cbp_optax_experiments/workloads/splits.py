@@ -120,6 +120,14 @@ CHOSEN_ON: tuple[Choice, ...] = (
            'same run: every centered arm missed the tutorial CNN\'s target '
            '(muon_centered final 0.896-0.938), plain Muon reached it in 225 '
            'steps (the best)'),
+    Choice('the recommended recipe: schedule_free_cbp_robust (cbp_robust\'s '
+           'M3 without momentum, clipped to 3, inside schedule_free; centered, '
+           'a BatchNorm model plain), by decision.recommend', DEV,
+           tuple(SPLITS[DEV]),
+           'ten-seed dev run (13 arms x 10 paired seeds) of the rule committed '
+           'before it: undominated with muon_centered and recommended, and '
+           'the cheaper step; cbp.recommended follows in the next library '
+           'change'),
     Choice('workloads Arm.center_batch_norm_models=False for cbp_robust '
            '(a model with BatchNorm trains plain)', DEV, ('tutorial-cnn',),
            'AdamW centered vs plain, 3 seeds (3.6 vs 0.7 points of '

@@ -31,7 +31,9 @@ RECIPES: dict[str, str] = {
         'centered model'),
     'cbp_robust': 'cbp.cbp_robust on the centered model',
     'schedule_free_cbp_robust': (
-        'schedule-free cbp_robust preconditioning on the centered model'),
+        'cbp_robust\'s preconditioner (M3, no momentum, each coordinate '
+        'clipped to 3) inside optax.contrib.schedule_free, on the centered '
+        'model, a model with BatchNorm left plain'),
 }
 
 
@@ -77,6 +79,35 @@ def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
           f'{decision.fmt(_score(dev, chosen))}, 95% interval, '
           f'{_seed_count(dev, chosen)} paired seeds); on the test split, '
           f'run after the choice, it scores {decision.fmt(_score(test, chosen))}.')
+
+
+def dev_answer(dev: Mapping[str, Any]) -> str:
+  """What the decision rule chose on the dev split, with the other
+  candidates no candidate beat: the answer before the test split reports.
+
+  Args:
+    dev: the dev split's results.json (its stored ``recommendation``, else
+      ``decision.recommend``).
+
+  Returns:
+    One paragraph of plain text.
+  """
+  stored = dev.get('recommendation') or {}
+  chosen = stored.get('arm') or decision.recommend(dev).arm
+  undominated = stored.get('undominated') or decision.recommend(
+      dev).undominated
+  text = (f'On the dev split, the decision rule (written before the runs) '
+          f'chose {RECIPES[chosen]}: steps score '
+          f'{decision.fmt(_score(dev, chosen))}, 95% interval, '
+          f'{_seed_count(dev, chosen)} paired seeds.')
+  others = [a for a in undominated if a != chosen]
+  if others:
+    text += (' No candidate beat it by the rule\'s margin; nor did any beat '
+             'these, whose steps cost more (the tie-break takes the cheaper '
+             'step): ' + '; '.join(
+                 f'{RECIPES[a]}, {decision.fmt(_score(dev, a))}'
+                 for a in others) + '.')
+  return text
 
 
 def centering_verdicts(results: Mapping[str, Any]
