@@ -291,17 +291,22 @@ def nudge(model):
                                  nnx.state(model, nnx.Param)))
 
 
-def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
-  # Decided in Python, not in a host callback (whose exception reached the
-  # caller as the runtime's INTERNAL callback error).
-  x, _ = batch()
-  model, _ = nnx_pair()
+def raises_eagerly(model, x):
+  """CALLS eager training steps under an error filter raise the warning."""
   with warnings.catch_warnings():
     warnings.simplefilter('error', UntransportedWarning)
     with pytest.raises(UntransportedWarning, match='cbp.nnx.transport'):
       for _ in range(CALLS):
         model(x)
         nudge(model)
+
+
+def test_eager_calls_raise_the_warning_itself_under_an_error_filter():
+  # Decided in Python, not in a host callback (whose exception reached the
+  # caller as the runtime's INTERNAL callback error).
+  x, _ = batch()
+  model, _ = nnx_pair()
+  raises_eagerly(model, x)
   _untransported._warned.clear()
   linen_model = cbp.linen.center(LinenNet())
   variables = linen_model.init(jax.random.key(0), x)
@@ -335,12 +340,7 @@ def test_an_error_filter_fails_compiled_loops_with_the_fix_and_keeps_the_once(
 def test_an_eager_error_keeps_the_once():
   x, _ = batch()
   model, _ = nnx_pair()
-  with warnings.catch_warnings():
-    warnings.simplefilter('error', UntransportedWarning)
-    with pytest.raises(UntransportedWarning, match='cbp.nnx.transport'):
-      for _ in range(CALLS):
-        model(x)
-        nudge(model)
+  raises_eagerly(model, x)
   with pytest.warns(UntransportedWarning) as record:
     model(x)
     nnx_user_loop(3 * CALLS, transport=False)

@@ -1,10 +1,9 @@
 """What the docs say, computed from the committed results files.
 
-``answer(dev, test)`` is the recommendation in the words every page gives it
-(the README, the FAQ, ``cbp_optax.recommended``'s docstring, the examples,
-``cbp-optax compare``); ``results_table(test)`` the README's table;
-``score_table(dev, test)`` the workloads page's. A test compares each page
-with these, so a number in the docs is always the results file's.
+``dev_answer(dev)`` is the dev split's choice in the words the README, the
+FAQ and the workloads page give it; ``answer(dev, test)`` adds the test
+split's score; ``results_table`` is the README's table. A test compares each
+page with these, so a number in the docs is always the results file's.
 """
 
 from __future__ import annotations
@@ -92,10 +91,11 @@ def dev_answer(dev: Mapping[str, Any]) -> str:
   Returns:
     One paragraph of plain text.
   """
-  stored = dev.get('recommendation') or {}
-  chosen = stored.get('arm') or decision.recommend(dev).arm
-  undominated = stored.get('undominated') or decision.recommend(
-      dev).undominated
+  stored = dev.get('recommendation')
+  if not stored:
+    found = decision.recommend(dev)
+    stored = {'arm': found.arm, 'undominated': found.undominated}
+  chosen, undominated = stored['arm'], stored['undominated']
   text = (f'On the dev split, the decision rule (written before the runs) '
           f'chose {RECIPES[chosen]}: steps score '
           f'{decision.fmt(_score(dev, chosen))}, 95% interval, '
@@ -174,33 +174,4 @@ def results_table(results: Mapping[str, Any]) -> str:
   for arm, label in CENTERED_ONLY_LABELS.items():
     if arm in scores:
       lines.append(f'| {label} | | {cell(arm)} | | |')
-  return '\n'.join(lines)
-
-
-def _profile(results: Mapping[str, Any], profile: str
-             ) -> tuple[dict[str, float], dict[str, list[float]]]:
-  stored = results['profiles'][profile]
-  return stored['score'], stored.get('score_interval') or {}
-
-
-def score_table(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
-  """The workloads page's table: every arm's steps and wall-clock scores
-  with their 95% intervals on dev and on test, and its normalized final
-  metric on test, in the order of the dev steps score (the split that
-  chooses)."""
-  columns = [(dev, 'steps'), (dev, 'wall_clock'), (test, 'steps'),
-             (test, 'wall_clock')]
-  tables = [_profile(r, p) for r, p in columns]
-  finals = test['profiles']['final_metric']['score']
-  arms = sorted(tables[0][0], key=lambda a: (-tables[0][0][a], a))
-  cell = lambda t, a: (decision.fmt((t[0][a], t[1][a])) if a in t[1]
-                       else f'{t[0][a]:.3f}') if a in t[0] else '—'
-  lines = ['| arm | dev: steps | dev: wall-clock | test: steps | '
-           'test: wall-clock | test: final, normalized |',
-           '|:---|---:|---:|---:|---:|---:|']
-  for arm in arms:
-    name = f'**{arm}**' if arm == RECOMMENDED_ARM else arm
-    lines.append('| ' + ' | '.join(
-        [name] + [cell(t, arm) for t in tables]
-        + [f'{finals[arm]:.3f}' if arm in finals else '—']) + ' |')
   return '\n'.join(lines)
