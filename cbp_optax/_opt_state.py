@@ -330,8 +330,9 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
           f'{path_str(move.path)!r} in {dtype}: every transport would round '
           'it, and the roundings add up over training (the model\'s own '
           '16-bit bias carries a float32 residual, a copy has none). Keep '
-          "the optimizer's parameter copies in float32, e.g. "
-          'optax.contrib.schedule_free_adamw(..., state_dtype=jnp.float32).')
+          "the optimizer's parameter copies in float32: pass "
+          'state_dtype=jnp.float32 to cbp.recommended or to optax.contrib\'s '
+          'schedule_free and schedule_free_adamw.')
     if move.shift is not None and not shared:
       new = move.shift(_value(kernel, kind), _value(bias, kind))
       copy = _replace(copy, move.path + move.bias_key, new, kind)

@@ -1,56 +1,112 @@
-"""The recommended recipe: M2 centering with Muon on the centered model.
+"""The recommended recipe: schedule-free CBP M3 on a centered model.
 
 References:
   Layerwise Conditioned Backpropagation: A Curvature-Aware
   Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.2, eqs. (8)-(10) (the centering this recipe keeps).
+  §4.2, eqs. (8)-(10) (the centering) and §4.4, eqs. (11)-(12) (the
+  preconditioner).
 """
 
+import numbers
 from typing import Any, Callable, Optional, Union
 
+import jax
+import numpy as np
 import optax
 
 from cbp_optax import _checks
+from cbp_optax import _paths
+from cbp_optax import _precondition as precondition_lib
 
-# Muon's update scaled so that its RMS matches AdamW's: AdamW's tuned
-# learning rate then means the same for it.
-CONSISTENT_RMS = 0.2
+# cbp_robust's M3 rules: Adam's epsilon as the damping, the current gradient
+# where the lagged second moment is still zero, and each coordinate of the
+# preconditioned gradient clipped to [-3, 3].
+_B2 = 0.999
+_DAMPING = 1e-8
+_ZERO_MOMENT = 'normalized'
+_CLIP = 3.0
+
+
+def _kernels(params: Any) -> Any:
+  """True for the leaves named ``kernel`` (Flax's dense, convolution and
+  einsum weights), False for biases, norms, embeddings and centering means."""
+  def is_kernel(path, _):
+    names = [n for n in _paths.path_names(path) if n != 'value']
+    return bool(names) and names[-1] == 'kernel'
+  return jax.tree_util.tree_map_with_path(is_kernel, params)
+
+
+def _check_steps(value: Any) -> int:
+  if value is None:
+    return 0
+  if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
+      value, bool):
+    if value < 0:
+      raise ValueError(f'warmup_steps must be >= 0, got {value!r}.')
+    return int(value)
+  message = f'warmup_steps must be an int >= 0 or None, got {value!r}.'
+  if _checks.is_array(value):
+    message += ' ' + _checks.static_args_remedy('cbp.recommended',
+                                                 ('warmup_steps',))
+  raise TypeError(message)
 
 
 def recommended(
     learning_rate: optax.ScalarOrSchedule,
     *,
+    warmup_steps: Optional[int] = None,
+    b1: float = 0.9,
     weight_decay: float = 0.01,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    dimension_numbers: Any = None,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
-  r"""The recommended recipe's optimizer: Muon, for a centered model.
+  r"""The recommended recipe's optimizer: schedule-free CBP M3.
 
   The model side is M2 (eqs. 8-10): ``cbp_optax.nnx.center(model)`` or
-  ``cbp_optax.linen.center(module)`` with the fused steps' transport (a model
-  with BatchNorm is left plain). This builds ``optax.contrib.muon`` with its
-  update RMS matched to AdamW's, so a tuned AdamW learning rate is the place
-  to start, and decoupled weight decay on the kernels. Algorithm 1 itself is
-  :func:`cbp_optax.cbp`; the evidence is in the docs page "Workloads".
+  ``cbp_optax.linen.center(module)`` with the fused steps' transport (a
+  model with BatchNorm is left plain). The optimizer is
+  ``optax.contrib.schedule_free`` (weight averaging in place of a decay
+  schedule, ``weight_lr_power=2``) around :func:`precondition` with
+  :func:`cbp_robust`'s rules and no momentum of its own:
+
+  * the direction :math:`P_t g_t`, :math:`P_t = (\sqrt{\hat v_{t-1}} +
+    \zeta)^{-1}` (eqs. 11-12) with the lagged second moment, ``b2=0.999``,
+    :math:`\zeta = 10^{-8}`, and the current :math:`g_t^2` where the stored
+    moment is still zero (``zero_moment='normalized'``);
+  * each coordinate clipped to :math:`[-3, 3]` (``optax.clip(3.0)``);
+  * decoupled weight decay on the kernels, times the rate;
+  * the rate: a linear warm-up over ``warmup_steps`` to ``learning_rate``,
+    then constant. Schedule-free needs no decay.
+
+  Evaluate at the schedule-free evaluation point:
+  ``cbp_optax.nnx.eval_model(model, optimizer)``,
+  ``cbp_optax.linen.eval_params(params, opt_state)`` or
+  ``optax.contrib.schedule_free_eval_params``. A tuned AdamW learning rate is
+  the place to start; the evidence is in the docs page "Workloads".
 
   Args:
-    learning_rate: a float or an optax schedule (a linear warm-up followed
-      by a cosine decay is the usual choice).
-    weight_decay: decoupled decay of the Muon leaves.
+    learning_rate: the peak rate :math:`\eta \ge 0`, a float or an optax
+      schedule (then it is used as given, with no ``warmup_steps``).
+    warmup_steps: linear warm-up steps from 0 to ``learning_rate``, an int
+      :math:`\ge 0` (a few percent of training is usual); None or 0: none.
+      Under ``optax.inject_hyperparams`` name it in ``static_args``.
+    b1: schedule-free's interpolation :math:`\beta_1` in (0, 1).
+    weight_decay: decoupled weight decay :math:`\ge 0`.
     mask: which leaves ``weight_decay`` applies to (a tree of bools or a
-      function of the parameters), as ``optax.contrib.muon``'s
-      ``weight_decay_mask``; None: every Muon leaf.
-    dimension_numbers: Muon's weight dimension numbers; for a centered model
-      ``cbp_optax.nnx.muon_dimension_numbers(model)`` (or the Linen one).
-      None: optax's default (every 2-D leaf is a matrix).
+      function of the parameters), as ``optax.add_decayed_weights``; None:
+      the leaves named ``kernel`` (Flax's dense, convolution and einsum
+      weights; not biases, norms, embeddings or centering means).
+    state_dtype: the dtype of schedule-free's parameter copy; None: the
+      parameters'. Pass ``jnp.float32`` for a 16-bit model.
 
   Returns:
-    An ``optax.GradientTransformation``.
+    An ``optax.GradientTransformationExtraArgs``.
 
   Raises:
     TypeError: a learning rate that is neither a number nor a schedule, or
-      a weight decay that is not a number.
-    ValueError: a negative learning rate or weight decay.
+      another argument of the wrong type.
+    ValueError: a negative learning rate, weight decay or warm-up, a ``b1``
+      outside (0, 1), or warm-up steps with a schedule.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -60,27 +116,46 @@ def recommended(
     ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
     >>> cbp.nnx.center(model).centered
     ['layers/0', 'layers/2']
-    >>> tx = cbp.recommended(
-    ...     1e-3, dimension_numbers=cbp.nnx.muon_dimension_numbers(model))
-    >>> optimizer = cbp.nnx.Optimizer(model, tx)
+    >>> optimizer = cbp.nnx.Optimizer(
+    ...     model, cbp.recommended(1e-3, warmup_steps=100))
     >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
     >>> bool(step(model, optimizer, jnp.ones((3, 4))).skipped)
     False
+    >>> evaluated = cbp.nnx.eval_model(model, optimizer)
 
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
     Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.2, eqs. (8)-(10).
+    §4.2, eqs. (8)-(10), and §4.4, eqs. (11)-(12).
   """
   factory = 'cbp.recommended'
   _checks.check_nonnegative('learning_rate', learning_rate, schedule_ok=True,
                             factory=factory)
+  warmup_steps = _check_steps(warmup_steps)
+  _checks.check_in_range('b1', b1, 0.0, 1.0, low_inclusive=False,
+                         factory=factory)
   _checks.check_nonnegative('weight_decay', weight_decay, factory=factory)
-  return optax.contrib.muon(
-      learning_rate,
-      weight_decay=weight_decay,
-      weight_decay_mask=mask,
-      adam_weight_decay=0.0,
-      muon_weight_dimension_numbers=dimension_numbers,
-      consistent_rms=CONSISTENT_RMS,
+  mask_error = _checks.mask_error(factory, mask)
+  if mask_error is not None:
+    raise TypeError(mask_error)
+  if callable(learning_rate):
+    if warmup_steps:
+      raise ValueError(
+          f'{factory}: warmup_steps={warmup_steps} with a learning-rate '
+          'schedule; put the warm-up in the schedule, or pass the peak rate '
+          'as a number.')
+    rate = learning_rate
+  elif warmup_steps:
+    rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
+  else:
+    rate = learning_rate
+  base = optax.chain(
+      precondition_lib.precondition(b1=0.0, b2=_B2, damping=_DAMPING,
+                                    zero_moment=_ZERO_MOMENT),
+      optax.clip(_CLIP),
+      optax.add_decayed_weights(weight_decay,
+                                _kernels if mask is None else mask),
+      optax.scale_by_learning_rate(rate),
   )
+  return optax.contrib.schedule_free(base, learning_rate=rate, b1=b1,
+                                     state_dtype=state_dtype)

@@ -47,7 +47,7 @@ PLAIN = ('sgd_momentum',)
 OPTIMIZERS = {
     'cbp': lambda dims: cbp.cbp(1e-2),
     'cbp_robust': lambda dims: cbp.cbp_robust(1e-2),
-    'recommended': lambda dims: cbp.recommended(1e-2, dimension_numbers=dims),
+    'recommended': lambda dims: cbp.recommended(1e-2, warmup_steps=2),
     'adamw': lambda dims: optax.adamw(1e-2),
     'nadamw': lambda dims: optax.nadamw(1e-2),
     'sgd_momentum': lambda dims: optax.sgd(1e-2, momentum=0.9),

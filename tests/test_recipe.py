@@ -1,4 +1,5 @@
-"""The recommended recipe: Muon for a centered model (cbp.recommended)."""
+"""The recommended recipe: schedule-free CBP M3 for a centered model
+(cbp.recommended)."""
 
 import chex
 import jax
@@ -12,44 +13,102 @@ from cbp_optax_experiments.workloads import arms as arms_lib
 
 
 def _tree():
-  keys = jax.random.split(jax.random.key(0), 3)
+  keys = jax.random.split(jax.random.key(0), 4)
   return {'dense': {'kernel': jax.random.normal(keys[0], (6, 4)),
                     'bias': jax.random.normal(keys[1], (4,))},
+          'norm': {'scale': jax.random.normal(keys[3], (4,))},
           'conv': {'kernel': jax.random.normal(keys[2], (3, 3, 2, 4))}}
 
 
-def _run(tx, params, steps=3):
+def _run(tx, params, steps=6):
   state = tx.init(params)
   out = []
   for i in range(steps):
-    grads = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), params)
+    grads = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)) * 10.0 ** i,
+                         params)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     out.append(updates)
-  return out
+  state = getattr(state, 'inner_state', state)  # inject_hyperparams'
+  return out, optax.contrib.schedule_free_eval_params(state, params)
 
 
-def test_recommended_is_muon_with_the_suites_settings():
+def _spelled_out(peak, warmup, weight_decay, mask, b1=0.9):
+  rate = (optax.warmup_constant_schedule(0.0, peak, warmup) if warmup
+          else peak)
+  return optax.contrib.schedule_free(optax.chain(
+      cbp.precondition(b1=0.0, b2=0.999, damping=1e-8,
+                       zero_moment='normalized'),
+      optax.clip(3.0),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(rate)), learning_rate=rate, b1=b1)
+
+
+KERNELS = {'dense': {'kernel': True, 'bias': False},
+           'norm': {'scale': False}, 'conv': {'kernel': True}}
+
+
+@pytest.mark.parametrize('warmup', [0, 3])
+def test_recommended_is_schedule_free_around_robust_m3(warmup):
+  # The default mask decays the kernels only; the gradients grow tenfold a
+  # step, so the clip at 3 is reached (g_t / sqrt(v_{t-1}) >> 3).
   params = _tree()
-  mask = jax.tree.map(lambda x: x.ndim > 1, params)
-  dims = {'dense': {'kernel': optax.contrib.MuonDimensionNumbers(0, 1),
-                    'bias': None},
-          'conv': {'kernel': optax.contrib.MuonDimensionNumbers((0, 1, 2), 3)}}
-  got = _run(cbp.recommended(1e-2, weight_decay=0.05, mask=mask,
-                             dimension_numbers=dims), params)
-  want = _run(optax.contrib.muon(
-      1e-2, weight_decay=0.05, weight_decay_mask=mask, adam_weight_decay=0.0,
-      muon_weight_dimension_numbers=dims, consistent_rms=0.2), params)
+  got = _run(cbp.recommended(1e-2, warmup_steps=warmup, weight_decay=0.05),
+             params)
+  want = _run(_spelled_out(1e-2, warmup, 0.05, KERNELS), params)
   chex.assert_trees_all_equal(got, want)
+  unclipped = _run(optax.contrib.schedule_free(optax.chain(
+      cbp.precondition(b1=0.0, b2=0.999, damping=1e-8,
+                       zero_moment='normalized'),
+      optax.add_decayed_weights(0.05, KERNELS),
+      optax.scale_by_learning_rate(1e-2)), learning_rate=1e-2), params)
+  if not warmup:  # the clip acted: without it the steps differ
+    assert not jnp.allclose(got[0][3]['dense']['bias'],
+                            unclipped[0][3]['dense']['bias'])
+
+
+def test_recommended_takes_a_mask_b1_and_a_schedule():
+  params = _tree()
+  mask = jax.tree.map(lambda x: x.ndim == 1, params)
+  schedule = optax.linear_schedule(1e-2, 1e-3, 5)
+  got = _run(cbp.recommended(schedule, b1=0.7, mask=mask), params)
+  want = _run(_spelled_out(schedule, 0, 0.01, mask, b1=0.7), params)
+  chex.assert_trees_all_equal(got, want)
+
+
+def test_recommended_under_inject_hyperparams_is_the_plain_call():
+  params = _tree()
+  injected = optax.inject_hyperparams(cbp.recommended,
+                                      static_args=('warmup_steps',))
+  got = _run(injected(learning_rate=1e-2, warmup_steps=2), params)[0]
+  # The injected rate is a float32 array, the plain one a Python float: the
+  # steps agree to float32 rounding (as optax's schedule_free_adamw's do).
+  chex.assert_trees_all_close(
+      got, _run(cbp.recommended(1e-2, warmup_steps=2), params)[0],
+      rtol=1e-4, atol=1e-6)
+  with pytest.raises(TypeError, match="static_args=\\('warmup_steps',\\)"):
+    optax.inject_hyperparams(cbp.recommended)(
+        learning_rate=1e-2, warmup_steps=2).init(params)
 
 
 @pytest.mark.parametrize('kwargs, error, match', [
     (dict(learning_rate=-1e-3), ValueError, 'learning_rate'),
     (dict(learning_rate='1e-3'), TypeError, 'learning_rate'),
+    (dict(learning_rate=float('nan')), ValueError, 'learning_rate'),
     (dict(learning_rate=1e-3, weight_decay=-0.1), ValueError, 'weight_decay'),
     (dict(learning_rate=1e-3, weight_decay=True), TypeError, 'weight_decay'),
     (dict(learning_rate=1e-3, weight_decay=optax.constant_schedule(0.1)),
      TypeError, 'weight_decay'),
+    (dict(learning_rate=1e-3, warmup_steps=-1), ValueError, 'warmup_steps'),
+    (dict(learning_rate=1e-3, warmup_steps=2.5), TypeError, 'warmup_steps'),
+    (dict(learning_rate=1e-3, warmup_steps=True), TypeError, 'warmup_steps'),
+    (dict(learning_rate=optax.constant_schedule(1e-3), warmup_steps=10),
+     ValueError, 'put the warm-up in the schedule'),
+    (dict(learning_rate=1e-3, b1=0.0), ValueError, 'b1'),
+    (dict(learning_rate=1e-3, b1=1.0), ValueError, 'b1'),
+    (dict(learning_rate=1e-3, b1=optax.constant_schedule(0.9)), TypeError,
+     'b1'),
+    (dict(learning_rate=1e-3, mask=True), TypeError, 'mask'),
 ])
 def test_recommended_refuses_bad_arguments_at_construction(kwargs, error,
                                                            match):
@@ -67,28 +126,55 @@ class _ConvNet(nnx.Module):
     return self.head(nnx.relu(self.conv(x)).reshape(x.shape[0], -1))
 
 
-def test_recommended_trains_a_centered_conv_model_through_the_fused_step():
+def test_recommended_trains_a_centered_conv_model_and_evaluates_at_x():
   model = _ConvNet(nnx.Rngs(0))
   cbp.nnx.center(model)
-  tx = cbp.recommended(3e-2,
-                       dimension_numbers=cbp.nnx.muon_dimension_numbers(model))
-  optimizer = cbp.nnx.Optimizer(model, tx)
-  step = cbp.nnx.train_step(
-      lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(
-          m(x), y).mean())
+  optimizer = cbp.nnx.Optimizer(model, cbp.recommended(3e-2, warmup_steps=3))
+
+  def loss_fn(m, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+  step = cbp.nnx.train_step(loss_fn)
   x = jax.random.normal(jax.random.key(1), (16, 6, 6, 1))
   y = jnp.arange(16) % 3
-  losses = [float(step(model, optimizer, x, y).loss) for _ in range(30)]
-  assert losses[-1] < 0.5 * losses[0], losses
+  first = float(loss_fn(cbp.nnx.eval_model(model, optimizer), x, y))
+  for _ in range(30):
+    step(model, optimizer, x, y)
+  # Scored at schedule-free's evaluation point x, not at the model's y.
+  evaluated = cbp.nnx.eval_model(model, optimizer)
+  assert float(loss_fn(evaluated, x, y)) < 0.5 * first
+  assert not jnp.array_equal(evaluated.head.layer.kernel[...],
+                             model.head.layer.kernel[...])
   # The centering means moved: the recipe's model side ran.
   assert float(jnp.abs(model.conv.mean[...]).max()) > 0
 
 
-def test_the_recommended_arm_is_muon_centered_but_for_batch_norm_models():
+def test_recommended_keeps_16_bit_models_copy_in_float32_on_request():
+  model = nnx.Sequential(
+      nnx.Linear(4, 8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+      nnx.relu, nnx.Linear(8, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1)))
+  cbp.nnx.center(model)
+  with pytest.raises(ValueError, match='state_dtype=jnp.float32'):
+    cbp.nnx.Optimizer(model, cbp.recommended(1e-3))
+  optimizer = cbp.nnx.Optimizer(
+      model, cbp.recommended(1e-3, state_dtype=jnp.float32))
+  step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+  assert not bool(step(model, optimizer, jnp.ones((3, 4))).skipped)
+
+
+def test_the_recipe_arm_is_cbp_recommended_with_the_suites_warmup():
+  arm = arms_lib.builtin_arms()[arms_lib.RECOMMENDED]
+  ctx = arms_lib.Context(steps=40)
+  params = _tree()
+  chex.assert_trees_all_equal(
+      _run(arm.make(1e-2, ctx), params),
+      _run(cbp.recommended(1e-2, warmup_steps=ctx.warmup), params))
+
+
+def test_the_muon_candidate_is_muon_centered_but_for_batch_norm_models():
   builtin = arms_lib.builtin_arms()
-  recommended, muon = builtin['recommended'], builtin['muon_centered']
-  assert recommended.centered and not recommended.center_batch_norm_models
-  ctx = arms_lib.Context(steps=20, muon_dims=None)
-  params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros(2)}
-  chex.assert_trees_all_equal(_run(recommended.make(1e-2, ctx), params),
-                              _run(muon.make(1e-2, ctx), params))
+  candidate = builtin['muon_centered_batchnorm_plain']
+  muon = builtin['muon_centered']
+  assert candidate.centered and not candidate.center_batch_norm_models
+  assert muon.center_batch_norm_models
+  assert candidate.make is muon.make

@@ -225,7 +225,7 @@ def test_user_arm_spec_errors():
 
 
 @pytest.mark.parametrize('workload_name,arm_name', [
-    ('spiral', 'adamw'), ('breast-cancer-raw', 'recommended')])
+    ('spiral', 'adamw'), ('breast-cancer-raw', 'schedule_free_cbp_robust')])
 def test_vmapped_seeds_and_rates_equal_the_looped_runs(workload_name,
                                                        arm_name):
   workload = definitions.workload(workload_name, quick=True)

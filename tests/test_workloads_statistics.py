@@ -131,7 +131,7 @@ def _three_arms(n=10):
   return _results({f'w{i}': {
       'fast': _arm([100] * n), 'slow': _arm([200] * n),
       'fast_centered': _arm([100] * n),
-      'recommended': _arm([100 + 5 * (s % 2) for s in range(n)])}
+      stats.RECIPE: _arm([100 + 5 * (s % 2) for s in range(n)])}
       for i in range(3)})
 
 
@@ -155,10 +155,10 @@ def test_comparisons_known_answers():
 
 
 def test_the_default_family_is_centered_vs_plain_and_the_recipe_vs_all():
-  pairs = stats.comparison_pairs(['fast', 'slow', 'fast_centered',
-                                  'recommended'])
-  assert pairs == [('fast_centered', 'fast'), ('recommended', 'fast'),
-                   ('recommended', 'slow'), ('recommended', 'fast_centered')]
+  recipe = stats.RECIPE
+  pairs = stats.comparison_pairs(['fast', 'slow', 'fast_centered', recipe])
+  assert pairs == [('fast_centered', 'fast'), (recipe, 'fast'),
+                   (recipe, 'slow'), (recipe, 'fast_centered')]
   assert stats.comparison_pairs(['a', 'b_centered']) == []
 
 
@@ -202,7 +202,7 @@ def test_stability_reports_disjoint_intervals_and_flips():
   assert not report['stable'] and not report['intervals_overlap']
   assert any('fast on w0' in line for line in report['disjoint'])
   # The recipe, 0-5% slower than fast, becomes 4x faster than it.
-  assert any(line.startswith('recommended vs fast:')
+  assert any(line.startswith(f'{stats.RECIPE} vs fast:')
              for line in report['flips'])
 
 
@@ -240,7 +240,8 @@ def test_candidates_are_built_in_arms_with_costs_and_hyperparameters():
   names = [c.arm for c in decision.CANDIDATES]
   for peer in ('schedule_free_adamw', 'muon', 'nadamw', 'adamw'):
     assert f'{peer}_centered' in names
-  assert {'cbp_robust', 'recommended'} <= set(names)
+  assert {'cbp_robust', 'muon_centered_batchnorm_plain',
+          arms_lib.RECOMMENDED} <= set(names)
   for c in decision.CANDIDATES:
     assert c.arm in builtin and builtin[c.arm].centered
     assert c.cost_class in (decision.ELEMENTWISE, decision.MATRIX)
@@ -348,7 +349,7 @@ def test_workloads_compare_runs_of_the_same_results_is_stable(tmp_path,
   out = capsys.readouterr().out
   per_arm = _section(out, 'Intervals')
   assert sorted(line.split()[0] for line in per_arm) == sorted(
-      ['fast', 'slow', 'fast_centered', 'recommended'])
+      ['fast', 'slow', 'fast_centered', stats.RECIPE])
   assert all(line.split()[1] == 'overlap' for line in per_arm)
   assert _section(out, 'Paired verdicts') == ['none']
   assert 'Stable: yes' in out
@@ -371,7 +372,7 @@ def test_workloads_compare_runs_lists_disjoint_arms_and_flips(tmp_path,
   assert 'steps to target of fast on w0' in out
   # The recipe, 0-5% slower than fast in A, is 4x faster than it in B.
   assert _section(out, 'Paired verdicts') == [
-      f'recommended vs fast: {stats.WORSE} -> {stats.BETTER}']
+      f'{stats.RECIPE} vs fast: {stats.WORSE} -> {stats.BETTER}']
   assert 'Stable: no' in out
 
 

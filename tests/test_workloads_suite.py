@@ -180,7 +180,7 @@ def test_arm_names_are_stable_and_ordered():
               'schedule_free_adamw', 'cbp',
               'cbp_robust'} | {f'{p}_centered' for p in arms_lib.PEERS}
   assert set(names) == expected | {
-      a.name for a in arms_lib.RECOMMENDED + arms_lib.CANDIDATES}
+      a.name for a in arms_lib.CANDIDATES}
   arms = arms_lib.builtin_arms()
   for peer in arms_lib.PEERS:
     plain, centered = arms[peer], arms[f'{peer}_centered']

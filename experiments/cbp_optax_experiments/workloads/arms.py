@@ -207,7 +207,7 @@ def _centered(arm: Arm) -> Arm:
 def builtin_arms() -> dict[str, Arm]:
   """The built-in arms, in run order (the baselines first): the peers, SGD
   with Nesterov momentum, each peer on the centered model, the CBP arms
-  (``cbp_robust`` only where the library has it), then ``RECOMMENDED``."""
+  (``cbp_robust`` only where the library has it), then ``CANDIDATES``."""
   peers = _peer_arms()
   arms = [
       *peers,
@@ -225,7 +225,6 @@ def builtin_arms() -> dict[str, Arm]:
                     centered=True, center_batch_norm_models=False,
                     description='cbp.cbp_robust on the centered model (the '
                     'plain one where the model has BatchNorm)'))
-  arms.extend(RECOMMENDED)
   arms.extend(CANDIDATES)
   order = {name: i for i, name in enumerate(BASELINES)}
   arms.sort(key=lambda arm: order.get(arm.name, len(order)))
@@ -233,60 +232,40 @@ def builtin_arms() -> dict[str, Arm]:
 
 
 def _recommended(lr, ctx):
-  return cbp.recommended(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
-                         mask=decay_mask, dimension_numbers=ctx.muon_dims)
+  """The library's recipe, ``cbp.recommended``: ``optax.contrib.schedule_free``
+  (``b1=0.9``, optax's ``weight_lr_power=2``) around cbp_robust's M3 without
+  momentum (``g / (sqrt(v_{t-1}) + 1e-8)``, the zero moment of step 1
+  replaced by the current gradient's), each coordinate clipped to [-3, 3],
+  the kernel-only decay, and the warm-up then a constant rate, as
+  ``_schedule_free_adamw`` builds schedule-free AdamW."""
+  return cbp.recommended(lr, warmup_steps=ctx.warmup,
+                         weight_decay=WEIGHT_DECAY, mask=decay_mask)
 
 
-# The library's recommended recipe (cbp.recommended on the centered model, a
-# BatchNorm model left plain), chosen on the dev split only: splits.CHOSEN_ON.
-RECOMMENDED: tuple[Arm, ...] = (
-    Arm('recommended', _recommended, centered=True,
-        center_batch_norm_models=False,
-        description='cbp.recommended (Muon, consistent_rms=0.2) on the '
-        'centered model (the plain one where the model has BatchNorm)'),
-)
-
-
-# cbp_robust's M3 rules (cbp.cbp_robust's defaults, chosen on dev:
-# splits.CHOSEN_ON), for the candidate built on M3.
-_ROBUST_M3 = dict(b2=0.999, damping=1e-8, zero_moment='normalized')
-_ROBUST_CLIP = 3.0
-
-
-def _schedule_free_cbp_robust(lr, ctx):
-  """Schedule-free CBP M3: ``optax.contrib.schedule_free`` around cbp_robust's
-  preconditioner without momentum, built as ``schedule_free_adamw`` builds its
-  base (``_schedule_free_adamw`` here): the M3 direction
-  ``g / (sqrt(v_{t-1}) + 1e-8)`` (lagged second moment, the zero moment of
-  step 1 replaced by the current gradient's: ``zero_moment='normalized'``),
-  each coordinate clipped to [-3, 3] as in cbp_robust, in place of
-  ``scale_by_rms``, the same kernel-only decay, warm-up then constant rate,
-  ``b1=0.9`` and optax's ``weight_lr_power=2``."""
-  rate = optax.warmup_constant_schedule(0.0, lr, ctx.warmup)
-  base = optax.chain(
-      cbp.precondition(b1=0.0, **_ROBUST_M3),
-      optax.clip(_ROBUST_CLIP),
-      optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
-      optax.scale_by_learning_rate(rate))
-  return optax.contrib.schedule_free(base, learning_rate=rate, b1=0.9)
-
-
-# Candidates for the recipe beyond the peers: a schedule-free CBP M3. It
-# follows the recipe's model rule: centered, a BatchNorm model plain. The M1
-# variants that moved the equalizing scales after a normalizing optimizer
-# (after cbp_robust's M3, after the recipe's Muon) were dropped: on both dev
-# runs the one after the recipe scored below the recipe itself (0.565 vs
-# 0.824, 0.608 vs 0.711), the one after M3 sat below the recipe by more than
-# 0.25 both times and on either side of cbp_robust, which holds M1 at one.
+# Candidates for the recipe beyond the peers, each following the recipe's
+# model rule (centered, a BatchNorm model plain): the library's recipe,
+# cbp.recommended, and Muon, chosen on the dev split only (splits.CHOSEN_ON).
+# The M1 variants that moved the equalizing scales after a normalizing
+# optimizer (after cbp_robust's M3, after Muon) were dropped: on both
+# three-seed dev runs the one after Muon scored below Muon itself, the one
+# after M3 more than 0.25 below Muon and on either side of cbp_robust, which
+# holds M1 at one.
 CANDIDATES: tuple[Arm, ...] = (
-    Arm('schedule_free_cbp_robust', _schedule_free_cbp_robust, centered=True,
+    Arm('muon_centered_batchnorm_plain', _muon, centered=True,
+        center_batch_norm_models=False,
+        description='optax.contrib.muon (consistent_rms=0.2, no decay on '
+        'its AdamW leaves) on the centered model (the plain one where the '
+        'model has BatchNorm)'),
+    Arm('schedule_free_cbp_robust', _recommended, centered=True,
         center_batch_norm_models=False,
         eval_params=optax.contrib.schedule_free_eval_params,
-        description='optax.contrib.schedule_free (b1 0.9) around '
-        'cbp.precondition with cbp_robust\'s damping and zero-moment rule '
-        'and no momentum, on the centered model (plain with BatchNorm), scored at its evaluation '
-        'parameters'),
+        description='cbp.recommended: optax.contrib.schedule_free (b1 0.9) '
+        'around cbp.precondition with cbp_robust\'s damping, zero-moment '
+        'rule and clip and no momentum, on the centered model (plain with '
+        'BatchNorm), scored at its evaluation parameters'),
 )
+# The arm that cbp.recommended builds.
+RECOMMENDED = 'schedule_free_cbp_robust'
 
 
 def _code_bytes(code: types.CodeType) -> bytes:

@@ -86,7 +86,7 @@ DEFAULT_SEEDS = 10
 # reference AdamW (a baseline: it sets the targets), its centered twin (a
 # centered-vs-plain pair) and the recommended recipe, on three seeds.
 QUICK_WORKLOADS = ('spiral', 'breast-cancer-raw')
-QUICK_ARMS = ('adamw', 'adamw_centered', 'recommended')
+QUICK_ARMS = ('adamw', 'adamw_centered', 'schedule_free_cbp_robust')
 QUICK_SEEDS = 3
 FULL_RUN_HINT = ('the full suite: cbp-optax workloads --split dev (then '
                  '--split test), {seeds} paired seeds, every arm; see '

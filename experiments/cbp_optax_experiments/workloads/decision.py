@@ -85,7 +85,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate('muon_centered', MATRIX, _MUON),
     # Muon on the centered model, a model with BatchNorm left plain (the
     # BatchNorm rule: no constant of its own).
-    Candidate('recommended', MATRIX, _MUON),
+    Candidate('muon_centered_batchnorm_plain', MATRIX, _MUON),
 )
 
 

@@ -521,7 +521,7 @@ def verdict(name: str, entry: dict[str, Any]) -> str:
   parts = [f'**Verdict ({name}):** ' + _winner(steps, 'steps') + '; '
            + _winner(wall, 'wall-clock (AdamW steps)')]
   best = _best(steps)
-  for cbp_arm in ('cbp', 'cbp_robust', 'recommended'):
+  for cbp_arm in ('cbp', 'cbp_robust', 'schedule_free_cbp_robust'):
     if cbp_arm in steps and math.isfinite(best):
       t = steps[cbp_arm]
       parts.append(f'; {cbp_arm}: ' + (f'{t / best:.2f}x the best in steps'

@@ -108,8 +108,8 @@ CHOSEN_ON: tuple[Choice, ...] = (
     Choice('cbp_optax.cbp_robust min_scale=max_scale=1.0 (M1 held at one)',
            DEV, ('transformer', 'init-scale-4'),
            'transformer ablation and init-scale grid; commit 22a60c6'),
-    Choice('cbp_optax.recommended = Muon (consistent_rms=0.2) on the '
-           'centered model: the recommended recipe', DEV,
+    Choice('the former recipe: Muon (consistent_rms=0.2) on the centered '
+           'model (the suite arm muon_centered_batchnorm_plain)', DEV,
            tuple(SPLITS[DEV]),
            'full dev run of 2026-12-02 (14 arms x 3 seeds, AlgoPerf targets): '
            'muon_centered had the highest headline score (steps 0.728; muon '
@@ -120,14 +120,13 @@ CHOSEN_ON: tuple[Choice, ...] = (
            'same run: every centered arm missed the tutorial CNN\'s target '
            '(muon_centered final 0.896-0.938), plain Muon reached it in 225 '
            'steps (the best)'),
-    Choice('the recommended recipe: schedule_free_cbp_robust (cbp_robust\'s '
+    Choice('cbp_optax.recommended = schedule_free_cbp_robust (cbp_robust\'s '
            'M3 without momentum, clipped to 3, inside schedule_free; centered, '
            'a BatchNorm model plain), by decision.recommend', DEV,
            tuple(SPLITS[DEV]),
            'ten-seed dev run (13 arms x 10 paired seeds) of the rule committed '
-           'before it: undominated with muon_centered and recommended, and '
-           'the cheaper step; cbp.recommended follows in the next library '
-           'change'),
+           'before it: undominated with muon_centered and '
+           'muon_centered_batchnorm_plain, and the cheaper step'),
     Choice('workloads Arm.center_batch_norm_models=False for cbp_robust '
            '(a model with BatchNorm trains plain)', DEV, ('tutorial-cnn',),
            'AdamW centered vs plain, 3 seeds (3.6 vs 0.7 points of '

@@ -16,12 +16,13 @@ from cbp_optax_experiments.workloads import statistics
 
 
 # The arm whose recipe ``cbp_optax.recommended`` builds.
-RECOMMENDED_ARM = 'recommended'
+RECOMMENDED_ARM = 'schedule_free_cbp_robust'
 
 # Each candidate in a user's words: what to build and what to center.
 RECIPES: dict[str, str] = {
-    'recommended': ('Muon on the centered model, a model with BatchNorm '
-                    'left plain: cbp.recommended'),
+    'muon_centered_batchnorm_plain': (
+        'Muon (optax.contrib.muon) on the centered model, a model with '
+        'BatchNorm left plain'),
     'muon_centered': 'Muon (optax.contrib.muon) on the centered model',
     'adamw_centered': 'AdamW (optax.adamw) on the centered model',
     'nadamw_centered': 'NAdamW (optax.nadamw) on the centered model',
@@ -30,9 +31,9 @@ RECIPES: dict[str, str] = {
         'centered model'),
     'cbp_robust': 'cbp.cbp_robust on the centered model',
     'schedule_free_cbp_robust': (
-        'cbp_robust\'s preconditioner (M3, no momentum, each coordinate '
-        'clipped to 3) inside optax.contrib.schedule_free, on the centered '
-        'model, a model with BatchNorm left plain'),
+        'cbp.recommended (cbp_robust\'s preconditioner, M3 without momentum '
+        'and each coordinate clipped to 3, inside optax.contrib.schedule_free) '
+        'on the centered model, a model with BatchNorm left plain'),
 }
 
 
@@ -143,8 +144,9 @@ PEER_LABELS: dict[str, str] = {
     'schedule_free_adamw': 'schedule-free AdamW', 'muon': 'Muon',
     'nadamw': 'NAdamW', 'adamw': 'AdamW'}
 CENTERED_ONLY_LABELS: dict[str, str] = {
-    'recommended': '`cbp.recommended`', 'cbp_robust': '`cbp.cbp_robust`',
-    'schedule_free_cbp_robust': 'schedule-free `cbp_robust` M3',
+    'schedule_free_cbp_robust': '`cbp.recommended`',
+    'muon_centered_batchnorm_plain': 'Muon, BatchNorm models plain',
+    'cbp_robust': '`cbp.cbp_robust`',
     'cbp': '`cbp.cbp`'}
 
 
