@@ -3,10 +3,11 @@
   python examples/center_linen.py [--data-dir DIR] [--steps 250]
   python examples/center_linen.py --optimizer cbp   # centered, Algorithm 1
 
-The default is the recommended recipe: ``cbp_optax.recommended`` (Muon, its
-dimension numbers from ``cbp_optax.linen.muon_dimension_numbers``) on a model
-that, having BatchNorm, the recipe leaves plain (``--center`` centers it
-anyway). Every other ``--optimizer`` centers the model unless
+The default is the recommended recipe: ``cbp_optax.recommended``
+(schedule-free CBP M3, warmed up over the first 10% of the steps, evaluated
+at schedule-free's evaluation point, ``cbp_optax.linen.eval_params``) on a
+model that, having BatchNorm, the recipe leaves plain (``--center`` centers
+it anyway). Every other ``--optimizer`` centers the model unless
 ``--no-center``; ``cbp`` is Algorithm 1 (full CBP).
 
 The model is a plain Linen CNN (conv -> BatchNorm -> relu, dropout) written
@@ -66,9 +67,10 @@ def main():
   parser.add_argument('--optimizer',
                       choices=('recommended', 'cbp', 'adam', 'adamw'),
                       default='recommended', help='recommended: '
-                      'cbp.recommended (Muon; the recipe leaves this BatchNorm '
-                      'model plain, --center centers it); cbp: Algorithm 1 '
-                      '(full CBP); adam: Adam + Center; adamw: AdamW')
+                      'cbp.recommended (schedule-free CBP M3; the recipe leaves '
+                      'this BatchNorm model plain, --center centers it); cbp: '
+                      'Algorithm 1 (full CBP); adam: Adam + Center; adamw: '
+                      'AdamW')
   centering = parser.add_mutually_exclusive_group()
   centering.add_argument('--no-center', action='store_true',
                          help='leave the model as it is')
@@ -96,8 +98,7 @@ def main():
     print(f'centered: {", ".join(centered)}')
   tx = {
       'recommended': lambda: cbp.recommended(
-          args.learning_rate, dimension_numbers=cbp.linen.muon_dimension_numbers(
-              model, key, images[:2], train=False)),
+          args.learning_rate, warmup_steps=max(1, args.steps // 10)),
       'cbp': lambda: cbp.cbp(args.learning_rate),
       'adam': lambda: optax.adam(args.learning_rate),
       'adamw': lambda: optax.adamw(args.learning_rate),
@@ -110,7 +111,9 @@ def main():
 
   @jax.jit
   def predict(state, images):
-    variables = {'params': state.params, 'centering': state.centering,
+    # At schedule-free's evaluation point where the optimizer has one.
+    params = cbp.linen.eval_params(state.params, state.opt_state)
+    variables = {'params': params, 'centering': state.centering,
                  **state.model_state}
     return jnp.argmax(model.apply(variables, images, train=False), -1)
 

@@ -3,10 +3,11 @@
   python examples/center_nnx.py [--data-dir DIR] [--steps 250]
   python examples/center_nnx.py --optimizer cbp   # centered, Algorithm 1
 
-The default is the recommended recipe: ``cbp_optax.recommended`` (Muon, its
-dimension numbers from ``cbp_optax.nnx.muon_dimension_numbers(model)``) on a
-model that, having BatchNorm, the recipe leaves plain (``--center`` centers
-it anyway). Every other ``--optimizer`` centers the model unless
+The default is the recommended recipe: ``cbp_optax.recommended``
+(schedule-free CBP M3, warmed up over the first 10% of the steps, evaluated
+at schedule-free's evaluation point, ``cbp_optax.nnx.eval_model``) on a model
+that, having BatchNorm, the recipe leaves plain (``--center`` centers it
+anyway). Every other ``--optimizer`` centers the model unless
 ``--no-center``; ``cbp`` is Algorithm 1 (full CBP).
 
 The model is the Flax NNX MNIST tutorial's CNN (conv -> BatchNorm -> relu,
@@ -14,7 +15,9 @@ dropout), written without any knowledge of CBP. ``cbp_optax.nnx.center``
 wraps its convolutions and linear layers in place; the fused
 ``cbp_optax.nnx.train_step`` takes the tutorial's ``nnx.Rngs`` for dropout and
 updates BatchNorm's statistics as a plain ``nnx.jit`` step would. Evaluation
-uses BatchNorm's running averages (``model.eval()``).
+uses BatchNorm's running averages, on ``cbp_optax.nnx.eval_model(model,
+optimizer)`` (the model itself in eval mode unless the optimizer is
+schedule-free).
 """
 
 import argparse
@@ -78,8 +81,9 @@ def main():
                       choices=('recommended', 'cbp', 'cbp_robust', 'adam',
                                'adamw'),
                       default='recommended', help='recommended: '
-                      'cbp.recommended (Muon; the recipe leaves this BatchNorm '
-                      'model plain, --center centers it); cbp: Algorithm 1 '
+                      'cbp.recommended (schedule-free CBP M3; the recipe leaves '
+                      'this BatchNorm model plain, --center centers it); cbp: '
+                      'Algorithm 1 '
                       '(full CBP); cbp_robust; adam: Adam + Center; adamw: '
                       'the tutorial\'s AdamW')
   centering = parser.add_mutually_exclusive_group()
@@ -119,8 +123,7 @@ def main():
       print(f'left as is: {path} ({reason.split(":")[0]})')
   tx = {
       'recommended': lambda: cbp.recommended(
-          args.learning_rate,
-          dimension_numbers=cbp.nnx.muon_dimension_numbers(model)),
+          args.learning_rate, warmup_steps=max(1, args.steps // 10)),
       'cbp': lambda: cbp.cbp(args.learning_rate),
       'cbp_robust': lambda: cbp.cbp_robust(args.learning_rate),
       'adam': lambda: optax.adam(args.learning_rate),
@@ -141,11 +144,13 @@ def main():
     losses.append(float(out.loss))
     if i % 10 == 0:
       bar.set_postfix(loss=f'{np.mean(losses[-10:]):.4f}')
-  model.eval()
-  accuracy = np.mean(np.asarray(predict(model, test_images)) == data.test_labels)
-  for norm in (model.batch_norm1, model.batch_norm2):
+  # A copy in eval mode, at schedule-free's evaluation point if any.
+  evaluated = cbp.nnx.eval_model(model, optimizer)
+  accuracy = np.mean(np.asarray(predict(evaluated, test_images))
+                     == data.test_labels)
+  for norm in (evaluated.batch_norm1, evaluated.batch_norm2):
     norm.use_running_average = False
-  batch_accuracy = np.mean(np.asarray(predict(model, test_images))
+  batch_accuracy = np.mean(np.asarray(predict(evaluated, test_images))
                            == data.test_labels)
   print(f'{args.optimizer}{" (centered)" if center else " (plain)"}: mean '
         f'train loss of the last 50 steps {np.mean(losses[-50:]):.4f}, test '
@@ -157,9 +162,9 @@ def main():
     starts = [(i % per_epoch) * args.batch_size
               for i in range(args.steps, args.steps + args.recalibrate)]
     recalibrate.nnx_batch_stats(
-        model, (images[order[s:s + args.batch_size]] for s in starts))
-    model.eval()
-    recalibrated = np.mean(np.asarray(predict(model, test_images))
+        evaluated, (images[order[s:s + args.batch_size]] for s in starts))
+    evaluated.eval()
+    recalibrated = np.mean(np.asarray(predict(evaluated, test_images))
                            == data.test_labels)
     print(f'recalibrated over {args.recalibrate} training batches: test '
           f'accuracy {recalibrated:.4f} (BatchNorm running averages)')

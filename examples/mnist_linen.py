@@ -5,11 +5,24 @@
 
 Every Dense layer is wrapped in ``cbp_optax.linen.Centered`` (M2), whose means
 live in the ``'centering'`` collection; the optimizer is the recommended
-recipe's, ``cbp_optax.recommended`` (Muon, its dimension numbers from
-``cbp_optax.linen.muon_dimension_numbers``), or with ``--optimizer cbp``
+recipe's, ``cbp_optax.recommended`` (schedule-free CBP M3, warmed up over the
+first 10% of the steps and evaluated at schedule-free's evaluation point,
+``cbp_optax.linen.eval_params``), or with ``--optimizer cbp``
 Algorithm 1's ``cbp_optax.cbp`` (M1 + M3); ``cbp_optax.linen.train_step``
 fuses the whole iteration into one ``jax.jit`` step, including the pure
 ``cbp_optax.linen.transport``.
+
+Which optimizer, the workload suite's answer (README): Use cbp.recommended
+(cbp_robust's preconditioner, M3 without momentum and each coordinate clipped
+to 3, inside optax.contrib.schedule_free) on the centered model, a model with
+BatchNorm left plain. The decision rule, written before the runs, chose it on
+the dev split: steps score 0.579 [0.360, 0.697] (95% interval, 10 paired
+seeds). On the test split, run after the choice, it scores 0.478 [0.361,
+0.562]; there, paired over seeds and workloads, it is significantly slower
+than Muon (0.729 [0.537, 0.783], median paired speedup 0.82x), Muon centered
+(0.515 [0.485, 0.720], median paired speedup 0.72x) and Muon centered
+(BatchNorm models plain) (0.515 [0.485, 0.720], median paired speedup 0.72x),
+and than no other arm.
 """
 
 import argparse
@@ -61,7 +74,8 @@ def main():
                       help='learning rate')
   parser.add_argument('--optimizer', choices=('recommended', 'cbp'),
                       default='recommended', help='recommended: '
-                      'cbp.recommended (Muon on the centered model); cbp: '
+                      'cbp.recommended (schedule-free CBP M3 on the centered '
+                      'model); cbp: '
                       'Algorithm 1 (full CBP, M1 + M2 + M3)')
   parser.add_argument('--seed', type=int, default=0,
                       help='seed of the initialization and the batches')
@@ -75,9 +89,8 @@ def main():
   model = MLP()
   variables = model.init(jax.random.key(args.seed), data.train_images[:1])
   if args.optimizer == 'recommended':
-    tx = cbp.recommended(
-        args.learning_rate, dimension_numbers=cbp.linen.muon_dimension_numbers(
-            model, jax.random.key(args.seed), data.train_images[:1]))
+    steps = args.epochs * (len(data.train_labels) // args.batch_size)
+    tx = cbp.recommended(args.learning_rate, warmup_steps=max(1, steps // 10))
   else:
     tx = cbp.cbp(args.learning_rate)
   state = cbp.linen.TrainState.create(
@@ -86,7 +99,9 @@ def main():
   step = cbp.linen.train_step(loss_fn)
 
   @jax.jit
-  def predict(params, centering, images):
+  def predict(params, opt_state, centering, images):
+    # At schedule-free's evaluation point where the optimizer has one.
+    params = cbp.linen.eval_params(params, opt_state)
     logits = model.apply({'params': params, 'centering': centering}, images,
                          train=False)
     return jnp.argmax(logits, -1)
@@ -102,8 +117,8 @@ def main():
       if i % 10 == 0:
         bar.set_postfix(loss=f'{float(out.loss):.4f}',
                         skipped=bool(out.skipped))
-    accuracy = np.mean(np.asarray(predict(state.params, state.centering,
-                                          data.test_images))
+    accuracy = np.mean(np.asarray(predict(state.params, state.opt_state,
+                                          state.centering, data.test_images))
                        == data.test_labels)
     print(f'epoch {epoch + 1}: train loss {float(out.loss):.4f}, '
           f'test accuracy {accuracy:.4f}')

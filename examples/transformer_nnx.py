@@ -11,11 +11,9 @@ four lines:
 * ``cbp.nnx.center(model)`` centers every linear layer in place: the q/k/v/out
   projections and the MLP of every block of the stack (one mean per block),
   and the head; embeddings and LayerNorms are left as they are;
-* ``cbp.recommended(..., dimension_numbers=cbp.nnx.muon_dimension_numbers(
-  model))`` is the recommended recipe's optimizer (Muon): the helper finds
-  the kernels under the centering wrappers and makes the stack axis of the
-  ``nnx.vmap`` kernels a batch axis, so every layer's slice is its own
-  matrix (and the attention kernels' head axes part of it);
+* ``cbp.recommended(rate, warmup_steps=...)`` is the recommended recipe's
+  optimizer (schedule-free CBP M3, weight decay on the kernels), read at its
+  evaluation point with ``cbp.nnx.eval_model(model, optimizer)``;
 * or, with ``--optimizer cbp_robust``, CBP's robust configuration
   (``cbp.cbp_robust``: Adam's damping, a normalized first step, a
   per-coordinate step bound), told the layer stacks by
@@ -141,10 +139,13 @@ def main():
   parser.add_argument('--batch-size', type=int, default=32,
                       help='windows per step')
   parser.add_argument('--learning-rate', type=float, default=3e-3,
-                      help='peak learning rate (warm-up, then cosine decay)')
+                      help='peak learning rate (warm-up over the first 10%% '
+                      'of the steps, then constant with recommended, a cosine '
+                      'decay with cbp_robust)')
   parser.add_argument('--optimizer', choices=('recommended', 'cbp_robust'),
                       default='recommended', help='recommended: '
-                      'cbp.recommended (Muon on the centered model); '
+                      'cbp.recommended (schedule-free CBP M3 on the centered '
+                      'model, warm-up then constant rate); '
                       'cbp_robust: CBP\'s robust configuration, told the '
                       'layer stacks')
   parser.add_argument('--weight-decay', type=float, default=None,
@@ -168,16 +169,16 @@ def main():
   print(cbp.nnx.center(model))  # centered layers, and what was left as is
   stacked = cbp.nnx.stacked_blocks(model)
   print(f'layer stacks: {stacked}')
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, args.learning_rate, max(1, args.steps // 10), args.steps,
-      end_value=args.learning_rate / 10)
+  warmup = max(1, args.steps // 10)
   if args.optimizer == 'recommended':
-    # Muon's leaves are the kernels: the decay stays off everything else.
+    # Schedule-free: no decay of the rate; weight decay on the kernels.
     tx = cbp.recommended(
-        schedule,
-        weight_decay=0.01 if args.weight_decay is None else args.weight_decay,
-        dimension_numbers=cbp.nnx.muon_dimension_numbers(model))
+        args.learning_rate, warmup_steps=warmup,
+        weight_decay=0.01 if args.weight_decay is None else args.weight_decay)
   else:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.learning_rate, warmup, args.steps,
+        end_value=args.learning_rate / 10)
     tx = cbp.cbp_robust(
         schedule,
         weight_decay=0.1 if args.weight_decay is None else args.weight_decay,
@@ -195,7 +196,9 @@ def main():
     window = np.stack([train[s:s + span] for s in starts]).astype(np.int32)
     out = step(model, optimizer, window)
     if i % max(1, args.steps // 5) == 0 or i == args.steps:
-      val_bpb = float(eval_loss(model, val_windows)) * bits
+      # At schedule-free's evaluation point with recommended.
+      evaluated = cbp.nnx.eval_model(model, optimizer)
+      val_bpb = float(eval_loss(evaluated, val_windows)) * bits
       print(f'step {i}: train {float(out.loss) * bits:.3f} bits/byte, '
             f'validation {val_bpb:.3f} bits/byte')
   print(f'skipped steps {int(optimizer.skipped_steps[...])}')

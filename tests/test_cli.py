@@ -98,7 +98,7 @@ def test_compare_offline_uses_the_bundled_subset_and_writes_its_results(
   results = json.loads((out / 'results.json').read_text())
   methods = [m['method'] for m in results['methods']]
   assert methods == ['Adam', 'Adam + Center', 'CBP (M1+M2+M3)',
-                     'Recommended (Muon + Center)']
+                     cli.RECOMMENDED]
   for method in results['methods']:
     assert len(method['train_loss']) == 3
     assert np.all(np.isfinite(method['train_loss']))

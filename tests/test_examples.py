@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from cbp_optax_experiments import cli
 from tests.test_datasets import MNIST_DIR, needs_mnist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def test_compare_job_prints_a_table():
             '32', '--data-dir', str(MNIST_DIR))
   lines = [l for l in out.splitlines() if l.startswith('| ')]
   assert [l.split('|')[1].strip() for l in lines[1:]] == [
-      'Adam', 'Adam + Center', 'CBP (M1+M2+M3)', 'Recommended (Muon + Center)']
+      'Adam', 'Adam + Center', 'CBP (M1+M2+M3)', cli.RECOMMENDED]
 
 
 @needs_mnist
@@ -128,7 +129,8 @@ def test_training_example_defaults_to_the_recommended_recipe(script):
   assert 'recommended' in choices, script
   assert 'cbp' in choices or 'cbp_robust' in choices, script
   assert 'cbp.recommended(' in source, script
-  assert 'muon_dimension_numbers(' in source, script
+  # Read at schedule-free's evaluation point.
+  assert 'eval_model(' in source or 'eval_params(' in source, script
 
 
 def test_example_help_lists_the_defaults():
@@ -142,8 +144,7 @@ def test_example_help_lists_the_defaults():
 @pytest.mark.parametrize('optimizer', ['recommended', 'cbp_robust'])
 def test_transformer_example_trains_a_centered_stack(optimizer):
   # Reduced size: two blocks of width 16 (the example's defaults: 4 x 128).
-  # recommended (the default): Muon sees each layer of the nnx.vmap stack as
-  # its own matrix through cbp.nnx.muon_dimension_numbers.
+  # recommended (the default): schedule-free, read at cbp.nnx.eval_model.
   out = run('examples/transformer_nnx.py', '--steps', '10', '--depth', '2',
             '--width', '16', '--heads', '2', '--context', '16',
             '--batch-size', '4', '--optimizer', optimizer)

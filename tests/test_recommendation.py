@@ -1,6 +1,7 @@
-"""The answer to "what should I use?" on the pages that give it is the
-decision rule's choice on the committed dev results, in the same words and
-with the committed numbers (``summary``)."""
+"""The answer to "what should I use?" is the decision rule's choice on the
+committed dev results with its committed dev and test numbers, in the same
+words on every page, docstring, example and command that gives it
+(``summary``)."""
 
 import json
 import pathlib
@@ -8,17 +9,29 @@ import re
 
 import pytest
 
+import cbp_optax as cbp
+from cbp_optax_experiments import cli
+from cbp_optax_experiments.workloads import arms
 from cbp_optax_experiments.workloads import decision
+from cbp_optax_experiments.workloads import statistics
 from cbp_optax_experiments.workloads import summary
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEV = ROOT / 'results' / 'workloads' / 'dev' / 'results.json'
-PAGES = ('README.md', 'docs/faq.md', 'docs/reproduction/workloads.md')
+TEST = ROOT / 'results' / 'workloads' / 'test' / 'results.json'
+# Every page, docstring and example that answers "what should I use?".
+PAGES = ('README.md', 'docs/faq.md', 'docs/reproduction/workloads.md',
+         'examples/mnist_nnx.py', 'examples/mnist_linen.py')
 
 
 @pytest.fixture(scope='module')
 def dev():
   return json.loads(DEV.read_text())
+
+
+@pytest.fixture(scope='module')
+def test():
+  return json.loads(TEST.read_text())
 
 
 def _plain(text: str) -> str:
@@ -28,18 +41,65 @@ def _plain(text: str) -> str:
   return ' '.join(text.split())
 
 
-def test_the_committed_dev_run_has_ten_seeds_and_the_rule_s_choice(dev):
+def test_the_committed_runs_have_ten_seeds_and_the_rule_s_choice(dev, test):
   assert dev['meta']['split'] == 'dev' and len(dev['meta']['seeds']) >= 10
-  # The rule applied now gives what the run stored.
+  assert test['meta']['split'] == 'test' and len(test['meta']['seeds']) >= 10
+  # The rule applied now gives what the run stored, and it is the arm that
+  # cbp.recommended builds.
   assert decision.recommend(dev).arm == dev['recommendation']['arm']
+  assert dev['recommendation']['arm'] == arms.RECOMMENDED
+  assert arms.RECOMMENDED == summary.RECOMMENDED_ARM == statistics.RECIPE
 
 
 @pytest.mark.parametrize('path', PAGES)
-def test_each_page_gives_the_dev_answer(dev, path):
+def test_each_page_gives_the_answer(dev, test, path):
   page = (ROOT / path).read_text()
-  assert _plain(summary.dev_answer(dev)) in _plain(page), path
+  assert _plain(summary.answer(dev, test)) in _plain(page), path
 
 
-def test_the_readme_table_is_the_committed_dev_split(dev):
+def test_the_recipe_s_docstring_and_the_compare_command_give_the_answer(
+    dev, test):
+  answer = _plain(summary.answer(dev, test))
+  assert answer in _plain(cbp.recommended.__doc__)
+  assert _plain(cli.RECOMMENDATION) == answer
+
+
+@pytest.mark.parametrize('path', ['README.md', 'docs/faq.md',
+                                  'docs/reproduction/workloads.md'])
+def test_the_pages_name_the_candidates_the_tie_break_decided(dev, path):
+  page = (ROOT / path).read_text()
+  assert _plain(summary.dev_ties(dev)) in _plain(page), path
+
+
+def test_the_readme_table_and_verdicts_are_the_committed_test_split(test):
   readme = (ROOT / 'README.md').read_text()
-  assert summary.results_table(dev) in readme
+  assert summary.results_table(test) in readme
+  assert _plain(summary.centering_sentence(test)) in _plain(readme)
+
+
+def test_the_workloads_page_has_both_splits_score_tables_and_verdicts(
+    dev, test):
+  page = (ROOT / 'docs/reproduction/workloads.md').read_text()
+  for split, results in (('dev', dev), ('test', test)):
+    report = (ROOT / f'docs/reproduction/workloads/{split}/results.md'
+              ).read_text()
+    table = report.split('## Score\n\n', 1)[1].split('\n\n', 1)[0]
+    assert table in page, split
+    assert _plain(summary.centering_sentence(results)) in _plain(page), split
+
+
+SCORE = re.compile(r'\b[01]\.\d{3} \[[01]\.\d{3}, [01]\.\d{3}\]')
+
+
+@pytest.mark.parametrize('path', PAGES[:3])
+def test_every_score_with_an_interval_on_the_pages_is_a_committed_one(
+    dev, test, path):
+  committed = set()
+  for results in (dev, test):
+    for profile in ('steps', 'wall_clock'):
+      stored = results['profiles'].get(profile) or {}
+      for arm, score in (stored.get('score') or {}).items():
+        committed.add(decision.fmt((score, stored['score_interval'][arm])))
+  found = SCORE.findall(_plain((ROOT / path).read_text()))
+  assert found, path
+  assert set(found) <= committed, sorted(set(found) - committed)

@@ -440,7 +440,19 @@ def test_the_answer_names_the_dev_choice_and_needs_the_test_split():
   assert '10 paired seeds' in text and text.count('1.000 [1.000, 1.000]') == 2
   with pytest.raises(ValueError, match='test split'):
     summary.answer(dev, dev)
-  assert summary.dev_answer(dev).startswith(
-      'On the dev split, the decision rule (written before the runs) chose '
-      + summary.RECIPES['muon_centered'])
+  assert text.endswith('and no arm is significantly faster than it there.')
+  assert summary.dev_ties(dev) == ''  # it beat every other candidate
   assert set(summary.RECIPES) == set(names)
+
+
+def test_the_answer_names_the_arms_test_found_faster_than_the_choice():
+  names = [c.arm for c in decision.CANDIDATES]
+  dev = _dev({name: _const(100 if name == 'muon_centered' else 300)
+              for name in names})
+  test = _dev({name: _const(100 if name == 'adamw_centered' else 300)
+               for name in names})
+  test['meta']['split'] = 'test'
+  text = summary.answer(dev, test)
+  assert ('it is significantly slower than AdamW centered (1.000 [1.000, '
+          '1.000], median paired speedup 0.33x), and than no other arm.'
+          ) in text, text

@@ -1,9 +1,11 @@
 """What the docs say, computed from the committed results files.
 
-``dev_answer(dev)`` is the dev split's choice in the words the README, the
-FAQ and the workloads page give it; ``answer(dev, test)`` adds the test
-split's score; ``results_table`` is the README's table. A test compares each
-page with these, so a number in the docs is always the results file's.
+``answer(dev, test)`` is the recommendation in the words every page gives
+it (the dev split's choice, its dev and test scores, what test found faster);
+``dev_ties(dev)`` the candidates the rule could not separate from it;
+``results_table`` and ``centering_sentence`` the README's table and its
+centered-versus-plain verdicts. A test compares each page with these, so a
+number in the docs is always the results file's.
 """
 
 from __future__ import annotations
@@ -58,10 +60,31 @@ def _seed_count(results: Mapping[str, Any], arm: str) -> int:
              for entry in results['workloads'].values())
 
 
+def _chosen(dev: Mapping[str, Any]) -> str:
+  stored = dev.get('recommendation') or {}
+  return stored.get('arm') or decision.recommend(dev).arm
+
+
+def _pooled(results: Mapping[str, Any], arm: str) -> list[dict[str, Any]]:
+  """The pooled paired comparisons of ``arm`` (as arm A) with every other:
+  the stored ones, else the family of ``arm`` as the recipe."""
+  def of_arm(comparisons):
+    return [c for c in comparisons
+            if c['workload'] == 'pooled' and c['a'] == arm]
+  found = of_arm(results.get('comparisons') or [])
+  if found:
+    return found
+  arms = sorted({a for entry in results['workloads'].values()
+                 for a in entry['arms']})
+  return of_arm(statistics.compare(
+      results, statistics.comparison_pairs(arms, recipe=arm)))
+
+
 def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
   """The recommendation in the words every page gives it: the dev rule's
-  choice (``recommend``), its dev steps score and its test steps score, each
-  with its 95% bootstrap interval.
+  choice (``recommend``), its dev and test steps scores with their 95%
+  bootstrap intervals, and the arms paired tests on test found faster (or
+  that none were).
 
   Args:
     dev: the dev split's results.json.
@@ -70,45 +93,87 @@ def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
   Returns:
     One paragraph of plain text (names without markup).
   """
-  stored = dev.get('recommendation') or {}
-  chosen = stored.get('arm') or decision.recommend(dev).arm
   if (test.get('meta') or {}).get('split') != 'test':
     raise ValueError('the second results must be the test split\'s')
-  return (f'Use {RECIPES[chosen]}. The decision rule, written before the '
-          f'runs, chose it on the dev split (steps score '
-          f'{decision.fmt(_score(dev, chosen))}, 95% interval, '
-          f'{_seed_count(dev, chosen)} paired seeds); on the test split, '
-          f'run after the choice, it scores {decision.fmt(_score(test, chosen))}.')
+  chosen = _chosen(dev)
+  text = (f'Use {RECIPES[chosen]}. The decision rule, written before the '
+          f'runs, chose it on the dev split: steps score '
+          f'{decision.fmt(_score(dev, chosen))} (95% interval, '
+          f'{_seed_count(dev, chosen)} paired seeds). On the test split, run '
+          f'after the choice, it scores {decision.fmt(_score(test, chosen))}')
+  faster = sorted((c for c in _pooled(test, chosen)
+                   if c['verdict'] == statistics.WORSE),
+                  key=lambda c: -_score(test, c['b'])[0])
+  if not faster:
+    return text + ', and no arm is significantly faster than it there.'
+  slower = [f'{_label(c["b"])} ({decision.fmt(_score(test, c["b"]))}, '
+            f'median paired speedup {c["speedup"]:.2f}x)' for c in faster]
+  listed = (', '.join(slower[:-1]) + ' and ' + slower[-1] if len(slower) > 1
+            else slower[0])
+  return (text + '; there, paired over seeds and workloads, it is '
+          f'significantly slower than {listed}, and than no other arm.')
 
 
-def dev_answer(dev: Mapping[str, Any]) -> str:
-  """What the decision rule chose on the dev split, with the other
-  candidates no candidate beat: the answer before the test split reports.
+def _label(arm: str) -> str:
+  """An arm in words: a peer's label, ``centered`` after it, or the name."""
+  peer = arm.removesuffix(statistics.CENTERED_SUFFIX)
+  if arm == 'muon_centered_batchnorm_plain':
+    return 'Muon centered (BatchNorm models plain)'
+  if peer in PEER_LABELS:
+    return PEER_LABELS[peer] + (' centered' if peer != arm else '')
+  return arm
+
+
+def centering_sentence(results: Mapping[str, Any]) -> str:
+  """Centered against plain for each peer, in words: the pooled paired
+  verdicts (Holm-corrected) and the per-workload counts."""
+  verdicts = centering_verdicts(results)
+  split = (results.get('meta') or {}).get('split') or 'this run'
+  by_verdict: dict[str, list[str]] = {}
+  for peer, label in PEER_LABELS.items():
+    if peer in verdicts:
+      by_verdict.setdefault(verdicts[peer]['verdict'], []).append(label)
+  def names(verdict):
+    found = by_verdict.get(verdict)
+    return ' and '.join(found) if found else 'none'
+  pairs = {c['n'] for c in (results.get('comparisons') or [])
+           if c['workload'] == 'pooled'}
+  counts = [verdicts[p]['counts'] for p in PEER_LABELS if p in verdicts]
+  per = [sum(c[v] for c in counts) for v in (
+      statistics.BETTER, statistics.NO_DIFFERENCE, statistics.WORSE)]
+  return (f'On {split}, pooled over the {max(pairs)} (workload, seed) pairs, '
+          f'centering is significantly better than plain for '
+          f'{names(statistics.BETTER)}, shows no detectable difference for '
+          f'{names(statistics.NO_DIFFERENCE)}, and is significantly worse '
+          f'for {names(statistics.WORSE)}; per workload, of the '
+          f'{sum(per)} (peer, workload) pairs, {per[0]} are significantly '
+          f'better, {per[1]} show no detectable difference and {per[2]} are '
+          'significantly worse.')
+
+
+def dev_ties(dev: Mapping[str, Any]) -> str:
+  """The candidates the decision rule could not separate from its choice on
+  the dev split, which the tie-break decided (empty when there were none).
 
   Args:
     dev: the dev split's results.json (its stored ``recommendation``, else
       ``decision.recommend``).
 
   Returns:
-    One paragraph of plain text.
+    One sentence of plain text, or ''.
   """
   stored = dev.get('recommendation')
   if not stored:
     found = decision.recommend(dev)
     stored = {'arm': found.arm, 'undominated': found.undominated}
-  chosen, undominated = stored['arm'], stored['undominated']
-  text = (f'On the dev split, the decision rule (written before the runs) '
-          f'chose {RECIPES[chosen]}: steps score '
-          f'{decision.fmt(_score(dev, chosen))}, 95% interval, '
-          f'{_seed_count(dev, chosen)} paired seeds.')
-  others = [a for a in undominated if a != chosen]
-  if others:
-    text += (' No candidate beat it by the rule\'s margin; nor did any beat '
-             'these, whose steps cost more (the tie-break takes the cheaper '
-             'step): ' + '; '.join(
-                 f'{RECIPES[a]}, {decision.fmt(_score(dev, a))}'
-                 for a in others) + '.')
-  return text
+  others = [a for a in stored['undominated'] if a != stored['arm']]
+  if not others:
+    return ''
+  return ('On the dev split no candidate beat it by the rule\'s margin; nor '
+          'did any beat these, whose steps cost more (the tie-break takes the '
+          'cheaper step): ' + '; '.join(
+              f'{RECIPES[a]}, {decision.fmt(_score(dev, a))}'
+              for a in others) + '.')
 
 
 def centering_verdicts(results: Mapping[str, Any]
