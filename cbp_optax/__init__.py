@@ -5,8 +5,8 @@ Optimizer side (optax transforms):
 * :func:`equalize` - M1, layerwise gradient-norm equalization (eqs. 5-7).
 * :func:`precondition` - M3, damped lagged diagonal preconditioning (eqs. 11-12).
 * :func:`cbp` - the two chained with a learning rate (Algorithm 1, steps 3-9).
-* :func:`recommended` - the recommended recipe's optimizer (Muon) for a model
-  centered with M2, chosen on the workload suite's dev split.
+* :func:`recommended` - the recommended recipe's optimizer (schedule-free CBP
+  M3) for a model centered with M2, chosen on the workload suite's dev split.
 
 Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
 ``cbp_optax.linen``, imported on first use; they need Flax

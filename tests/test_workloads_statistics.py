@@ -376,6 +376,27 @@ def test_workloads_compare_runs_lists_disjoint_arms_and_flips(tmp_path,
   assert 'Stable: no' in out
 
 
+def test_the_stability_table_marks_disjoint_arms_and_flips():
+  first = _three_arms()
+  first['meta'] = {'vmap': False}
+  second = copy.deepcopy(first)
+  second['meta'] = {'vmap': True}
+  for entry in second['workloads'].values():
+    entry['arms']['fast']['steps_to_target'] = [400] * 10
+  table = summary.stability_table(first, second)
+  rows = {line.split(' | ')[0].strip('| '): line
+          for line in table.splitlines() if line.startswith('| ')}
+  assert 'looped' in table.splitlines()[0] and 'vmapped' in table
+  assert rows['fast'].endswith('| no |') and rows['slow'].endswith('| yes |')
+  assert '9 of 12 overlap: disjoint steps to target of fast on w0' in table
+  assert '1 flipped between significantly better and significantly worse' \
+      in table
+  assert 'Stable (every interval overlaps, no verdict flips): no.' in table
+  same = summary.stability_table(first, copy.deepcopy(first))
+  assert 'looped (A)' in same and '12 of 12 overlap.' in same
+  assert 'Stable (every interval overlaps, no verdict flips): yes.' in same
+
+
 @pytest.mark.parametrize('extra, message', [
     (['--quick'], '--compare-runs compares two results.json as they stand: '
      'it takes no --quick'),

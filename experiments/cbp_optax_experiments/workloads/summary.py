@@ -242,3 +242,61 @@ def results_table(results: Mapping[str, Any]) -> str:
     if arm in scores:
       lines.append(f'| {label} | | {cell(arm)} | | |')
   return '\n'.join(lines)
+
+
+def _rounding(results: Mapping[str, Any]) -> str:
+  return 'vmapped' if (results.get('meta') or {}).get('vmap') else 'looped'
+
+
+def stability_table(first: Mapping[str, Any], second: Mapping[str, Any]
+                    ) -> str:
+  """Two runs of one split at two float32 roundings, side by side: each
+  arm's steps score [interval] in both and whether the intervals overlap,
+  then the per-(workload, arm) intervals, the pooled paired verdicts that
+  changed or flipped, and the decision rule's choice in each
+  (``statistics.stability``).
+
+  Args:
+    first, second: results.json of the same split; each is labelled by its
+      ``meta.vmap`` (vmapped or looped).
+
+  Returns:
+    Markdown: a table and a list.
+  """
+  report = statistics.stability(first, second)
+  a, b = _rounding(first), _rounding(second)
+  if a == b:
+    a, b = f'{a} (A)', f'{b} (B)'
+  (sa, ia), (sb, ib) = _steps(first), _steps(second)
+  lines = [f'| arm | steps score, {a} | steps score, {b} | every interval '
+           'of the arm overlaps |', '|---|---|---|---|']
+  for arm in sorted(set(sa) & set(sb), key=lambda x: -sa[x]):
+    lines.append(f'| {arm} | {decision.fmt((sa[arm], ia[arm]))} | '
+                 f'{decision.fmt((sb[arm], ib[arm]))} | '
+                 f'{"no" if report["arms"].get(arm) else "yes"} |')
+  pairs = sum(1 for name in set(first['workloads']) & set(second['workloads'])
+              for arm in set(first['workloads'][name]['arms'])
+              & set(second['workloads'][name]['arms']))
+  disjoint = [d for d in report['disjoint'] if d.startswith('steps to')]
+  verdicts = statistics.pooled_verdicts(
+      first.get('comparisons') or statistics.compare(first))
+  def choice(results):
+    found = ((results.get('recommendation') or {}).get('arm')
+             or getattr(decision.maybe_recommend(results), 'arm', None))
+    return found or 'nothing (the rule does not apply)'
+  choices = [choice(first), choice(second)]
+  lines += [
+      '',
+      f'- Steps-to-target intervals per (workload, arm): '
+      f'{pairs - len(disjoint)} of {pairs} overlap'
+      + (': disjoint ' + '; '.join(disjoint) if disjoint else '') + '.',
+      f'- Pooled paired verdicts: {len(report["changed"])} of '
+      f'{len(verdicts)} changed'
+      + (' (' + '; '.join(report['changed']) + ')' if report['changed']
+         else '') + f', {len(report["flips"])} flipped between significantly '
+      'better and significantly worse.',
+      f'- The decision rule chose {choices[0]} on the {a} run and '
+      f'{choices[1]} on the {b} run.',
+      f'- Stable (every interval overlaps, no verdict flips): '
+      f'{"yes" if report["stable"] else "no"}.']
+  return '\n'.join(lines)
