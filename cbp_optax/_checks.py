@@ -33,7 +33,10 @@ def concrete_float(value: Any) -> Optional[float]:
 
 
 # The factories whose first argument is the learning rate.
-_WITH_LEARNING_RATE = ('cbp.cbp', 'cbp.cbp_robust')
+_WITH_LEARNING_RATE = ('cbp.cbp', 'cbp.cbp_robust', 'cbp.recommended')
+# What of theirs takes a schedule directly.
+_SCHEDULED = {'cbp.recommended': 'Only learning_rate takes a schedule '
+                                 'directly'}
 
 
 def _arguments(factory: str, *arguments: str) -> str:
@@ -67,9 +70,10 @@ def check_scalar(
   if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
     if schedule_ok:
       return None
-    direct = ('Only learning_rate and weight_decay take a schedule directly'
-              if factory in _WITH_LEARNING_RATE
-              else f'{factory} takes no schedule directly')
+    direct = _SCHEDULED.get(factory) or (
+        'Only learning_rate and weight_decay take a schedule directly'
+        if factory in _WITH_LEARNING_RATE
+        else f'{factory} takes no schedule directly')
     raise TypeError(
         f'{name} must be a number, got the callable {value!r}. {direct}; to '
         f'schedule {name}, wrap the factory: optax.inject_hyperparams('

@@ -102,7 +102,10 @@ def recommended(
       schedule (then it is used as given, with no ``warmup_steps``).
     warmup_steps: linear warm-up steps from 0 to ``learning_rate``, an int
       :math:`\ge 0` (a few percent of training is usual); None or 0: none.
-      Under ``optax.inject_hyperparams`` name it in ``static_args``.
+      Under ``optax.inject_hyperparams`` name it in ``static_args`` (there a
+      scheduled ``learning_rate`` arrives as a number, so a warm-up on top
+      of a schedule cannot be refused: put it in the schedule instead). As
+      in ``optax.contrib.schedule_free_adamw``, the first step's rate is 0.
     b1: schedule-free's interpolation :math:`\beta_1` in (0, 1).
     weight_decay: decoupled weight decay :math:`\ge 0`.
     mask: which leaves ``weight_decay`` applies to (a tree of bools or a
@@ -110,14 +113,16 @@ def recommended(
       the leaves named ``kernel`` (Flax's dense, convolution and einsum
       weights; not biases, norms, embeddings or centering means).
     state_dtype: the dtype of schedule-free's parameter copy; None: the
-      parameters'. Pass ``jnp.float32`` for a 16-bit model.
+      parameters'. Pass ``jnp.float32`` for a 16-bit model (and name it in
+      ``static_args`` under ``optax.inject_hyperparams``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
 
   Raises:
-    TypeError: a learning rate that is neither a number nor a schedule, or
-      another argument of the wrong type.
+    TypeError: a learning rate that is neither a number nor a schedule, a
+      ``state_dtype`` that is not a real floating dtype, or another argument
+      of the wrong type.
     ValueError: a negative learning rate, weight decay or warm-up, a ``b1``
       outside (0, 1), or warm-up steps with a schedule.
 
@@ -151,6 +156,12 @@ def recommended(
   mask_error = _checks.mask_error(factory, mask)
   if mask_error is not None:
     raise TypeError(mask_error)
+  if state_dtype is not None:
+    if _checks.is_array(state_dtype):  # inject_hyperparams called the dtype
+      raise TypeError(
+          f'state_dtype must be a dtype, got {state_dtype!r}. '
+          + _checks.static_args_remedy(factory, ('state_dtype',)))
+    _checks.float_dtype('state_dtype', state_dtype)
   if callable(learning_rate):
     if warmup_steps:
       raise ValueError(

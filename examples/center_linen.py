@@ -16,7 +16,9 @@ model whose ``init`` adds the ``'centering'`` collection and whose ``apply``
 centers every Dense and Conv; its parameters are the model's own, at the same
 paths. The fused ``cbp_optax.linen.train_step`` carries BatchNorm's
 ``batch_stats`` in ``TrainState.model_state`` and the dropout key through
-``apply``.
+``apply``. With the recipe, evaluation reads the parameters at schedule-free's
+evaluation point and BatchNorm's running averages as gathered during training
+(at the training iterate), as the workload suite does.
 """
 
 import argparse

@@ -17,7 +17,9 @@ wraps its convolutions and linear layers in place; the fused
 updates BatchNorm's statistics as a plain ``nnx.jit`` step would. Evaluation
 uses BatchNorm's running averages, on ``cbp_optax.nnx.eval_model(model,
 optimizer)`` (the model itself in eval mode unless the optimizer is
-schedule-free).
+schedule-free). Those running averages were gathered at the training iterate,
+not at schedule-free's evaluation point; ``--recalibrate N`` recomputes them
+there, as the workload suite does not.
 """
 
 import argparse

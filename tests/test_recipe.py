@@ -89,6 +89,18 @@ def test_recommended_under_inject_hyperparams_is_the_plain_call():
   with pytest.raises(TypeError, match="static_args=\\('warmup_steps',\\)"):
     optax.inject_hyperparams(cbp.recommended)(
         learning_rate=1e-2, warmup_steps=2).init(params)
+  # A dtype is callable: inject_hyperparams takes it for a schedule.
+  with pytest.raises(TypeError, match="static_args=\\('state_dtype',\\)"):
+    optax.inject_hyperparams(cbp.recommended)(
+        learning_rate=1e-2, state_dtype=jnp.float32).init(params)
+  kept = optax.inject_hyperparams(cbp.recommended, static_args=(
+      'state_dtype',))(learning_rate=1e-2, state_dtype=jnp.float32)
+  assert kept.init(params).inner_state.z['dense']['kernel'].dtype == (
+      jnp.float32)
+  # A scheduled b1 names the one argument that takes a schedule.
+  with pytest.raises(TypeError, match='Only learning_rate takes a schedule '
+                     r'directly.*cbp.recommended\)\(learning_rate, b1='):
+    cbp.recommended(1e-2, b1=optax.constant_schedule(0.9))
 
 
 @pytest.mark.parametrize('kwargs, error, match', [
@@ -109,6 +121,10 @@ def test_recommended_under_inject_hyperparams_is_the_plain_call():
     (dict(learning_rate=1e-3, b1=optax.constant_schedule(0.9)), TypeError,
      'b1'),
     (dict(learning_rate=1e-3, mask=True), TypeError, 'mask'),
+    (dict(learning_rate=1e-3, state_dtype=jnp.int32), TypeError,
+     'state_dtype'),
+    (dict(learning_rate=1e-3, state_dtype='float17'), TypeError,
+     'state_dtype'),
 ])
 def test_recommended_refuses_bad_arguments_at_construction(kwargs, error,
                                                            match):

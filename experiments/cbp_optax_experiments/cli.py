@@ -365,8 +365,9 @@ EXTRA_MODULES = ('matplotlib', 'scipy', 'tqdm')
 
 # Command -> (entry point taking the command's own arguments, one-line help).
 _COMMANDS: dict[str, tuple[Callable[[Optional[Sequence[str]]], int], str]] = {
-    'compare': (compare, 'Adam, Adam + Center, CBP and Muon + Center on the MNIST MLP '
-                '(§6.6); see cbp-optax compare --help'),
+    'compare': (compare, 'Adam, Adam + Center, CBP and the recommended recipe '
+                '(cbp.recommended + Center) on the MNIST MLP (§6.6); see '
+                'cbp-optax compare --help'),
     'reproduce': (_reproduce, "the paper's studies: reproduce <study|all> "
                   '[--quick] [--download]; see cbp-optax reproduce --help'),
     'workloads': (_workloads, 'time to target of AdamW, NAdamW, Muon, '
