@@ -65,6 +65,20 @@ def test_no_core_file_names_the_experiments():
         assert name.partition('.')[0] not in EXTRA, (path, name)
 
 
+# What a library docstring or comment must not carry: run dates, commit ids,
+# reruns and issue numbers (the history lives on one docs page).
+RUN_HISTORY = re.compile(r'\b20\d\d-\d\d-\d\d\b|\b\d{1,2} (?:Nov|Dec)\b|'
+                         r'\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b|'
+                         r'\brerun|\bissue \d+', re.I)
+
+
+def test_no_library_file_names_a_run_date_commit_rerun_or_issue():
+  for path in sorted(CORE.rglob('*.py')):
+    found = RUN_HISTORY.findall(path.read_text())
+    assert not found, (path, found)
+  assert RUN_HISTORY.search('the rerun of 2026-12-04 at commit 8e31e91')
+
+
 def test_no_module_name_collides_with_a_public_name():
   # optax's house style: private implementation modules, public names
   # re-exported, so `import cbp_optax.equalize` never shadows the function.
