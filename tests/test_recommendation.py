@@ -88,6 +88,15 @@ def test_the_workloads_page_has_both_splits_score_tables_and_verdicts(
     assert _plain(summary.centering_sentence(results)) in _plain(page), split
 
 
+def test_the_workloads_page_has_the_stability_check_of_the_dev_split(dev):
+  vmapped = json.loads(
+      (ROOT / 'results/workloads/dev-vmap/results.json').read_text())
+  assert vmapped['meta']['vmap'] and not dev['meta']['vmap']
+  assert vmapped['meta']['seeds'] == dev['meta']['seeds']
+  page = (ROOT / 'docs/reproduction/workloads.md').read_text()
+  assert summary.stability_table(dev, vmapped) in page
+
+
 SCORE = re.compile(r'\b[01]\.\d{3} \[[01]\.\d{3}, [01]\.\d{3}\]')
 
 
