@@ -24,8 +24,9 @@ four lines:
 The text is a file given with ``--data``, else Python standard-library
 sources (always available offline); the last 10% is held out. At the
 defaults (4 blocks of width 128, 300 steps of 32 windows of 64 bytes) the
-validation loss goes from 8 bits per byte (uniform) to 2.68 with the
-recipe and 2.73 with ``cbp_robust`` (CPU, a few minutes).
+validation loss goes from 8 bits per byte (uniform) to 2.73 with
+``cbp_robust`` (CPU, a few minutes); the recipe was not measured at these
+defaults.
 """
 
 import argparse
