@@ -270,7 +270,7 @@ def stability_table(first: Mapping[str, Any], second: Mapping[str, Any]
   (sa, ia), (sb, ib) = _steps(first), _steps(second)
   lines = [f'| arm | steps score, {a} | steps score, {b} | every interval '
            'of the arm overlaps |', '|---|---|---|---|']
-  for arm in sorted(set(sa) & set(sb), key=lambda x: -sa[x]):
+  for arm in sorted(set(sa) & set(sb), key=lambda x: (-sa[x], x)):
     lines.append(f'| {arm} | {decision.fmt((sa[arm], ia[arm]))} | '
                  f'{decision.fmt((sb[arm], ib[arm]))} | '
                  f'{"no" if report["arms"].get(arm) else "yes"} |')
