@@ -103,7 +103,7 @@ def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
           f'after the choice, it scores {decision.fmt(_score(test, chosen))}')
   faster = sorted((c for c in _pooled(test, chosen)
                    if c['verdict'] == statistics.WORSE),
-                  key=lambda c: -_score(test, c['b'])[0])
+                  key=lambda c: (-_score(test, c['b'])[0], c['b']))
   if not faster:
     return text + ', and no arm is significantly faster than it there.'
   slower = [f'{_label(c["b"])} ({decision.fmt(_score(test, c["b"]))}, '
