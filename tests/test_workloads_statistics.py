@@ -376,6 +376,14 @@ def test_workloads_compare_runs_lists_disjoint_arms_and_flips(tmp_path,
   assert 'Stable: no' in out
 
 
+def test_the_centering_sentence_computes_comparisons_not_stored():
+  results = _three_arms()
+  results.pop('comparisons', None)
+  text = summary.centering_sentence(results)
+  assert text.startswith('On this run, pooled over the 30 (workload, seed) '
+                         'pairs'), text
+
+
 def test_the_stability_table_marks_disjoint_arms_and_flips():
   first = _three_arms()
   first['meta'] = {'vmap': False}

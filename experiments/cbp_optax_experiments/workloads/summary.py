@@ -17,9 +17,6 @@ from cbp_optax_experiments.workloads import statistics
 
 
 
-# The arm whose recipe ``cbp_optax.recommended`` builds.
-RECOMMENDED_ARM = 'schedule_free_cbp_robust'
-
 # Each candidate in a user's words: what to build and what to center.
 RECIPES: dict[str, str] = {
     'muon_centered_batchnorm_plain': (
@@ -60,9 +57,14 @@ def _seed_count(results: Mapping[str, Any], arm: str) -> int:
              for entry in results['workloads'].values())
 
 
-def _chosen(dev: Mapping[str, Any]) -> str:
-  stored = dev.get('recommendation') or {}
-  return stored.get('arm') or decision.recommend(dev).arm
+def _decision(dev: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The rule's choice on ``dev`` (``arm``, ``undominated``): as
+  ``report.rescore`` stored it, else ``decision.recommend`` applied once."""
+  stored = dev.get('recommendation')
+  if stored:
+    return stored
+  found = decision.recommend(dev)
+  return {'arm': found.arm, 'undominated': found.undominated}
 
 
 def _pooled(results: Mapping[str, Any], arm: str) -> list[dict[str, Any]]:
@@ -95,7 +97,7 @@ def answer(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
   """
   if (test.get('meta') or {}).get('split') != 'test':
     raise ValueError('the second results must be the test split\'s')
-  chosen = _chosen(dev)
+  chosen = _decision(dev)['arm']
   text = (f'Use {RECIPES[chosen]}. The decision rule, written before the '
           f'runs, chose it on the dev split: steps score '
           f'{decision.fmt(_score(dev, chosen))} (95% interval, '
@@ -127,6 +129,9 @@ def _label(arm: str) -> str:
 def centering_sentence(results: Mapping[str, Any]) -> str:
   """Centered against plain for each peer, in words: the pooled paired
   verdicts (Holm-corrected) and the per-workload counts."""
+  # The comparisons once: stored by report.rescore, else computed here.
+  results = {**results, 'comparisons': (results.get('comparisons')
+                                        or statistics.compare(results))}
   verdicts = centering_verdicts(results)
   split = (results.get('meta') or {}).get('split') or 'this run'
   by_verdict: dict[str, list[str]] = {}
@@ -136,7 +141,7 @@ def centering_sentence(results: Mapping[str, Any]) -> str:
   def names(verdict):
     found = by_verdict.get(verdict)
     return ' and '.join(found) if found else 'none'
-  pairs = {c['n'] for c in (results.get('comparisons') or [])
+  pairs = {c['n'] for c in results['comparisons']
            if c['workload'] == 'pooled'}
   counts = [verdicts[p]['counts'] for p in PEER_LABELS if p in verdicts]
   per = [sum(c[v] for c in counts) for v in (
@@ -162,10 +167,7 @@ def dev_ties(dev: Mapping[str, Any]) -> str:
   Returns:
     One sentence of plain text, or ''.
   """
-  stored = dev.get('recommendation')
-  if not stored:
-    found = decision.recommend(dev)
-    stored = {'arm': found.arm, 'undominated': found.undominated}
+  stored = _decision(dev)
   others = [a for a in stored['undominated'] if a != stored['arm']]
   if not others:
     return ''
