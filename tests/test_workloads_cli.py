@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -104,6 +105,8 @@ def quick_argv(out):
     (['--arm', f'a|b={__name__}:sgd', '--arms', 'a|b'], "the name 'a|b'"),
     (['--arm', f'a,b={__name__}:sgd'], "the name 'a,b'"),
     (['--arm', f'all={__name__}:sgd'], "the name 'all'"),
+    (['--arm', f'default={__name__}:sgd'], "the name 'default'"),
+    (['--arms', 'adamw,default'], "unknown arm 'default'"),
     (['--arm', 'nonsense'], 'NAME=module:function'),
     (['--arm', 'x=no_such_module_xyz:f', '--arms', 'x'], 'cannot load'),
     (['--arm', 'x=os:getcwd', '--arms', 'x'],
@@ -259,6 +262,7 @@ def test_earlier_baselines_in_out_set_the_target(tmp_path, stub_training):
 
 @pytest.mark.parametrize('extra, flag', [
     (['--quick'], '--quick'), (['--arms', 'nadamw'], '--arms'),
+    (['--arms', 'all'], '--arms'),
     (['--workloads', 'spiral'], '--workloads'), (['--seeds', '2'], '--seeds'),
     (['--arm', MINE], '--arm'), (['--set-targets'], '--set-targets'),
 ])
@@ -377,6 +381,7 @@ def test_plan_of_good_arguments(tmp_path):
   assert [w.name for w in quick.workloads] == list(cli.QUICK_WORKLOADS)
   full = cli.plan(cli.parse(['--split', 'dev', '--out', str(tmp_path / 'f')]))
   assert full.seeds == tuple(range(cli.DEFAULT_SEEDS))
+  assert [a.name for a in full.arms] == list(arms_lib.default_arms())
   assert not (tmp_path / 'new').exists()  # planning writes nothing
 
 
@@ -721,3 +726,32 @@ def test_compare_without_mnist_is_one_line(tmp_path, monkeypatch):
                   str(tmp_path / 'nowhere')])
   assert str(info.value.code).startswith(
       f'cbp-optax compare: error: No MNIST IDX files in {tmp_path}')
+
+
+def test_the_default_arms_leave_out_not_by_default_and_keep_user_arms(
+    tmp_path):
+  builtin = list(arms_lib.builtin_arms())
+  assert set(arms_lib.NOT_BY_DEFAULT) < set(builtin)
+  assert list(arms_lib.default_arms()) == [
+      name for name in builtin if name not in arms_lib.NOT_BY_DEFAULT]
+  out = ['--out', str(tmp_path / 'o')]
+  mine = cli.plan(cli.parse(['--arm', MINE, '--centered', 'mine'] + out))
+  assert [a.name for a in mine.arms] == [*arms_lib.default_arms(), 'mine']
+  named = cli.plan(cli.parse(['--arms', 'default'] + out))
+  assert [a.name for a in named.arms] == list(arms_lib.default_arms())
+  every = cli.plan(cli.parse(['--arms', 'all'] + out))
+  assert [a.name for a in every.arms] == builtin
+  # A run that sets its own targets trains every baseline, first.
+  setting = cli.plan(cli.parse(['--set-targets'] + out))
+  names = [a.name for a in setting.arms]
+  assert names[:len(arms_lib.BASELINES)] == list(arms_lib.BASELINES)
+  assert set(names) == set(arms_lib.default_arms()) | set(arms_lib.BASELINES)
+
+
+def test_help_marks_the_arms_a_default_run_leaves_out():
+  # One paragraph per arm in the listing: its name, then its description.
+  listed = {block.split()[0]: ' '.join(block.split())
+            for block in re.split(r'\n  (?=\S)', cli.epilog())}
+  for name in arms_lib.builtin_arms():
+    marked = listed[name].endswith('(not in the default arms)')
+    assert marked == (name in arms_lib.NOT_BY_DEFAULT), listed[name]

@@ -240,8 +240,11 @@ def test_candidates_are_built_in_arms_with_costs_and_hyperparameters():
   names = [c.arm for c in decision.CANDIDATES]
   for peer in ('schedule_free_adamw', 'muon', 'nadamw', 'adamw'):
     assert f'{peer}_centered' in names
-  assert {'cbp_robust', 'muon_centered_batchnorm_plain',
-          arms_lib.RECOMMENDED} <= set(names)
+  assert {'cbp_robust', arms_lib.RECOMMENDED} <= set(names)
+  # A full run trains every candidate (one it does not train is left out
+  # of the decision).
+  assert set(names) <= set(arms_lib.default_arms())
+  assert not set(names) & set(arms_lib.NOT_BY_DEFAULT)
   for c in decision.CANDIDATES:
     assert c.arm in builtin and builtin[c.arm].centered
     assert c.cost_class in (decision.ELEMENTWISE, decision.MATRIX)

@@ -638,7 +638,7 @@ def test_a_skipped_step_counts_the_run_as_diverged(offline):
 
 def test_full_runs_default_to_ten_paired_seeds_and_quick_to_a_subset():
   args = cli.parse(['--split', 'dev'])
-  assert args.workloads == cli.ALL and args.arms == cli.ALL
+  assert args.workloads == cli.ALL and args.arms == cli.DEFAULT
   assert cli.DEFAULT_SEEDS >= 10
   quick = cli.parse(['--quick'])
   assert quick.workloads.split(',') == list(cli.QUICK_WORKLOADS)
@@ -649,7 +649,7 @@ def test_full_runs_default_to_ten_paired_seeds_and_quick_to_a_subset():
   # Given flags win; --split keeps its workloads.
   assert cli.parse(['--quick', '--workloads', 'spiral']).workloads == 'spiral'
   assert cli.parse(['--quick', '--split', 'dev']).workloads == cli.ALL
-  assert cli.parse(['--quick', '--arm', 'x=m:f']).arms == cli.ALL
+  assert cli.parse(['--quick', '--arm', 'x=m:f']).arms == cli.DEFAULT
   assert cli.parse([]).vmap == 'auto'
 
 

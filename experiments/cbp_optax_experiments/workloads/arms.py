@@ -15,7 +15,9 @@ every other arm searches the grid as it is.
 ``BASELINES`` are the arms a workload's target is set from (AlgoPerf's
 rule: the best of their tuned medians; ``scoring.target``). Every peer
 optimizer also has a ``<peer>_centered`` arm: the same optimizer on the
-centered model (M2), transported after each update.
+centered model (M2), transported after each update. A run trains
+``default_arms()``, every built-in arm but ``NOT_BY_DEFAULT``, unless told
+otherwise.
 
 A user arm (``--arm NAME=module:function``) is a callable taking the
 schedule (``optax.Schedule``; a number works too) and returning an optax
@@ -242,9 +244,10 @@ def _recommended(lr, ctx):
                          weight_decay=WEIGHT_DECAY, mask=decay_mask)
 
 
-# Candidates for the recipe beyond the peers, each following the recipe's
-# model rule (centered, a BatchNorm model plain): the library's recipe,
-# cbp.recommended, and Muon, chosen on the dev split only (splits.CHOSEN_ON).
+# Arms beyond the peers, each following the recipe's model rule (centered,
+# a BatchNorm model plain): Muon so (a candidate of the ten-seed dev run, no
+# longer one: ``NOT_BY_DEFAULT``) and the library's recipe, cbp.recommended,
+# chosen on the dev split only (splits.CHOSEN_ON).
 # The M1 variants that moved the equalizing scales after a normalizing
 # optimizer (after cbp_robust's M3, after Muon) were dropped: on both
 # three-seed dev runs the one after Muon scored below Muon itself, the one
@@ -266,6 +269,18 @@ CANDIDATES: tuple[Arm, ...] = (
 )
 # The arm that cbp.recommended builds.
 RECOMMENDED = 'schedule_free_cbp_robust'
+# Built-in arms that a run trains only when ``--arms`` names them (or is
+# 'all'). Muon with BatchNorm models plain builds the same program as
+# muon_centered on a model without BatchNorm and as muon on one with it, so
+# each of its runs repeats one of theirs (splits.CHOSEN_ON).
+NOT_BY_DEFAULT = ('muon_centered_batchnorm_plain',)
+
+
+def default_arms() -> dict[str, Arm]:
+  """The arms of a run without ``--arms``: ``builtin_arms()`` but
+  ``NOT_BY_DEFAULT``, in run order."""
+  return {name: arm for name, arm in builtin_arms().items()
+          if name not in NOT_BY_DEFAULT}
 
 
 def _code_bytes(code: types.CodeType) -> bytes:

@@ -1,11 +1,12 @@
 """``cbp-optax workloads``: time to target of optimizer arms on fixed workloads.
 
 ``cbp-optax workloads [--quick] [--split dev|test] [--workloads all|a,b]
-[--arms all|a,b] [--seeds N] [--out DIR] [--arm NAME=module:function
+[--arms default|all|a,b] [--seeds N] [--out DIR] [--arm NAME=module:function
 [--centered NAME]] [--set-targets] [--score-only] [--vmap auto|on|off]``;
 ``cbp-optax workloads --compare-runs A/results.json B/results.json``
 
-Each arm tunes its learning rate on the workload's grid (tuning seed), then
+The arms are ``arms.default_arms()`` unless ``--arms`` names others. Each
+arm tunes its learning rate on the workload's grid (tuning seed), then
 runs on the evaluation seeds 0..N-1 (``DEFAULT_SEEDS``, paired across arms;
 ``--quick`` alone runs a small subset, ``QUICK_WORKLOADS`` x ``QUICK_ARMS``
 on ``QUICK_SEEDS`` seeds); the report gives each score its bootstrap
@@ -67,6 +68,7 @@ from cbp_optax_experiments.workloads import splits
 from cbp_optax_experiments.workloads import statistics
 
 ALL = 'all'
+DEFAULT = 'default'  # --arms: arms.default_arms() and every --arm
 RUNS = 'runs'  # under --out: one file per run (protocol.RecordStore)
 EXIT_FAILED = 1  # some (workload, arm) failed, or results.json not written
 # A user arm's name is a results.json key, a markdown table cell and an item
@@ -89,7 +91,7 @@ QUICK_WORKLOADS = ('spiral', 'breast-cancer-raw')
 QUICK_ARMS = ('adamw', 'adamw_centered', 'schedule_free_cbp_robust')
 QUICK_SEEDS = 3
 FULL_RUN_HINT = ('the full suite: cbp-optax workloads --split dev (then '
-                 '--split test), {seeds} paired seeds, every arm; see '
+                 '--split test), {seeds} paired seeds, the default arms; see '
                  'cbp-optax workloads --help')
 
 EPILOG_EXIT = (
@@ -153,14 +155,16 @@ def epilog() -> str:
   workloads = [(name, _help_line(name)) for name in definitions.NAMES]
   arms = [(arm.name, arm.description + (
       ' (sets the targets of a --quick or --set-targets run)'
-      if arm.name in target_setters() else ''))
+      if arm.name in target_setters() else '') + (
+          ' (not in the default arms)'
+          if arm.name in arms_lib.NOT_BY_DEFAULT else ''))
           for arm in arms_lib.builtin_arms().values()]
   width = _width()
   return '\n\n'.join([
       _listing("workloads (--workloads; 'all' runs them in this order; "
                '[split], --split):', workloads),
-      _listing("built-in arms (--arms; 'all' runs these and every --arm):",
-               arms),
+      _listing("built-in arms (--arms; 'all' runs these and every --arm, "
+               "'default' all but those marked):", arms),
       textwrap.fill(EPILOG_EXIT, width, break_on_hyphens=False)])
 
 
@@ -191,10 +195,13 @@ def make_parser() -> argparse.ArgumentParser:
                       f'{",".join(QUICK_WORKLOADS)} with --quick and no '
                       '--split')
   parser.add_argument('--arms', default=None, metavar='NAMES',
-                      help="'all' (every built-in arm and every --arm) or "
-                      'comma-separated arms (listed below, or --arm names); '
-                      f'without it: all, or {",".join(QUICK_ARMS)} with '
-                      '--quick and no --arm')
+                      help=f"'{DEFAULT}' (every built-in arm but "
+                      f'{", ".join(arms_lib.NOT_BY_DEFAULT)}, and every '
+                      f"--arm), '{ALL}' (every built-in arm and every --arm) "
+                      'or comma-separated arms (listed below, or --arm '
+                      f'names); without it: {DEFAULT} (with --set-targets, '
+                      'and the baselines), or '
+                      f'{",".join(QUICK_ARMS)} with --quick and no --arm')
   parser.add_argument('--arm', action='append', default=None,
                       metavar='NAME=module:function',
                       help='a user arm: function(schedule) returns an optax '
@@ -271,7 +278,8 @@ def parse(argv: Optional[Sequence[str]],
     args.workloads = (','.join(QUICK_WORKLOADS)
                       if args.quick and args.split is None else ALL)
   if args.arms is None:
-    args.arms = ','.join(QUICK_ARMS) if args.quick and not args.arm else ALL
+    args.arms = (','.join(QUICK_ARMS) if args.quick and not args.arm else
+                 DEFAULT)
   return args
 
 
@@ -357,9 +365,9 @@ def _check_arm_names(specs: Sequence[str], names: Sequence[str],
           f'--arm {spec!r}: {name!r} is a built-in arm'
           + (' (it sets the targets)' if name in target_setters() else '')
           + '; give your arm another name')
-    if name == ALL or (name and not _ARM_NAME.fullmatch(name)):
+    if name in (ALL, DEFAULT) or (name and not _ARM_NAME.fullmatch(name)):
       raise ValueError(f'--arm {spec!r}: the name {name!r} must be letters, '
-                       f"digits and _.+- (and not {ALL!r})")
+                       f"digits and _.+- (and not {ALL!r} or {DEFAULT!r})")
   repeated = [n for n, count in collections.Counter(names).items()
               if count > 1]
   if repeated:
@@ -416,7 +424,14 @@ def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
   """The arms to run, those that set targets first."""
   user = _user_arms(args.arm or [], args.centered or [])
   available = {**arms_lib.builtin_arms(), **user}
-  names = _names('--arms', args.arms, list(available), 'arm')
+  if args.arms.strip() == DEFAULT:
+    # A run that sets its targets trains the arms that set them.
+    setters = target_setters() if args.set_targets else ()
+    names = [name for name in available
+             if name in user or name in setters
+             or name in arms_lib.default_arms()]
+  else:
+    names = _names('--arms', args.arms, list(available), 'arm')
   left_out = [name for name in user if name not in names]
   if left_out:
     raise ValueError(f'--arms {args.arms!r} leaves out the --arm '
@@ -592,7 +607,7 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
   # --split is taken: it names the default --out (and checks the split).
   given = [flag for flag, value in (
       ('--quick', args.quick), ('--workloads', args.workloads != ALL),
-      ('--arms', args.arms != ALL), ('--arm', args.arm),
+      ('--arms', args.arms != DEFAULT), ('--arm', args.arm),
       ('--centered', args.centered), ('--seeds', args.seeds is not None),
       ('--set-targets', args.set_targets),
       ('--data-dir', args.data_dir is not None),
@@ -619,7 +634,8 @@ def _check_compare_runs(args: argparse.Namespace
   --compare-runs is an error (it would be ignored)."""
   given = [flag for flag, value in (
       ('--quick', args.quick), ('--split', args.split is not None),
-      ('--workloads', args.workloads != ALL), ('--arms', args.arms != ALL),
+      ('--workloads', args.workloads != ALL),
+      ('--arms', args.arms != DEFAULT),
       ('--arm', args.arm), ('--centered', args.centered),
       ('--seeds', args.seeds is not None), ('--out', args.out_given),
       ('--set-targets', args.set_targets), ('--score-only', args.score_only),

@@ -71,6 +71,8 @@ _ADAM = ('learning_rate', 'b1', 'b2', 'eps', 'weight_decay')
 _MUON = ('learning_rate', 'beta', 'ns_steps', 'consistent_rms',
          'weight_decay', 'adam_b1', 'adam_b2', 'adam_eps')
 
+# cbp_robust and the recipe follow the BatchNorm rule (a model with
+# BatchNorm trains plain, ``arms.Arm.centers``); the peers center every model.
 CANDIDATES: tuple[Candidate, ...] = (
     Candidate('adamw_centered', ELEMENTWISE, _ADAM),
     Candidate('nadamw_centered', ELEMENTWISE, _ADAM),
@@ -83,9 +85,6 @@ CANDIDATES: tuple[Candidate, ...] = (
               ('learning_rate', 'b1', 'b2', 'damping', 'zero_moment',
                'weight_decay', 'weight_lr_power')),
     Candidate('muon_centered', MATRIX, _MUON),
-    # Muon on the centered model, a model with BatchNorm left plain (the
-    # BatchNorm rule: no constant of its own).
-    Candidate('muon_centered_batchnorm_plain', MATRIX, _MUON),
 )
 
 

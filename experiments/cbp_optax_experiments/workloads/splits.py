@@ -127,6 +127,13 @@ CHOSEN_ON: tuple[Choice, ...] = (
            'ten-seed dev run (13 arms x 10 paired seeds) of the rule committed '
            'before it: undominated with muon_centered and '
            'muon_centered_batchnorm_plain, and the cheaper step'),
+    Choice('workloads arms.NOT_BY_DEFAULT = muon_centered_batchnorm_plain '
+           '(a full run leaves it out, and decision.CANDIDATES drops it)',
+           DEV, tuple(SPLITS[DEV]),
+           'the ten-seed runs (13 arms): its final metrics equal '
+           'muon_centered\'s on every dev and test workload without '
+           'BatchNorm and muon\'s on tutorial-cnn, float for float; 11 % of '
+           'the vmapped dev run\'s time'),
     Choice('workloads Arm.center_batch_norm_models=False for cbp_robust '
            '(a model with BatchNorm trains plain)', DEV, ('tutorial-cnn',),
            'AdamW centered vs plain, 3 seeds (3.6 vs 0.7 points of '

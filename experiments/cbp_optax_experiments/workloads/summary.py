@@ -19,9 +19,6 @@ from cbp_optax_experiments.workloads import statistics
 
 # Each candidate in a user's words: what to build and what to center.
 RECIPES: dict[str, str] = {
-    'muon_centered_batchnorm_plain': (
-        'Muon (optax.contrib.muon) on the centered model, a model with '
-        'BatchNorm left plain'),
     'muon_centered': 'Muon (optax.contrib.muon) on the centered model',
     'adamw_centered': 'AdamW (optax.adamw) on the centered model',
     'nadamw_centered': 'NAdamW (optax.nadamw) on the centered model',
