@@ -19,10 +19,9 @@ BatchNorm left plain. The decision rule, written before the runs, chose it on
 the dev split: steps score 0.579 [0.360, 0.697] (95% interval, 10 paired
 seeds). On the test split, run after the choice, it scores 0.478 [0.361,
 0.562]; there, paired over seeds and workloads, it is significantly slower
-than Muon (0.729 [0.537, 0.783], median paired speedup 0.82x), Muon centered
-(0.515 [0.485, 0.720], median paired speedup 0.72x) and Muon centered
-(BatchNorm models plain) (0.515 [0.485, 0.720], median paired speedup 0.72x),
-and than no other arm.
+than Muon (0.729 [0.537, 0.783], median paired speedup 0.82x) and Muon
+centered (0.515 [0.485, 0.720], median paired speedup 0.72x), and than no
+other arm.
 """
 
 import argparse
