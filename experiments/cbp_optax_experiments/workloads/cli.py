@@ -426,10 +426,9 @@ def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
   available = {**arms_lib.builtin_arms(), **user}
   if args.arms.strip() == DEFAULT:
     # A run that sets its targets trains the arms that set them.
-    setters = target_setters() if args.set_targets else ()
-    names = [name for name in available
-             if name in user or name in setters
-             or name in arms_lib.default_arms()]
+    wanted = {*arms_lib.default_arms(), *user,
+              *(target_setters() if args.set_targets else ())}
+    names = [name for name in available if name in wanted]
   else:
     names = _names('--arms', args.arms, list(available), 'arm')
   left_out = [name for name in user if name not in names]
