@@ -245,9 +245,9 @@ def _recommended(lr, ctx):
 
 
 # Arms beyond the peers, each following the recipe's model rule (centered,
-# a BatchNorm model plain): Muon so (a candidate of the ten-seed dev run, no
-# longer one: ``NOT_BY_DEFAULT``) and the library's recipe, cbp.recommended,
-# chosen on the dev split only (splits.CHOSEN_ON).
+# a BatchNorm model plain): Muon (a candidate of the ten-seed dev run, now
+# outside the default arms, ``NOT_BY_DEFAULT``) and the library's recipe,
+# cbp.recommended, chosen on the dev split only (splits.CHOSEN_ON).
 # The M1 variants that moved the equalizing scales after a normalizing
 # optimizer (after cbp_robust's M3, after Muon) were dropped: on both
 # three-seed dev runs the one after Muon scored below Muon itself, the one
