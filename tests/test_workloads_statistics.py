@@ -256,14 +256,14 @@ def test_candidates_are_built_in_arms_with_costs_and_hyperparameters():
 
 def test_a_costlier_candidate_that_is_clearly_faster_wins():
   results = _dev({'cheap': _noisy(200, 0), 'costly': _noisy(100, 1)})
-  rec = decision.recommend(results, _TWO, resamples=300)
+  rec = decision.recommend_by_target(results, _TWO, resamples=300)
   assert rec.arm == 'costly' and rec.beaten_by['cheap'] == ('costly',)
   assert rec.undominated == ('costly',) and 'only candidate' in rec.reason
 
 
 def test_without_a_significant_difference_the_cheaper_step_wins():
   results = _dev({'cheap': _noisy(100, 0), 'costly': _noisy(98, 1)})
-  rec = decision.recommend(results, _TWO, resamples=300)
+  rec = decision.recommend_by_target(results, _TWO, resamples=300)
   assert rec.arm == 'cheap' and set(rec.undominated) == {'cheap', 'costly'}
   assert 'cheapest step' in rec.reason
 
@@ -273,22 +273,22 @@ def test_same_cost_class_breaks_ties_by_fewer_hyperparameters():
                                    ('lr', 'b1', 'b2')),
                 decision.Candidate('few', decision.ELEMENTWISE, ('lr',)))
   results = _dev({'many': _const(100), 'few': _const(100)})
-  assert decision.recommend(results, candidates, resamples=100).arm == 'few'
+  assert decision.recommend_by_target(results, candidates, resamples=100).arm == 'few'
 
 
 def test_significant_pairs_need_the_score_interval_margin_too():
   # costly is 1% faster on every seed: significant, and its score interval
   # [1, 1] is above cheap's 0.997, but 1% is below the margin (1.1x).
   steps = {'cheap': _const(100), 'costly': _const(99)}
-  rec = decision.recommend(_dev(steps), _TWO, resamples=100)
+  rec = decision.recommend_by_target(_dev(steps), _TWO, resamples=100)
   assert rec.arm == 'cheap' and rec.beaten_by['cheap'] == ()
-  assert decision.recommend(_dev(steps), _TWO, resamples=100,
+  assert decision.recommend_by_target(_dev(steps), _TWO, resamples=100,
                             min_speedup=1.0).arm == 'costly'
   # 2x faster on one workload of four, the same elsewhere: the pooled median
   # speedup is 1, below the margin, whatever the test says.
   steps = {'cheap': _const(100),
            'costly': lambda i, n: [50 if i == 0 else 100] * n}
-  rec = decision.recommend(_dev(steps, workloads=4), _TWO, resamples=100)
+  rec = decision.recommend_by_target(_dev(steps, workloads=4), _TWO, resamples=100)
   assert rec.arm == 'cheap'
 
 
@@ -296,13 +296,13 @@ def test_the_rule_refuses_test_results_and_too_few_seeds():
   results = _dev({'cheap': _const(100), 'costly': _const(50)})
   results['meta']['split'] = 'test'
   with pytest.raises(ValueError, match='dev split only'):
-    decision.recommend(results, _TWO)
+    decision.recommend_by_target(results, _TWO)
   results = _dev({'cheap': _const(100), 'costly': _const(50)}, n=3)
   with pytest.raises(ValueError, match='fewer than 10 seeds'):
-    decision.recommend(results, _TWO)
+    decision.recommend_by_target(results, _TWO)
   results = _dev({'cheap': _const(100), 'costly': _const(50)})
   del results['workloads']['w1']['arms']['costly']
-  rec = decision.recommend(results, _TWO, resamples=100)
+  rec = decision.recommend_by_target(results, _TWO, resamples=100)
   assert rec.arm == 'cheap' and 'did not run w1' in rec.left_out['costly']
   assert decision.maybe_recommend({'workloads': {}}) is None
 
@@ -488,3 +488,115 @@ def test_the_answer_names_the_arms_test_found_faster_than_the_choice():
   assert ('it is significantly slower than AdamW centered (1.000 [1.000, '
           '1.000], median paired speedup 0.33x), and than no other arm.'
           ) in text, text
+
+
+# ---------------------------------------------------------------------------
+# The any-time score: intervals, paired comparisons, the rule's version 2
+
+_LADDER = [0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+def _ramp(rate, n=20):
+  """A curve that climbs ``rate`` per evaluation, capped at 1."""
+  return [min(1.0, rate * (k + 1)) for k in range(n)]
+
+
+def _curves(rates, cost=1.0):
+  return {'seeds': list(range(len(rates))),
+          'curves': [_ramp(r) for r in rates],
+          'diverged': [False] * len(rates), 'cost_vs_adamw': cost,
+          'steps_to_target': [None] * len(rates)}
+
+
+def _anytime_results(per_arm_rates, workloads=3, split='dev'):
+  """Every workload has the same ladder; ``per_arm_rates``: arm ->
+  ``rates(i, n) -> list`` of per-seed climbing rates on workload i."""
+  return {'meta': {'split': split}, 'workloads': {
+      f'w{i}': {'higher_is_better': True, 'budget_steps': 200,
+                'ladder': {'targets': list(_LADDER)},
+                'arms': {arm: _curves(rates(i, 10))
+                         for arm, rates in per_arm_rates.items()}}
+      for i in range(workloads)}}
+
+
+def _rates(center, seed, spread=0.01):
+  return lambda i, n: list(center + np.random.default_rng(
+      (seed, i)).uniform(-spread, spread, n))
+
+
+def test_anytime_scores_are_means_over_workloads_with_paired_intervals():
+  results = _anytime_results({'fast': lambda i, n: [0.2] * n,
+                              'slow': lambda i, n: [0.05] * n})
+  found = stats.anytime_scores(results, resamples=200)
+  # fast reaches the k-th target (0.2 k) at evaluation k of 20.
+  fast = np.mean([(20 - k + 1) / 20 for k in range(1, 6)])
+  slow = np.mean([(20 - k + 1) / 20 for k in (4, 8, 12, 16, 20)])
+  assert found['fast']['score'] == pytest.approx(fast)
+  assert found['slow']['score'] == pytest.approx(slow)
+  assert found['fast']['interval'] == pytest.approx([fast, fast])
+  assert found['fast']['workloads'] == 3
+  # Wall-clock: twice the step cost moves every reach to twice as late.
+  for entry in results['workloads'].values():
+    entry['arms']['fast']['cost_vs_adamw'] = 2.0
+  wall = stats.anytime_scores(results, wall_clock=True, resamples=50)
+  assert wall['fast']['score'] == pytest.approx(
+      np.mean([(20 - 2 * k + 1) / 20 for k in range(1, 6)]))
+
+
+def test_anytime_comparisons_known_answers_and_family():
+  results = _anytime_results({
+      'adamw': _rates(0.1, 0), 'adamw_centered': _rates(0.2, 1),
+      'muon': _rates(0.1, 2), 'muon_centered': _rates(0.1, 2),
+      'cbp_robust': _rates(0.05, 3), 'cbp': _rates(0.1, 4),
+      stats.RECIPE: _rates(0.1, 5)})
+  found = stats.compare_anytime(results, resamples=200)
+  pooled = {(c['a'], c['b']): c for c in found if c['workload'] == 'pooled'}
+  assert ('adamw_centered', 'adamw') in pooled
+  assert ('muon_centered', 'muon') in pooled
+  assert stats.M3_PAIR in pooled and stats.ALGORITHM_1_PAIR in pooled
+  assert (stats.RECIPE, 'adamw') in pooled
+  assert len({frozenset(p) for p in pooled}) == len(pooled)  # no pair twice
+  centered = pooled[('adamw_centered', 'adamw')]
+  assert centered['verdict'] == stats.BETTER and centered['n'] == 30
+  assert centered['interval'][0] <= centered['difference'] <= (
+      centered['interval'][1])
+  assert centered['difference'] > 0.1
+  assert pooled[('muon_centered', 'muon')]['verdict'] == stats.NO_DIFFERENCE
+  assert pooled[('muon_centered', 'muon')]['difference'] == 0.0
+  assert pooled[stats.M3_PAIR]['verdict'] == stats.WORSE
+  # The difference is the difference of the two scores.
+  scores = stats.anytime_scores(results, resamples=10)
+  assert centered['difference'] == pytest.approx(
+      scores['adamw_centered']['score'] - scores['adamw']['score'])
+
+
+def test_anytime_rule_a_clearly_better_costlier_candidate_wins():
+  results = _anytime_results({'cheap': _rates(0.06, 0),
+                              'costly': _rates(0.12, 1)})
+  rec = decision.recommend(results, _TWO, resamples=200)
+  assert rec.arm == 'costly' and rec.beaten_by['cheap'] == ('costly',)
+  assert 'any-time score' in rec.reason
+
+
+def test_anytime_rule_needs_the_margin_and_prefers_the_cheaper_step():
+  # costly is better on every seed, but by less than MIN_DIFFERENCE.
+  results = _anytime_results({'cheap': _rates(0.1, 0, 0.0),
+                              'costly': _rates(0.115, 1, 0.0)})
+  scores = stats.anytime_scores(results, resamples=10)
+  gap = scores['costly']['score'] - scores['cheap']['score']
+  assert 0 < gap < decision.MIN_DIFFERENCE
+  rec = decision.recommend(results, _TWO, resamples=100)
+  assert rec.arm == 'cheap' and set(rec.undominated) == {'cheap', 'costly'}
+  assert decision.recommend(results, _TWO, resamples=100,
+                            min_difference=0.0).arm == 'costly'
+
+
+def test_anytime_rule_refuses_test_results_and_results_without_ladders():
+  results = _anytime_results({'cheap': _rates(0.1, 0),
+                              'costly': _rates(0.2, 1)}, split='test')
+  with pytest.raises(ValueError, match='dev split only'):
+    decision.recommend(results, _TWO)
+  results['meta']['split'] = 'dev'
+  del results['workloads']['w1']['ladder']
+  with pytest.raises(ValueError, match='no ladder of targets on w1'):
+    decision.recommend(results, _TWO)

@@ -1,44 +1,47 @@
-"""The rule that picks the recommended recipe from a dev run, fixed before it.
+"""The rules that pick the recommended recipe from a dev run, fixed before it.
 
-Written down before any run at ten seeds, so that the run cannot shape it.
-``recommend(results)`` applies it to the dev split's results.json and returns
-the recommendation with its reason; the test split only reports
-(``splits``), and ``recommend`` refuses its results.
+Each version was written down before the runs it reads, so that the runs
+cannot shape it. ``recommend(results)`` applies the rule in force (version 2)
+to the dev split's results.json and returns the recommendation with its
+reason; ``recommend_by_target`` is version 1, kept so that the choices made
+with it can be reproduced. The test split only reports (``splits``), and
+both refuse its results.
 
-1. **What decides: the profile of time to target in steps.** Steps to target
-   are device-independent: a seed reaches the target at the same step on a
-   CPU and on a GPU. The wall-clock profile multiplies them by step costs
-   measured on this CPU, which misstate what a GPU user pays (Muon's
-   Newton-Schulz products cost 2-7x an AdamW step here, while an accelerator
-   runs them on its matrix units) and which moved a score by up to 0.3
-   between two runs of the same code. It is reported, not used to decide;
-   the cost of a step enters the rule only through the tie-break below, as
-   a class read from the algorithm (``CANDIDATES``), not a timing.
+**Version 2** (in force) reads the any-time score (``scoring``: a ladder of
+targets per workload, from the reference's runlengths to the best arm's
+median quality, and per (workload, target, seed) the share of the budget
+spent at or past the target). Version 1 read the steps to one near-ceiling
+target, which most runs of most arms missed: two misses tie, so it could not
+tell most arms apart. The structure is version 1's:
+
+1. **What decides: the any-time score in steps** (device-independent, as in
+   version 1: the wall-clock twin multiplies by step costs measured on this
+   CPU, which misstate what a GPU user pays; it is reported, not used).
 2. **What margin counts.** Candidate X beats candidate Y only if all three
-   hold: (a) the pooled paired comparison of steps to target
-   (``statistics``: the log2 ratio per (workload, seed), Wilcoxon
-   signed-rank, Holm-corrected over every pair of candidates) says X is
-   significantly better than Y at ``statistics.ALPHA``; (b) the pooled
-   median paired speedup (``2 ** median`` of those log2 ratios) is at least
-   ``MIN_SPEEDUP``; and (c) the lower end of X's 95% bootstrap interval of
-   the steps score is above Y's score. (a) asks that X is faster seed for
-   seed across the workloads; (b) that it is faster by more than the
-   measure resolves: steps to target are read at evaluations every 1/20 to
-   1/12 of the budget, so one evaluation late in a run is 5-10% of the
-   steps; (c) that the gain shows in the headline score and is not one
-   workload's outlier among the pooled pairs.
-3. **Who is left:** the candidates no other candidate beats (every
-   candidate must have run every workload of the results, on at least
-   ``MIN_SEEDS`` seeds shared with the others; one that did not is left out,
-   and said so).
-4. **Tie-break among them:** the cheaper step (``cost_class``: 1 for
-   elementwise updates, a few reads and writes per parameter; 2 for an
-   update that multiplies each matrix by itself, Muon's Newton-Schulz), then
-   fewer hyperparameters (``hyperparameters``: the optimizer's own constants
-   a user may set; the schedule and the centering are shared by every
-   candidate and not counted), then the higher steps score, then the name.
-   A costlier or more elaborate candidate must therefore beat the simpler
-   ones to be recommended.
+   hold: (a) the pooled paired comparison of any-time values
+   (``statistics.compare_anytime``: X's value minus Y's per (workload,
+   seed), Wilcoxon signed-rank, Holm-corrected over every pair of
+   candidates) says X is significantly better at ``statistics.ALPHA``; (b)
+   the pooled mean paired difference (workloads weighted equally, so the
+   difference of the two scores) is at least ``MIN_DIFFERENCE``; and (c)
+   the lower end of X's 95% bootstrap interval of the any-time score is
+   above Y's score. (b): the suite evaluates every 1/20 to 1/12 of the
+   budget, so a run's value on one target moves in steps of 0.05 to 0.08;
+   X must reach the ladder's targets, averaged over every target and seed,
+   at least half of the finest evaluation interval earlier (or reach
+   correspondingly more of them) to count. (a) and (c) as in version 1.
+3. **Who is left:** the candidates no other candidate beats (each must have
+   run every workload of the results on at least ``MIN_SEEDS`` seeds shared
+   with the others; one that did not is left out, and said so).
+4. **Tie-break among them:** the cheaper step (``cost_class``), then fewer
+   hyperparameters, then the higher any-time score, then the name, as in
+   version 1.
+
+**Version 1** (``recommend_by_target``): the same four steps on the
+performance profile of time to one target per workload (AlgoPerf's), the
+margin (a) on the log2 ratio of steps to that target, (b) a pooled median
+paired speedup of at least ``MIN_SPEEDUP``, (c) on the steps score's
+interval.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from cbp_optax_experiments.workloads import scoring
 from cbp_optax_experiments.workloads import statistics
 
 MIN_SEEDS = 10
-MIN_SPEEDUP = 1.1
+MIN_SPEEDUP = 1.1          # version 1
+MIN_DIFFERENCE = 0.025     # version 2
+VERSION = 2
 ELEMENTWISE, MATRIX = 1, 2
 
 
@@ -135,29 +140,10 @@ def steps_scores(results: Mapping[str, Any]) -> dict[str, float]:
   return {arm: s['score'] for arm, s in scoring.scores(times, '').items()}
 
 
-def recommend(results: Mapping[str, Any],
-              candidates: Sequence[Candidate] = CANDIDATES,
-              min_seeds: int = MIN_SEEDS, min_speedup: float = MIN_SPEEDUP,
-              require_dev: bool = True,
-              resamples: int = statistics.RESAMPLES
-              ) -> Recommendation:
-  """The recipe the rule (module docstring) picks from a dev run.
-
-  Args:
-    results: the dev split's results.json (``report``'s shape).
-    candidates: the candidates (default ``CANDIDATES``).
-    min_seeds: the fewest evaluation seeds a candidate may have run.
-    min_speedup: the smallest pooled median paired speedup that counts.
-    require_dev: refuse results that are not the dev split's.
-    resamples: bootstrap resamples of the score intervals.
-
-  Returns:
-    The ``Recommendation``.
-
-  Raises:
-    ValueError: results of another split (or of none), or no candidate left
-      to choose from.
-  """
+def _candidates(results: Mapping[str, Any], candidates: Sequence[Candidate],
+                min_seeds: int, require_dev: bool
+                ) -> tuple[list[Candidate], dict[str, str]]:
+  """The eligible candidates and why the others were left out (step 3)."""
   if require_dev and (results.get('meta') or {}).get('split') != 'dev':
     raise ValueError('the rule chooses on the dev split only; these results '
                      'are of split '
@@ -168,6 +154,109 @@ def recommend(results: Mapping[str, Any],
   if not eligible:
     raise ValueError('no candidate to choose from: ' + '; '.join(
         f'{arm} {why}' for arm, why in left_out.items()))
+  return eligible, left_out
+
+
+def _choose(eligible: Sequence[Candidate], left_out: dict[str, str],
+            scores: dict[str, tuple[float, list[float]]],
+            wins: Sequence[tuple[str, str]], measure: str,
+            margin: str) -> Recommendation:
+  """Steps 3 and 4: ``wins`` are the ``(winner, loser)`` pairs that met the
+  margin (step 2)."""
+  names = [c.arm for c in eligible]
+  beaten_by: dict[str, list[str]] = {n: [] for n in names}
+  for winner, loser in wins:
+    beaten_by[loser].append(winner)
+  by_name = {c.arm: c for c in eligible}
+  undominated = sorted(
+      (n for n in names if not beaten_by[n]),
+      key=lambda n: (by_name[n].cost_class, len(by_name[n].hyperparameters),
+                     -scores[n][0], n))
+  chosen = undominated[0]
+  reason = _reason(chosen, undominated, beaten_by, by_name, scores,
+                   left_out, measure, margin)
+  return Recommendation(chosen, reason, tuple(undominated),
+                        {n: tuple(b) for n, b in beaten_by.items()},
+                        left_out, scores)
+
+
+def recommend(results: Mapping[str, Any],
+              candidates: Sequence[Candidate] = CANDIDATES,
+              min_seeds: int = MIN_SEEDS,
+              min_difference: float = MIN_DIFFERENCE,
+              require_dev: bool = True,
+              resamples: int = statistics.RESAMPLES) -> Recommendation:
+  """The recipe the rule in force (version 2, module docstring) picks.
+
+  Args:
+    results: the dev split's results.json, its workloads holding their
+      ``ladder`` (``report.rescore``).
+    candidates: the candidates (default ``CANDIDATES``).
+    min_seeds: the fewest evaluation seeds a candidate may have run.
+    min_difference: the smallest pooled mean paired difference of any-time
+      values that counts.
+    require_dev: refuse results that are not the dev split's.
+    resamples: bootstrap resamples of the intervals.
+
+  Returns:
+    The ``Recommendation``; its ``scores`` are any-time scores.
+
+  Raises:
+    ValueError: results of another split (or of none), a workload without
+      its ladder, or no candidate left to choose from.
+  """
+  eligible, left_out = _candidates(results, candidates, min_seeds,
+                                   require_dev)
+  bare = [w for w, e in results['workloads'].items()
+          if not statistics.ladder_targets(e)]
+  if bare:
+    raise ValueError(f'no ladder of targets on {", ".join(bare)}: rescore '
+                     'the results first (report.rescore)')
+  names = [c.arm for c in eligible]
+  found = statistics.anytime_scores(results, resamples=resamples)
+  scores = {n: (found[n]['score'], found[n]['interval']) for n in names}
+  pairs = list(itertools.combinations(names, 2))
+  pooled = [c for c in (statistics.compare_anytime(results, pairs,
+                                                   resamples=resamples)
+                        if pairs else []) if c['workload'] == 'pooled']
+  wins = []
+  for c in pooled:
+    a, b, difference = c['a'], c['b'], c['difference']
+    if c['verdict'] == statistics.WORSE:
+      a, b, difference = b, a, -difference
+    if (c['verdict'] != statistics.NO_DIFFERENCE
+        and difference >= min_difference and scores[a][1][0] > scores[b][0]):
+      wins.append((a, b))
+  return _choose(eligible, left_out, scores, wins, 'any-time score',
+                 f'by a mean paired difference of at least {min_difference:g}')
+
+
+def recommend_by_target(results: Mapping[str, Any],
+                        candidates: Sequence[Candidate] = CANDIDATES,
+                        min_seeds: int = MIN_SEEDS,
+                        min_speedup: float = MIN_SPEEDUP,
+                        require_dev: bool = True,
+                        resamples: int = statistics.RESAMPLES
+                        ) -> Recommendation:
+  """The recipe version 1 of the rule (module docstring) picks.
+
+  Args:
+    results: the dev split's results.json (``report``'s shape).
+    candidates: the candidates (default ``CANDIDATES``).
+    min_seeds: the fewest evaluation seeds a candidate may have run.
+    min_speedup: the smallest pooled median paired speedup that counts.
+    require_dev: refuse results that are not the dev split's.
+    resamples: bootstrap resamples of the score intervals.
+
+  Returns:
+    The ``Recommendation``; its ``scores`` are steps scores.
+
+  Raises:
+    ValueError: results of another split (or of none), or no candidate left
+      to choose from.
+  """
+  eligible, left_out = _candidates(results, candidates, min_seeds,
+                                   require_dev)
   names = [c.arm for c in eligible]
   all_scores = steps_scores(results)
   intervals = statistics.score_intervals(results, resamples=resamples)
@@ -176,25 +265,16 @@ def recommend(results: Mapping[str, Any],
   pooled = [c for c in (statistics.compare(results, pairs,
                                            resamples=resamples)
                         if pairs else []) if c['workload'] == 'pooled']
-  beaten_by: dict[str, list[str]] = {n: [] for n in names}
+  wins = []
   for c in pooled:
     a, b, speedup = c['a'], c['b'], c['speedup']
     if c['verdict'] == statistics.WORSE:
       a, b, speedup = b, a, 1.0 / speedup
     if (c['verdict'] != statistics.NO_DIFFERENCE and speedup >= min_speedup
         and intervals[a][0] > all_scores[b]):
-      beaten_by[b].append(a)
-  by_name = {c.arm: c for c in eligible}
-  undominated = sorted(
-      (n for n in names if not beaten_by[n]),
-      key=lambda n: (by_name[n].cost_class, len(by_name[n].hyperparameters),
-                     -all_scores[n], n))
-  chosen = undominated[0]
-  reason = _reason(chosen, undominated, beaten_by, by_name, scores,
-                   left_out)
-  return Recommendation(chosen, reason, tuple(undominated),
-                        {n: tuple(b) for n, b in beaten_by.items()},
-                        left_out, scores)
+      wins.append((a, b))
+  return _choose(eligible, left_out, scores, wins, 'steps score',
+                 f'by at least {min_speedup:g}x')
 
 
 def fmt(score: tuple[float, list[float]]) -> str:
@@ -208,13 +288,13 @@ def _reason(chosen: str, undominated: Sequence[str],
             beaten_by: Mapping[str, Sequence[str]],
             by_name: Mapping[str, Candidate],
             scores: Mapping[str, tuple[float, list[float]]],
-            left_out: Mapping[str, str]) -> str:
+            left_out: Mapping[str, str], measure: str, margin: str) -> str:
   c = by_name[chosen]
-  parts = [f'{chosen} (steps score {fmt(scores[chosen])}): ']
+  parts = [f'{chosen} ({measure} {fmt(scores[chosen])}): ']
   if len(undominated) == 1:
-    parts.append('the only candidate no other beat (significantly faster '
-                 f'in the pooled paired test, by at least {MIN_SPEEDUP:g}x, '
-                 'and above its score)')
+    parts.append('the only candidate no other beat (significantly better '
+                 f'in the pooled paired test, {margin}, and above its '
+                 'score)')
   else:
     others = [n for n in undominated if n != chosen]
     parts.append(f'no candidate beat it, nor {", ".join(others)}; among '

@@ -464,3 +464,184 @@ def _stored_intervals(results: Mapping[str, Any], profile: str,
   stored = (results.get('profiles') or {}).get(profile, {}).get(
       'score_interval')
   return stored if stored is not None else score_intervals(results, wall)
+
+
+# ---------------------------------------------------------------------------
+# The any-time score (``scoring``'s ladder of targets): per-seed values,
+# intervals and paired comparisons
+#
+# A run's any-time value (``scoring.anytime_value``) is already a mean over
+# the workload's targets, so every (workload, seed) gives one number per arm
+# and two arms pair on it directly: the paired difference is A's value minus
+# B's (positive: A reached the ladder's targets earlier, or more of them).
+# The effect reported is the mean difference, pooled with every workload
+# weighted equally, which is exactly the difference of the two arms' scores;
+# its interval resamples the seeds within each workload. The test is the
+# Wilcoxon signed-rank test on the differences, as for steps to target
+# (zeros split), Holm-corrected within the pooled family and within the
+# per-workload family.
+
+M3_PAIR = ('cbp_robust', 'adamw_centered')   # M3's own contribution
+ALGORITHM_1_PAIR = ('cbp', 'adamw')          # Algorithm 1 against AdamW
+
+
+def ladder_targets(entry: Mapping[str, Any]) -> list[float]:
+  """The workload's ladder of targets as ``report.rescore`` stored it."""
+  return list((entry.get('ladder') or {}).get('targets') or [])
+
+
+def anytime_values(entry: Mapping[str, Any], arm: str,
+                   wall_clock: bool = False) -> np.ndarray:
+  """The arm's any-time value per evaluation seed on one workload (the
+  stored ladder; in wall-clock, charged its step cost)."""
+  record = entry['arms'][arm]
+  targets = ladder_targets(entry)
+  cost = float(record.get('cost_vs_adamw') or 1.0) if wall_clock else 1.0
+  higher = entry['higher_is_better']
+  return np.asarray([scoring.anytime_value(curve, targets, higher, bad, cost)
+                     for curve, bad in zip(record['curves'],
+                                           record['diverged'])], np.float64)
+
+
+def anytime_scores(results: Mapping[str, Any], wall_clock: bool = False,
+                   resamples: int = RESAMPLES, seed: int = SEED,
+                   level: float = LEVEL) -> dict[str, dict[str, Any]]:
+  """Per arm, its any-time score and 95% bootstrap interval.
+
+  The score is the mean over the workloads the arm ran of its mean value
+  over seeds (``anytime_values``). Each resample draws the seeds of every
+  workload with replacement, one draw shared by the arms that ran the same
+  seeds (paired), and recomputes every arm's score.
+
+  Returns:
+    arm -> ``{'score', 'interval': [low, high], 'workloads'}``.
+  """
+  rng = _rng(seed)
+  sums: dict[str, Any] = {}
+  means: dict[str, float] = {}
+  counts: dict[str, int] = {}
+  for entry in results['workloads'].values():
+    if not entry['arms'] or not ladder_targets(entry):
+      continue
+    index = _seed_index(entry, rng, resamples)
+    for arm in entry['arms']:
+      values = anytime_values(entry, arm, wall_clock)
+      if values.size == 0:
+        continue
+      sums[arm] = sums.get(arm, 0.0) + values[index[arm]].mean(axis=1)
+      means[arm] = means.get(arm, 0.0) + float(values.mean())
+      counts[arm] = counts.get(arm, 0) + 1
+  out = {}
+  for arm, total in sums.items():
+    low, high = _bounds(np.asarray(total) / counts[arm], level)
+    out[arm] = {'score': means[arm] / counts[arm], 'interval': [low, high],
+                'workloads': counts[arm]}
+  return out
+
+
+def anytime_cell(entry: Mapping[str, Any], arm: str,
+                 resamples: int = RESAMPLES, seed: int = SEED,
+                 level: float = LEVEL) -> dict[str, Any]:
+  """One (workload, arm): the mean any-time value over seeds and its
+  bootstrap interval, in steps."""
+  values = anytime_values(entry, arm)
+  index = _rng(seed).integers(0, values.size, (resamples, values.size))
+  low, high = _bounds(values[index].mean(axis=1), level)
+  return {'mean': float(values.mean()), 'interval': [low, high]}
+
+
+def anytime_pairs(arms: Sequence[str], recipe: str = RECIPE
+                  ) -> list[tuple[str, str]]:
+  """The any-time family, A tested against B: every ``<peer>_centered``
+  against ``<peer>``; M3's own contribution (``cbp_robust`` against
+  ``adamw_centered``); Algorithm 1 (``cbp``) against AdamW; ``recipe``
+  against every other arm. Pairs whose arms did not both run are left
+  out."""
+  present = set(arms)
+  pairs = [(name, name[:-len(CENTERED_SUFFIX)]) for name in arms
+           if name.endswith(CENTERED_SUFFIX)
+           and name[:-len(CENTERED_SUFFIX)] in present]
+  for pair in (M3_PAIR, ALGORITHM_1_PAIR):
+    if set(pair) <= present:
+      pairs.append(pair)
+  if recipe in present:
+    pairs += [(recipe, other) for other in arms if other != recipe
+              and (recipe, other) not in pairs
+              and (other, recipe) not in pairs]
+  return pairs
+
+
+def paired_anytime(entry: Mapping[str, Any], a: str, b: str
+                   ) -> Optional[np.ndarray]:
+  """A's any-time value minus B's on each seed both ran (one workload);
+  None when either did not run it or they share no seed."""
+  arms = entry['arms']
+  if a not in arms or b not in arms or not ladder_targets(entry):
+    return None
+  values_b = dict(zip(_seeds(arms[b]), anytime_values(entry, b)))
+  shared = [(s, v) for s, v in zip(_seeds(arms[a]), anytime_values(entry, a))
+            if s in values_b]
+  if not shared:
+    return None
+  return np.asarray([v - values_b[s] for s, v in shared], np.float64)
+
+
+def mean_interval(groups: Sequence[np.ndarray], resamples: int = RESAMPLES,
+                  seed: int = SEED, level: float = LEVEL
+                  ) -> tuple[float, float, float]:
+  """``(mean, low, high)``: the mean over groups (workloads) of each group's
+  mean, and its bootstrap interval (pairs resampled within each group)."""
+  rng = _rng(seed)
+  draws = [g[rng.integers(0, g.size, (resamples, g.size))].mean(axis=1)
+           for g in groups]
+  low, high = _bounds(np.mean(draws, axis=0), level)
+  return float(np.mean([g.mean() for g in groups])), low, high
+
+
+def compare_anytime(results: Mapping[str, Any],
+                    pairs: Optional[Sequence[tuple[str, str]]] = None,
+                    resamples: int = RESAMPLES, seed: int = SEED,
+                    alpha: float = ALPHA) -> list[dict[str, Any]]:
+  """The paired comparisons of the any-time value (section comment).
+
+  Args:
+    results: a results.json whose workloads hold their ``ladder``.
+    pairs: ``(a, b)`` arm pairs; default ``anytime_pairs``.
+    resamples, seed, alpha: the bootstrap and the test level.
+
+  Returns:
+    One record per (pair, workload) and per pair pooled (``workload``:
+    ``'pooled'``): ``a``, ``b``, ``workload``, ``n`` (pairs), ``difference``
+    (mean of A's value minus B's; pooled, workloads weighted equally),
+    ``interval``, ``p`` (Wilcoxon), ``direction``, ``p_holm`` and
+    ``verdict`` (A vs B). Holm's families: the pooled records, and the
+    per-workload records.
+  """
+  if pairs is None:
+    pairs = anytime_pairs(_arm_names(results))
+  per_workload, pooled = [], []
+  for a, b in pairs:
+    groups = []
+    for name, entry in results['workloads'].items():
+      d = paired_anytime(entry, a, b)
+      if d is None:
+        continue
+      groups.append(d)
+      per_workload.append(_anytime_record(a, b, name, [d], resamples, seed))
+    if groups:
+      pooled.append(_anytime_record(a, b, 'pooled', groups, resamples, seed))
+  for family in (pooled, per_workload):
+    for record, adjusted in zip(family, holm([r['p'] for r in family])):
+      record['p_holm'] = adjusted
+      record['verdict'] = verdict(adjusted, record['direction'], alpha)
+  return pooled + per_workload
+
+
+def _anytime_record(a: str, b: str, workload: str,
+                    groups: Sequence[np.ndarray], resamples: int,
+                    seed: int) -> dict[str, Any]:
+  d = np.concatenate(groups)
+  mean, low, high = mean_interval(groups, resamples, seed)
+  return {'a': a, 'b': b, 'workload': workload, 'n': int(d.size),
+          'difference': mean, 'interval': [low, high], 'p': wilcoxon_p(d),
+          'direction': signed_rank_direction(d)}
