@@ -63,20 +63,30 @@ def test_results_schema(quick_run):
     assert all(isinstance(d, bool) for d in arm['diverged'])
   assert set(results['score']) == {'adamw', 'mine', 'boom'}
   assert all(0.0 <= s <= 1.0 for s in results['score'].values())
-  # Beside each score, its bootstrap interval, in both time profiles.
-  for profile in ('steps', 'wall_clock'):
+  # Beside each score, its bootstrap interval, in every time profile.
+  for profile in ('anytime', 'anytime_wall_clock', 'steps', 'wall_clock'):
     stored = results['profiles'][profile]
     assert set(stored['score_interval']) == set(stored['score'])
     for arm, (low, high) in stored['score_interval'].items():
       assert 0.0 <= low <= high <= 1.0
-  assert results['score_interval'] == results['profiles']['steps'][
+  # The headline is the any-time score in steps.
+  assert results['headline'] == 'anytime'
+  assert results['score_interval'] == results['profiles']['anytime'][
       'score_interval']
+  assert results['score'] == results['profiles']['anytime']['score']
+  ladder = entry['ladder']
+  assert ladder['reference'] == 'adamw' and len(ladder['targets']) == 8
+  assert set(ladder['reach']) == {'adamw', 'mine', 'boom'}
+  assert ladder['reach']['boom'] == [0.0] * 8   # it diverged
+  assert entry['statistics']['adamw']['anytime']['mean'] == pytest.approx(
+      results['score']['adamw'])
   assert set(entry['statistics']) == {'adamw', 'mine', 'boom'}
   assert entry['statistics']['boom']['steps_to_target'] == {
       'median': None, 'interval': [None, None]}
   # No centered pair and no recipe among these arms: no comparison; a quick
   # run recommends nothing.
   assert results['comparisons'] == [] and results['recommendation'] is None
+  assert results['anytime_comparisons'] == []
   # AdamW sets the quick target and reaches it on at least half its seeds.
   assert any(s is not None
              for s in entry['arms']['adamw']['steps_to_target'])
@@ -215,6 +225,49 @@ def test_steps_to_target_and_divergence_rules():
   assert protocol.diverged(np.array([1.0, np.nan]), np.array([0.5]))
   assert protocol.diverged(np.array([1.0] + [10.0] * 50), np.array([0.5]))
   assert not protocol.diverged(np.linspace(2.0, 0.5, 50), np.array([0.5]))
+
+
+def _tuning_workload(ladder, higher=True):
+  return dataclasses.replace(definitions.workload('spiral', quick=True),
+                             ladder=ladder, higher_is_better=higher)
+
+
+def _record(lr, metrics, diverged=False):
+  metrics = np.asarray(metrics, np.float64)
+  return protocol.RunRecord(1000, lr, np.zeros(4), metrics, diverged, 0.1)
+
+
+def test_tuning_chooses_the_best_any_time_value_not_the_race_to_one_target():
+  # Rate 0.1 climbs early and stalls; 0.3 ends higher, late. Against a
+  # ladder of early targets the early climber is worth more; against the
+  # area under the curve (no ladder) too; a ladder of one late target
+  # prefers the late one.
+  early = [0.6, 0.7, 0.7, 0.7, 0.7]
+  late = [0.1, 0.2, 0.3, 0.5, 0.8]
+  records = {0.1: [_record(0.1, early)], 0.3: [_record(0.3, late)],
+             1.0: [_record(1.0, [0.9] * 5, diverged=True)]}
+  assert protocol._select(records, _tuning_workload((0.5, 0.6, 0.7))) == 0.1
+  assert protocol._select(records, _tuning_workload(None)) == 0.1
+  assert protocol._select(records, _tuning_workload((0.8,))) == 0.3
+  # Equal any-time values: the better best metric, then the smaller rate.
+  assert protocol._select(records, _tuning_workload((2.0,))) == 0.3
+  same = {0.3: [_record(0.3, early)], 0.1: [_record(0.1, early)]}
+  assert protocol._select(same, _tuning_workload((0.5,))) == 0.1
+  # Every rate diverged: none.
+  assert protocol._select({1.0: records[1.0]}, _tuning_workload(None)) is None
+  # Lower is better: the area is negated.
+  down = {0.1: [_record(0.1, [5.0, 4.0, 4.0])],
+          0.3: [_record(0.3, [5.0, 5.0, 3.5])]}
+  assert protocol._select(down, _tuning_workload(None, higher=False)) == 0.1
+  assert protocol.tuning_value(np.array([1.0]), _tuning_workload(None),
+                               True) == -math.inf
+
+
+def test_full_size_workloads_are_tuned_against_their_ladders():
+  assert set(definitions.LADDERS) == set(definitions.NAMES)
+  for name, ladder in definitions.LADDERS.items():
+    assert len(ladder) >= 6, name
+  assert definitions.workload('spiral', quick=True).ladder is None
 
 
 def test_user_arm_spec_errors():

@@ -580,7 +580,7 @@ def stub_training(monkeypatch):
   records what ran."""
   calls, fail = [], set()
 
-  def evaluate_arm(workload, arm, reference, target, seeds, on_run=None,
+  def evaluate_arm(workload, arm, reference, seeds, on_run=None,
                    **kwargs):
     calls.append((workload.name, arm.name))
     if (workload.name, arm.name) in fail or arm.name in fail:

@@ -740,7 +740,7 @@ _VMAP = {'auto': None, 'on': True, 'off': False}
 
 
 def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
-              plan_: Plan, target: Optional[float], bar,
+              plan_: Plan, bar,
               store: protocol.RecordStore, window: float,
               args_vmap: str = 'auto'
               ) -> tuple[Optional[protocol.ArmOutcome], Optional[str]]:
@@ -756,7 +756,7 @@ def _evaluate(workload: definitions.Workload, arm: arms_lib.Arm,
   bar.set_description(f'{workload.name} / {arm.name}')
   try:
     return protocol.evaluate_arm(
-        workload, arm, plan_.reference, target, list(plan_.seeds),
+        workload, arm, plan_.reference, list(plan_.seeds),
         on_run=on_run, store=store, cost_window=window,
         vmap=_VMAP[args_vmap]), None
   except Exception as e:  # pylint: disable=broad-except
@@ -810,7 +810,7 @@ def _train(args: argparse.Namespace, plan_: Plan) -> int:
     entry = _new_entry(workload, results['workloads'].get(workload.name, {}),
                        args, plan_)
     for i, arm in enumerate(plan_.arms):
-      outcome, failure = _evaluate(workload, arm, plan_, entry['target'],
+      outcome, failure = _evaluate(workload, arm, plan_,
                                    bar, store, window, args.vmap)
       if failure:
         failures.append(failure)

@@ -6,8 +6,9 @@ traced in; a ``lax.scan``, or a compiled step called ``eval_every`` times
 where the workload's ``scan_steps`` is False; the seed and the peak learning
 rate are traced arguments, so the whole grid and every seed reuse it), plus
 compiled init and evaluation. The arm's rate is chosen from the workload's grid on the
-tuning seed (fastest to the target, then best metric; rates on which the
-tuning run diverged are discarded); a choice at an edge of the grid extends
+tuning seed by the measure the scores read (``tuning_value``: the any-time
+value against the workload's ladder of targets, then the best metric;
+rates on which the tuning run diverged are discarded); a choice at an edge of the grid extends
 it once by a factor 3 in that direction. The chosen rate then runs on the
 evaluation seeds, which every arm shares: the seed alone fixes the
 initialization, the minibatches and the dropout masks (``seed_keys``).
@@ -51,6 +52,7 @@ import optax
 from cbp_optax_experiments.reproduce import training
 from cbp_optax_experiments.workloads import arms as arms_lib
 from cbp_optax_experiments.workloads import definitions
+from cbp_optax_experiments.workloads import scoring
 
 TUNING_SEEDS = (1000,)
 BLOWUP = 3.0
@@ -459,21 +461,38 @@ def best_metric(curve, higher_is_better: bool) -> float:
   return max(values) if higher_is_better else min(values)
 
 
-def _select(records: dict[float, list[RunRecord]], workload, target):
-  """The rate with the fastest median time to target, then best metric;
-  None when every rate diverged."""
+def tuning_value(metrics: Sequence[float], workload,
+                 diverged_: bool) -> float:
+  """A tuning run's any-time value, the measure the scores read
+  (``scoring.anytime_value``) against the workload's ``ladder``; without a
+  ladder, the area under its best-so-far curve (the mean over evaluations,
+  negated where lower is better): the any-time value of a dense ladder, up
+  to a constant. A diverged run is worth nothing (-inf)."""
+  if diverged_:
+    return -math.inf
+  higher = workload.higher_is_better
+  if workload.ladder:
+    return scoring.anytime_value(list(metrics), workload.ladder, higher,
+                                 False)
+  area = float(np.mean(scoring.best_so_far(list(metrics), higher)))
+  return area if higher else -area
+
+
+def _select(records: dict[float, list[RunRecord]], workload):
+  """The rate with the best median any-time value on the tuning seeds
+  (``tuning_value``), then the best median best metric, then the smaller
+  rate; None when every rate diverged (a rate on which any tuning run
+  diverged is discarded)."""
   sign = 1.0 if workload.higher_is_better else -1.0
   keys = {}
   for lr, runs in records.items():
     if any(r.diverged for r in runs):
       continue
-    steps = [steps_to_target(r.metrics.tolist(), target, workload.eval_every,
-                             workload.higher_is_better, r.diverged)
-             for r in runs]
-    steps = np.median([math.inf if s is None else s for s in steps])
+    value = np.median([tuning_value(r.metrics, workload, r.diverged)
+                       for r in runs])
     metric = np.median([best_metric(r.metrics.tolist(),
                                     workload.higher_is_better) for r in runs])
-    keys[lr] = (steps, -sign * metric)
+    keys[lr] = (-value, -sign * metric, lr)
   if not keys:
     return None
   return min(keys, key=lambda lr: keys[lr])
@@ -542,7 +561,6 @@ def evaluate_arm(
     workload: definitions.Workload,
     arm: arms_lib.Arm,
     reference: arms_lib.Arm,
-    target: Optional[float],
     seeds: Sequence[int],
     tuning_seeds: Sequence[int] = TUNING_SEEDS,
     on_run: Optional[Callable[[], None]] = None,
@@ -599,11 +617,11 @@ def evaluate_arm(
 
   grid = arm.grid(workload)
   tuning = rates(grid)
-  chosen = _select(tuning, workload, target)
+  chosen = _select(tuning, workload)
   if chosen is None or chosen in (grid[0], grid[-1]):
     edge = grid[-1] * 3 if chosen == grid[-1] else grid[0] / 3
     tuning.update(rates([edge]))
-    chosen = _select(tuning, workload, target)
+    chosen = _select(tuning, workload)
     if chosen is None:  # every rate diverged: report the smallest one tried
       chosen = min(tuning)
   runs = many([(s, chosen) for s in seeds])

@@ -96,6 +96,9 @@ class Workload:
       (transformer 45 vs 69 ms, measured under load).
     batch_norm: the model has BatchNorm layers, evaluated with their running
       averages (``Arm.centers`` reads it).
+    ladder: the targets the learning rate is tuned against, easiest first
+      (``definitions.LADDERS``); None: tuned on the area under the
+      best-so-far curve.
   """
   name: str
   description: str
@@ -110,6 +113,7 @@ class Workload:
   validation_size: Optional[int] = None
   scan_steps: bool = True
   batch_norm: bool = False
+  ladder: Optional[tuple[float, ...]] = None
 
 
 # ---------------------------------------------------------------------------

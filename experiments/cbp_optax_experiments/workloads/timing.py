@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs = []
     start = time.perf_counter()
     outcome = protocol.evaluate_arm(
-        workload, arms[arm_name], arms[arms_lib.REFERENCE], None, [0, 1, 2],
+        workload, arms[arm_name], arms[arms_lib.REFERENCE], [0, 1, 2],
         on_run=lambda: runs.append(1))
     wall = time.perf_counter() - start
     print(json.dumps({
