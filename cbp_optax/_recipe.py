@@ -84,17 +84,9 @@ def recommended(
   ``optax.contrib.schedule_free_eval_params``. A tuned AdamW learning rate is
   the place to start.
 
-  The workload suite's answer (docs page "Workloads"):
-
-  Use cbp.recommended (cbp_robust's preconditioner, M3 without momentum and
-  each coordinate clipped to 3, inside optax.contrib.schedule_free) on the
-  centered model, a model with BatchNorm left plain. The decision rule,
-  written before the runs, chose it on the dev split: steps score 0.579
-  [0.360, 0.697] (95% interval, 10 paired seeds). On the test split, run after
-  the choice, it scores 0.478 [0.361, 0.562]; there, paired over seeds and
-  workloads, it is significantly slower than Muon (0.729 [0.537, 0.783],
-  median paired speedup 0.82x) and Muon centered (0.515 [0.485, 0.720], median
-  paired speedup 0.72x), and than no other arm.
+  How it compares with AdamW, NAdamW, schedule-free AdamW and Muon, plain
+  and centered, with intervals and paired tests: the docs page "Workloads"
+  (``docs/reproduction/workloads.md``).
 
   Args:
     learning_rate: the peak rate :math:`\eta \ge 0`, a float or an optax

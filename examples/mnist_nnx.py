@@ -14,16 +14,8 @@ of the model and the optimizer is saved after every epoch with Orbax's
 ``CheckpointManager`` and a rerun resumes from the latest epoch (see
 docs/checkpointing.md).
 
-Which optimizer, the workload suite's answer (README): Use cbp.recommended
-(cbp_robust's preconditioner, M3 without momentum and each coordinate clipped
-to 3, inside optax.contrib.schedule_free) on the centered model, a model with
-BatchNorm left plain. The decision rule, written before the runs, chose it on
-the dev split: steps score 0.579 [0.360, 0.697] (95% interval, 10 paired
-seeds). On the test split, run after the choice, it scores 0.478 [0.361,
-0.562]; there, paired over seeds and workloads, it is significantly slower
-than Muon (0.729 [0.537, 0.783], median paired speedup 0.82x) and Muon
-centered (0.515 [0.485, 0.720], median paired speedup 0.72x), and than no
-other arm.
+Which optimizer: the workload suite's answer, with its scores and intervals, is
+in the README and docs/reproduction/workloads.md.
 """
 
 import argparse

@@ -28,6 +28,7 @@ from cbp_optax_experiments.workloads import definitions
 from cbp_optax_experiments.workloads import protocol
 from cbp_optax_experiments.workloads import report
 from cbp_optax_experiments.workloads import splits
+from cbp_optax_experiments.workloads import statistics as stats_lib
 from cbp_optax_experiments.workloads import tasks
 
 REFERENCE = arms_lib.REFERENCE
@@ -755,3 +756,57 @@ def test_help_marks_the_arms_a_default_run_leaves_out():
   for name in arms_lib.builtin_arms():
     marked = listed[name].endswith('(not in the default arms)')
     assert marked == (name in arms_lib.NOT_BY_DEFAULT), listed[name]
+
+
+# ---------------------------------------------------------------------------
+# --workload: the user's own model through the same protocol
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / 'examples'
+
+
+def not_a_workload(quick):
+  del quick
+  return {'name': 'nope'}
+
+
+def test_own_workload_runs_end_to_end_with_ladder_and_verdict(
+    tmp_path, monkeypatch, capsys):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  out = tmp_path / 'moons'
+  assert cli.main(['--quick', '--workload', 'moons=own_workload:moons',
+                   '--arms', 'adamw,adamw_centered', '--out', str(out),
+                   '--no-progress']) == 0
+  results = json.loads((out / 'results.json').read_text())
+  assert list(results['workloads']) == ['moons']
+  entry = results['workloads']['moons']
+  assert 'user workload own_workload:moons' in entry['description']
+  assert len(entry['ladder']['targets']) == 8
+  assert set(results['profiles']['anytime']['score']) == {
+      'adamw', 'adamw_centered'}
+  pooled = [c for c in results['anytime_comparisons']
+            if c['workload'] == 'pooled']
+  assert [(c['a'], c['b']) for c in pooled] == [('adamw_centered', 'adamw')]
+  assert pooled[0]['verdict'] in (stats_lib.BETTER, stats_lib.WORSE,
+                                  stats_lib.NO_DIFFERENCE)
+  printed = capsys.readouterr().out
+  assert 'adamw_centered | adamw |' in printed
+  assert '### moons' in (out / 'results.md').read_text()
+
+
+def test_own_workload_refusals(tmp_path, capsys, no_training, monkeypatch):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  out = str(tmp_path / 'o')
+  fails_with(capsys, ['--quick', '--workload',
+                      f'x={__name__}:not_a_workload', '--out', out],
+             'returned dict, not a Workload')
+  fails_with(capsys, ['--quick', '--workload', 'x=nowhere_module:f',
+                      '--out', out], 'cannot load')
+  fails_with(capsys, ['--quick', '--workload', 'spiral=own_workload:moons',
+                      '--out', out], "is a built-in workload's name")
+  fails_with(capsys, ['--quick', '--workload', 'm=own_workload:moons',
+                      '--workloads', 'spiral', '--out', out],
+             'leaves out the --workload m')
+  fails_with(capsys, ['--workload', 'm=own_workload:moons', '--split', 'dev',
+                      '--out', out], 'is in no split')
+  fails_with(capsys, ['--quick', '--workload', 'bad', '--out', out],
+             'NAME=module:function')

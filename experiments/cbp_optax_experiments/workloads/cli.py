@@ -194,6 +194,17 @@ def make_parser() -> argparse.ArgumentParser:
                       '--split, of that split); without it: all, or '
                       f'{",".join(QUICK_WORKLOADS)} with --quick and no '
                       '--split')
+  parser.add_argument('--workload', action='append', default=None,
+                      metavar='NAME=module:function',
+                      help='a workload of your own: function(quick) returns '
+                      'a Workload built like the suite\'s (definitions.'
+                      'Workload: an NNX or Linen model via nnx_task / '
+                      'linen_task, a metric, a budget and a rate grid); '
+                      'NAME must not be a built-in workload\'s, and must be '
+                      'in --workloads when --workloads is given (repeatable; '
+                      'without --workloads, only these run). Its target and '
+                      'ladder come from the run\'s baselines (include adamw '
+                      'in --arms)')
   parser.add_argument('--arms', default=None, metavar='NAMES',
                       help=f"'{DEFAULT}' (every built-in arm but "
                       f'{", ".join(arms_lib.NOT_BY_DEFAULT)}, and every '
@@ -275,8 +286,11 @@ def parse(argv: Optional[Sequence[str]],
   if args.out is None:
     args.out = default_out(args.split)
   if args.workloads is None:
-    args.workloads = (','.join(QUICK_WORKLOADS)
-                      if args.quick and args.split is None else ALL)
+    args.workloads = (
+        ','.join(spec.partition('=')[0] for spec in args.workload)
+        if args.workload else
+        ','.join(QUICK_WORKLOADS) if args.quick and args.split is None
+        else ALL)
   if args.arms is None:
     args.arms = (','.join(QUICK_ARMS) if args.quick and not args.arm else
                  DEFAULT)
@@ -440,13 +454,39 @@ def _chosen_arms(args: argparse.Namespace) -> list[arms_lib.Arm]:
   return [available[name] for name in names]
 
 
-def _chosen_workloads(args: argparse.Namespace) -> list[str]:
-  """The workloads to run: ``--workloads``, within ``--split`` when given
-  (its workloads, in registry order, for 'all')."""
-  names = _names('--workloads', args.workloads, list(definitions.NAMES),
-                 'workload')
+def _user_workloads(specs: Sequence[str], quick: bool
+                    ) -> dict[str, definitions.Workload]:
+  """The ``--workload`` workloads by name, each built once here (a bad one
+  is refused before anything trains)."""
+  out = {}
+  for spec in specs:
+    name = spec.partition('=')[0]
+    if name in definitions.FACTORIES or name == ALL:
+      raise ValueError(f'--workload {spec!r}: {name!r} is a built-in '
+                       'workload\'s name; choose another')
+    if name in out:
+      raise ValueError(f'--workload {spec!r}: {name!r} given twice')
+    out[name] = definitions.user_workload(spec, quick)
+  return out
+
+
+def _chosen_workloads(args: argparse.Namespace,
+                      user: Sequence[str] = ()) -> list[str]:
+  """The workloads to run: ``--workloads`` (the built-in ones and the
+  ``user`` names of ``--workload``), within ``--split`` when given (its
+  workloads, in registry order, for 'all')."""
+  names = _names('--workloads', args.workloads,
+                 list(definitions.NAMES) + list(user), 'workload')
+  left_out = [name for name in user if name not in names]
+  if left_out:
+    raise ValueError(f'--workloads {args.workloads!r} leaves out the '
+                     f'--workload {", ".join(left_out)}: add it to '
+                     '--workloads or drop it')
   if args.split is None:
     return names
+  if user:
+    raise ValueError(f'--workload {", ".join(user)}: a workload of your own '
+                     'is in no split; run it without --split')
   if args.workloads.strip() == ALL:
     return list(splits.workloads(args.split))
   outside = [name for name in names if name not in splits.SPLITS[args.split]]
@@ -581,7 +621,8 @@ def plan(args: argparse.Namespace) -> Plan:
   outputs.check_out_dir(args.out)
   outputs.check_out_dir(args.out / RUNS)
   arms = _chosen_arms(args)
-  names = _chosen_workloads(args)
+  user = _user_workloads(args.workload or [], args.quick)
+  names = _chosen_workloads(args, list(user))
   seeds = list(range(args.seeds or (QUICK_SEEDS if args.quick else
                                     DEFAULT_SEEDS)))
   _check_seeds(seeds)
@@ -590,7 +631,8 @@ def plan(args: argparse.Namespace) -> Plan:
     # Before a workload is built: building one loads (and caches) MNIST
     # for its validation size, from wherever $CBP_OPTAX_MNIST says.
     os.environ['CBP_OPTAX_MNIST'] = str(args.data_dir)
-  workloads = [definitions.workload(name, args.quick) for name in names]
+  workloads = [user[name] if name in user else
+               definitions.workload(name, args.quick) for name in names]
   results = report.load(args.out)
   if results is not None:
     _check_merge(results, args, workloads, seeds)
@@ -607,6 +649,7 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
   given = [flag for flag, value in (
       ('--quick', args.quick), ('--workloads', args.workloads != ALL),
       ('--arms', args.arms != DEFAULT), ('--arm', args.arm),
+      ('--workload', args.workload),
       ('--centered', args.centered), ('--seeds', args.seeds is not None),
       ('--set-targets', args.set_targets),
       ('--data-dir', args.data_dir is not None),
@@ -635,7 +678,8 @@ def _check_compare_runs(args: argparse.Namespace
       ('--quick', args.quick), ('--split', args.split is not None),
       ('--workloads', args.workloads != ALL),
       ('--arms', args.arms != DEFAULT),
-      ('--arm', args.arm), ('--centered', args.centered),
+      ('--arm', args.arm), ('--workload', args.workload),
+      ('--centered', args.centered),
       ('--seeds', args.seeds is not None), ('--out', args.out_given),
       ('--set-targets', args.set_targets), ('--score-only', args.score_only),
       ('--data-dir', args.data_dir is not None),
@@ -847,7 +891,8 @@ def _summary(out: pathlib.Path, results: dict[str, Any], written: int,
   """Prints the score and what was written, then the failures; the exit
   status."""
   if written:
-    print(report.score_table(results))
+    print(report.anytime_table(results))
+    print(report.anytime_comparison_table(results))
     print(f'wrote {out / "results.md"}, {report.RESULTS}, '
           f'{", ".join(_PROFILE_PNGS)} ({seconds:.0f} s)')
   if not failures:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
@@ -34,6 +35,7 @@ from cbp_optax_experiments.reproduce import init_scale
 from cbp_optax_experiments.reproduce import resnet
 from cbp_optax_experiments.reproduce import training
 from cbp_optax_experiments.reproduce import transformer
+from cbp_optax_experiments.workloads import arms as arms_lib
 from cbp_optax_experiments.workloads import families
 from cbp_optax_experiments.workloads import tasks
 
@@ -383,6 +385,47 @@ FACTORIES: dict[str, Callable[[bool], Workload]] = {
 NAMES: Sequence[str] = tuple(REGISTRY)
 # The workloads today's library defaults were chosen on (``splits``).
 ORIGINAL: Sequence[str] = NAMES[:7]
+
+
+def user_workload(spec: str, quick: bool) -> Workload:
+  """``NAME=module:function`` -> the user's ``function(quick)``, a
+  ``Workload`` built like the suite's own factories (an NNX or Linen model
+  through ``nnx_task`` / ``linen_task``, a batch function, a metric, a
+  budget and a rate grid), named ``NAME``.
+
+  It has no fixed target or ladder: the run's baselines set them, as in a
+  ``--quick`` run. The code of ``function`` and its module enters the
+  workload's description (``arms.code_fingerprint``), so that a run into an
+  ``--out`` whose stored runs an earlier version of it made trains it again.
+
+  Raises:
+    ValueError: a malformed spec, a module or function that is not found,
+      or a function that does not return a ``Workload``.
+  """
+  name, sep, target = spec.partition('=')
+  module_name, colon, function_name = target.partition(':')
+  if not sep or not colon or not name or not module_name or not function_name:
+    raise ValueError(f'--workload expects NAME=module:function, got {spec!r}')
+  try:
+    factory = getattr(importlib.import_module(module_name), function_name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f'--workload {spec!r}: cannot load {target!r} ({e})'
+                     ) from e
+  if not callable(factory):
+    raise ValueError(f'--workload {spec!r}: {target!r} is not callable')
+  try:
+    built = factory(quick)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f'--workload {spec!r}: {target}(quick={quick}) raised '
+                     f'{type(e).__name__}: {e}') from e
+  if not isinstance(built, Workload):
+    raise ValueError(f'--workload {spec!r}: {target}(quick) returned '
+                     f'{type(built).__name__}, not a Workload (build it like '
+                     'the suite\'s factories, definitions.Workload)')
+  code = arms_lib.code_fingerprint(factory)
+  return dataclasses.replace(
+      built, name=name, target=None, ladder=None,
+      description=f'{built.description} (user workload {target}, code {code})')
 
 
 def workload(name: str, quick: bool) -> Workload:

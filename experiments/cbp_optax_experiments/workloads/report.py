@@ -583,8 +583,75 @@ def _miss_reason(arm: dict[str, Any]) -> str:
           f'{diverged}/{n})')
 
 
+def anytime_table(results: dict[str, Any]) -> str:
+  """One row per arm, best first: the any-time score (the headline) and its
+  wall-clock twin, each with its 95% interval, and the workloads it ran."""
+  profiles = results.get('profiles') or rescore(results)['profiles']
+  steps, wall = profiles[ANYTIME], profiles[ANYTIME_WALL_CLOCK]
+  rows = []
+  for arm, score in sorted(steps['score'].items(),
+                           key=lambda kv: (-kv[1], kv[0])):
+    rows.append([arm, f'{score:.3f}',
+                 _interval_cell(steps['score_interval'].get(arm)),
+                 f'{wall["score"][arm]:.3f}',
+                 _interval_cell(wall['score_interval'].get(arm))])
+  return plotting.markdown_table(
+      ['arm', 'any-time score, steps (headline)', '95% interval',
+       'any-time score, wall-clock', '95% interval'], rows)
+
+
+def ladder_table(name: str, entry: dict[str, Any]) -> str:
+  """The workload's ladder of targets and, per arm, the fraction of its
+  seeds that reach each, with its mean any-time value [95% interval]."""
+  ladder = entry.get('ladder') or workload_ladder(entry)
+  targets = ladder['targets']
+  if not targets:
+    return (f'Ladder ({name}): none (no {arms_lib.REFERENCE} run on this '
+            'workload): no any-time value here.')
+  stats = entry.get('statistics') or {}
+  rows = []
+  for arm, reach in ladder['reach'].items():
+    cell = (stats.get(arm) or {}).get('anytime') or statistics.anytime_cell(
+        entry, arm)
+    rows.append([arm] + [f'{r:.1f}' for r in reach] + [
+        f'{cell["mean"]:.3f} {_interval_cell(cell["interval"])}'])
+  fractions = ', '.join(f'{f:g}' for f in ladder['fractions'])
+  header = ['arm'] + [f'{_fmt_metric(t, entry["metric"])}' for t in targets]
+  return (f'Ladder: {entry["metric"]} {"≥" if entry["higher_is_better"] else "≤"}'
+          f' each target, easiest first ({ladder["reference"]}\'s median '
+          f'best-so-far at {fractions} of the budget, then {ladder["hard"]} '
+          'steps up to the best median of any arm); fraction of seeds '
+          'reaching each, and the mean any-time value [95% interval].\n\n'
+          + plotting.markdown_table(header + ['any-time value'], rows))
+
+
+def anytime_comparison_table(results: dict[str, Any],
+                             pooled: bool = True) -> str:
+  """The paired comparisons of any-time values
+  (``statistics.compare_anytime``): pooled, or per workload."""
+  comparisons = results.get('anytime_comparisons')
+  if comparisons is None:
+    comparisons = statistics.compare_anytime(results)
+  rows = []
+  for c in comparisons:
+    if (c['workload'] == 'pooled') != pooled:
+      continue
+    low, high = c['interval']
+    rows.append([c['a'], c['b']] + ([] if pooled else [c['workload']]) + [
+        str(c['n']), f'{c["difference"]:+.3f}', f'[{low:+.3f}, {high:+.3f}]',
+        f'{c["p"]:.3g}', f'{c["p_holm"]:.3g}', c['verdict']])
+  if not rows:
+    return '(no pairs in the family among these arms)'
+  return plotting.markdown_table(
+      ['arm A', 'vs arm B'] + ([] if pooled else ['workload']) + [
+          'pairs (workload, seed)', 'mean difference (A - B)',
+          '95% paired bootstrap', 'Wilcoxon p', 'Holm p',
+          f'A is ... (alpha {statistics.ALPHA:g})'], rows)
+
+
 def score_table(results: dict[str, Any]) -> str:
-  """One row per arm: the three scores, workloads reached, speedups."""
+  """One row per arm: the single-target scores, workloads reached,
+  speedups."""
   profiles = results.get('profiles') or rescore(results)['profiles']
   n = len(results['workloads'])
   steps, wall = profiles[STEPS], profiles[WALL_CLOCK]
@@ -657,6 +724,22 @@ def comparison_table(results: dict[str, Any], pooled: bool = True) -> str:
           f'A is ... (alpha {statistics.ALPHA:g})'], rows)
 
 
+ANYTIME_NOTE = (
+    'Any-time score (scoring.py): per workload a ladder of targets from '
+    'easy to hard (the reference\'s median best-so-far at fixed fractions of '
+    'the budget, then equal steps up to the best median quality of any '
+    'arm); per (workload, target, seed) the share of the evaluations at or '
+    'past the target (0 when never reached or diverged); an arm\'s score is '
+    'the mean over workloads of its mean over targets and seeds. Wall-clock: '
+    'reaching at evaluation k costs the arm\'s step cost times k of AdamW\'s '
+    'evaluation times. Intervals: 95% bootstrap over the evaluation seeds '
+    '(resampled within each workload, one draw for every arm). Paired '
+    'comparisons: per (workload, seed), A\'s value minus B\'s; the mean '
+    'difference (workloads weighted equally) with its paired bootstrap '
+    'interval; Wilcoxon signed-rank (zeros split), Holm-corrected within the '
+    'pooled family and within each pair\'s workloads.')
+
+
 STATISTICS_NOTE = (
     'Intervals: 95% percentile bootstrap ({resamples} resamples, fixed '
     'seed) over the evaluation seeds; a seed that missed the target counts '
@@ -708,24 +791,32 @@ def write(out: pathlib.Path, results: dict[str, Any]) -> None:
       'workload from the initial metric (0) to the best arm\'s (1), averaged '
       'over workloads.',
   ]
-  sections = ['\n'.join(l for l in lines if l), '## Score', score_table(results),
+  sections = ['\n'.join(l for l in lines if l), '## Score',
+              anytime_table(results), ANYTIME_NOTE,
+              '## Paired comparisons (any-time values)',
+              '### Pooled over workloads', anytime_comparison_table(results),
+              '### Per workload',
+              anytime_comparison_table(results, pooled=False),
+              '## Single-target view (AlgoPerf)', score_table(results),
               '![performance profile, steps](performance_profile.png)\n'
               '![performance profile, wall-clock]'
               '(performance_profile_wall_clock.png)',
-              '## Paired comparisons (steps to target)',
+              '### Paired comparisons (steps to the single target)',
               STATISTICS_NOTE.format(resamples=statistics.RESAMPLES,
                                      factor=statistics.CENSORED_FACTOR,
                                      alpha=statistics.ALPHA),
-              '### Pooled over workloads', comparison_table(results),
-              '### Per workload', comparison_table(results, pooled=False),
+              '#### Pooled over workloads', comparison_table(results),
+              '#### Per workload', comparison_table(results, pooled=False),
               '## Workloads']
   recommendation = results.get('recommendation')
   if recommendation:
-    sections.insert(3, f'**Decision rule (decision.py):** '
+    sections.insert(4, f'**Decision rule (decision.py, version '
+                    f'{recommendation.get("rule", 1)}):** '
                     f'{recommendation["reason"]}')
   for name, entry in results['workloads'].items():
     sections.append(workload_table(name, entry))
-  title = 'Workloads: time to target' + (f' ({split} split)' if split else '')
+    sections.append(ladder_table(name, entry))
+  title = 'Workloads: any-time score' + (f' ({split} split)' if split else '')
   plotting.write_markdown(out / 'results.md', title, sections)
   plot_profile(out / 'performance_profile.png', results, STEPS)
   plot_profile(out / 'performance_profile_wall_clock.png', results,
