@@ -6,14 +6,17 @@ suite's own factories and builds the workload with its public helpers
 (``definitions.nnx_task``, ``definitions.Workload``). Run it with the
 optimizers you care about, plain and centered::
 
-  cbp-optax workloads --workload moons=own_workload:moons \\
-      --arms adamw,adamw_centered,muon,muon_centered --quick --out /tmp/moons
+  python examples/own_workload.py --quick --out /tmp/moons
 
-(from this folder, or with it on PYTHONPATH; drop ``--quick`` for the full
+which runs ``cbp-optax workloads --workload moons=own_workload:moons
+--arms adamw,adamw_centered,muon,muon_centered`` (the same command works
+from this folder, or with it on PYTHONPATH; drop ``--quick`` for the full
 size and ten seeds). The report (``/tmp/moons/results.md``) gives each arm's
 any-time score with its interval and, per optimizer, whether centering
 made it significantly better, no different or worse, and by how much.
 """
+
+import argparse
 
 from flax import nnx
 import jax
@@ -75,3 +78,26 @@ def moons(quick: bool) -> definitions.Workload:
       f'{steps} steps', definitions.ACCURACY, True, steps, every,
       (1e-3, 3e-3, 1e-2, 3e-2), None, build, family='synthetic-2d',
       validation_size=int(val_y.shape[0]))
+
+
+def main():
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument('--arms', default='adamw,adamw_centered,muon,'
+                      'muon_centered', help='the optimizers to compare '
+                      '(cbp-optax workloads --help lists them)')
+  parser.add_argument('--quick', action='store_true',
+                      help='tiny sizes and three seeds (a smoke test)')
+  parser.add_argument('--out', default='/tmp/moons',
+                      help='output folder for results.json / results.md')
+  args = parser.parse_args()
+  # Imported here: the function above is all the suite needs.
+  from cbp_optax_experiments.workloads import cli  # pylint: disable=g-import-not-at-top
+  argv = ['--workload', 'moons=own_workload:moons', '--arms', args.arms,
+          '--out', args.out] + (['--quick'] if args.quick else [])
+  raise SystemExit(cli.main(argv))
+
+
+if __name__ == '__main__':
+  main()
