@@ -4,6 +4,8 @@ Optimizer side (optax transforms):
 
 * :func:`equalize` - M1, layerwise gradient-norm equalization (eqs. 5-7).
 * :func:`precondition` - M3, damped lagged diagonal preconditioning (eqs. 11-12).
+* :func:`precondition_kron` - M3 in the eigenbasis of each matrix's Kronecker
+  factors (§8.2).
 * :func:`cbp` - the two chained with a learning rate (Algorithm 1, steps 3-9).
 * :func:`recommended` - the recommended recipe's optimizer (schedule-free CBP
   M3) for a model centered with M2, chosen on the workload suite's dev split.
@@ -31,12 +33,17 @@ from cbp_optax._equalize_stats import equalize_stats
 from cbp_optax._equalize import EqualizeState
 from cbp_optax._precondition import precondition
 from cbp_optax._precondition import PreconditionState
+from cbp_optax._precondition_kron import KronFactors
+from cbp_optax._precondition_kron import KronPreconditionState
+from cbp_optax._precondition_kron import precondition_kron
 
 __version__ = '0.1.0'
 
 __all__ = (
     'BlockStats',
     'EqualizeState',
+    'KronFactors',
+    'KronPreconditionState',
     'PreconditionState',
     'block_names',
     'blocks',
@@ -52,6 +59,7 @@ __all__ = (
     'nnx',
     'no_blocks',
     'precondition',
+    'precondition_kron',
     'recommended',
 )
 

@@ -54,7 +54,7 @@ class PreconditionState(NamedTuple):
   nu: optax.Updates  # Second moment v, in stats dtype.
 
 
-def _moment_dtype(leaf: Any, stats_dtype: Optional[Any]) -> jnp.dtype:
+def moment_dtype(leaf: Any, stats_dtype: Optional[Any]) -> jnp.dtype:
   if stats_dtype is not None:
     return jnp.dtype(stats_dtype)
   # Low-precision parameters keep float32 statistics; float64 stays float64.
@@ -84,16 +84,16 @@ def saturating_cast(x: chex.Array, dtype: Any) -> chex.Array:
   )
 
 
-def _zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
+def zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
   # zeros_like keeps the parameters' sharding: one state type at init and
   # after every update.
   return jax.tree.map(
-      lambda leaf: jnp.zeros_like(leaf, dtype=_moment_dtype(leaf, stats_dtype)),
+      lambda leaf: jnp.zeros_like(leaf, dtype=moment_dtype(leaf, stats_dtype)),
       tree,
   )
 
 
-def _check_matches_state(updates: Any, state: PreconditionState) -> None:
+def check_matches_state(updates: Any, state: PreconditionState) -> None:
   updates_def = jax.tree.structure(updates)
   state_def = jax.tree.structure(state.mu)
   if updates_def != state_def:
@@ -129,7 +129,7 @@ def check_zero_moment(zero_moment: Any, *, factory: str) -> None:
         f'{what}{zero_moment!r}.')
 
 
-class _Rules(NamedTuple):
+class Rules(NamedTuple):
   """The hyperparameters of one :func:`precondition` (tracers allowed)."""
   b1: Any
   b2: Any
@@ -153,7 +153,7 @@ def _where(pred: chex.Array, a: chex.Array, b: chex.Array) -> chex.Array:
   return jnp.where(pred, a, b)
 
 
-def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
+def leaf_update(rules: Rules, first_step, mu_correction, nu_correction,
                  g, m, v, p):
   """One leaf's direction and new moments (eqs. 11-12; steps 6-9)."""
   b1, b2, damping = rules.b1, rules.b2, rules.damping
@@ -179,7 +179,7 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
           v_new.astype(v.dtype))
 
 
-def _check_arguments(b1, b2, damping, stats_dtype, zero_moment) -> Any:
+def check_arguments(b1, b2, damping, stats_dtype, zero_moment) -> Any:
   """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
   factory = 'cbp.precondition'
   _checks.check_decay('b1', b1, factory=factory)
@@ -283,20 +283,20 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  stats_dtype = _check_arguments(b1, b2, damping, stats_dtype, zero_moment)
-  rules = _Rules(b1, b2, damping, zero_moment)
+  stats_dtype = check_arguments(b1, b2, damping, stats_dtype, zero_moment)
+  rules = Rules(b1, b2, damping, zero_moment)
 
   def init_fn(params):
     _checks.check_float_leaves('precondition', params)
     return PreconditionState(
         count=jnp.zeros([], jnp.int32),
-        mu=_zeros_like_tree(params, stats_dtype),
-        nu=_zeros_like_tree(params, stats_dtype),
+        mu=zeros_like_tree(params, stats_dtype),
+        nu=zeros_like_tree(params, stats_dtype),
     )
 
   def update_fn(updates, state, params=None):
     _checks.check_real_gradients('precondition', updates)
-    _check_matches_state(updates, state)
+    check_matches_state(updates, state)
     count = state.count
     count_inc = optax.safe_increment(count)
     first_step = count == 0
@@ -311,7 +311,7 @@ def precondition(
     p_leaves = ([None] * len(g_leaves) if params is None
                 else jax.tree.leaves(params))
     results = [
-        _leaf_update(rules, first_step, mu_correction, nu_correction,
+        leaf_update(rules, first_step, mu_correction, nu_correction,
                      g, m, v, p)
         for g, m, v, p in zip(g_leaves, jax.tree.leaves(state.mu),
                               jax.tree.leaves(state.nu), p_leaves)
