@@ -225,6 +225,42 @@ def _eigenbasis(factor: chex.Array) -> chex.Array:
   return jnp.linalg.eigh(factor + ridge)[1].astype(factor.dtype)
 
 
+def _matrix_update(rules, beta_f, first_step, mu_correction, nu_correction,
+                   refresh, g, m, v, p, f: KronFactors, view: _Matrix):
+  """One matrix leaf: the direction, the new moments and the new factors
+  (module docstring)."""
+  g_stats = jnp.asarray(g).astype(m.dtype)
+  matrix = view.to(g_stats)
+  q_left, q_right = f.left_basis, f.right_basis
+  # M3's rule in the rotated coordinates (rotation is linear, so the
+  # rotated momentum update is the rotation of the momentum update).
+  step_r, _, v_new = diag.leaf_update(
+      rules, first_step, mu_correction, nu_correction,
+      _rotate(q_left, matrix, q_right),
+      _rotate(q_left, view.to(m), q_right), view.to(v), None)
+  step = view.back(_unrotate(q_left, step_r, q_right))
+  step = diag.saturating_cast(step, _checks.output_dtype(g, p))
+  m_new = (rules.b1 * m + (1.0 - rules.b1) * g_stats).astype(m.dtype)
+  # After the direction: the factors and bases of step t + 1, and v
+  # carried into the new basis.
+  left = beta_f * f.left + (1.0 - beta_f) * jnp.einsum(
+      'bik,bjk->bij', matrix, matrix)
+  right = beta_f * f.right + (1.0 - beta_f) * jnp.einsum(
+      'bki,bkj->bij', matrix, matrix)
+  left, right = left.astype(f.left.dtype), right.astype(f.right.dtype)
+
+  def refreshed(l, r, v_r, old_left=q_left, old_right=q_right):
+    new_left, new_right = _eigenbasis(l), _eigenbasis(r)
+    return new_left, new_right, _carry(v_r, old_left, old_right,
+                                       new_left, new_right)
+
+  q_left, q_right, v_new = jax.lax.cond(
+      refresh, refreshed, lambda l, r, v_r: (q_left, q_right, v_r),
+      left, right, v_new.astype(v.dtype))
+  return (step, m_new, view.back(v_new),
+          KronFactors(left, right, q_left, q_right))
+
+
 def _carry(v, old_left, old_right, new_left, new_right):
   """The second moment ``v`` (a diagonal in the old basis' coordinates) in
   the new basis: the diagonal of the rotated operator,
@@ -235,6 +271,27 @@ def _carry(v, old_left, old_right, new_left, new_right):
   o_left = jnp.square(jnp.einsum('bim,bin->bmn', new_left, old_left))
   o_right = jnp.square(jnp.einsum('bim,bin->bmn', new_right, old_right))
   return jnp.einsum('bmi,bij,bnj->bmn', o_left, v, o_right).astype(v.dtype)
+
+
+def _check_arguments(b1, b2, damping, factor_decay, every, max_dim,
+                     stats_dtype, zero_moment) -> Any:
+  """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
+  factory = 'cbp.precondition_kron'
+  stats_dtype = diag.check_arguments(b1, b2, damping, stats_dtype,
+                                      zero_moment)
+  if factor_decay is not None:
+    _checks.check_decay('factor_decay', factor_decay, factory=factory)
+  # every may arrive traced (optax.inject_hyperparams); max_dim sets shapes
+  # and must be static.
+  for name, value in (('every', every), ('max_dim', max_dim)):
+    if name == 'every' and isinstance(value, jax.Array):
+      continue
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise (ValueError if type(value) is int else TypeError)(
+          f'{factory}: {name} must be an int >= 1, got {value!r}'
+          + ('; under optax.inject_hyperparams, name it in static_args.'
+             if name == 'max_dim' else '.'))
+  return stats_dtype
 
 
 def precondition_kron(
@@ -311,21 +368,8 @@ def precondition_kron(
     §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1 and §8.2; Vyas et al.,
     SOAP, ICLR 2025.
   """
-  factory = 'cbp.precondition_kron'
-  stats_dtype = diag.check_arguments(b1, b2, damping, stats_dtype,
-                                      zero_moment)
-  if factor_decay is not None:
-    _checks.check_decay('factor_decay', factor_decay, factory=factory)
-  # every may arrive traced (optax.inject_hyperparams); max_dim sets shapes
-  # and must be static.
-  for name, value in (('every', every), ('max_dim', max_dim)):
-    if name == 'every' and isinstance(value, jax.Array):
-      continue
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise (ValueError if type(value) is int else TypeError)(
-          f'{factory}: {name} must be an int >= 1, got {value!r}'
-          + ('; under optax.inject_hyperparams, name it in static_args.'
-             if name == 'max_dim' else '.'))
+  stats_dtype = _check_arguments(b1, b2, damping, factor_decay, every,
+                                 max_dim, stats_dtype, zero_moment)
   rules = diag.Rules(b1, b2, damping, zero_moment)
   beta_f = b2 if factor_decay is None else factor_decay
   numbers = (default_dimension_numbers if dimension_numbers is None
@@ -378,36 +422,11 @@ def precondition_kron(
         steps.append(step), mus.append(m_new), nus.append(v_new)
         factors.append(f)
         continue
-      g_stats = jnp.asarray(g).astype(m.dtype)
-      matrix = view.to(g_stats)
-      q_left, q_right = f.left_basis, f.right_basis
-      # M3's rule in the rotated coordinates (rotation is linear, so the
-      # rotated momentum update is the rotation of the momentum update).
-      step_r, _, v_new = diag.leaf_update(
-          rules, first_step, mu_correction, nu_correction,
-          _rotate(q_left, matrix, q_right),
-          _rotate(q_left, view.to(m), q_right), view.to(v), None)
-      step = view.back(_unrotate(q_left, step_r, q_right))
-      steps.append(diag.saturating_cast(step, _checks.output_dtype(g, p)))
-      mus.append((b1 * m + (1.0 - b1) * g_stats).astype(m.dtype))
-      # After the direction: the factors and bases of step t + 1, and v
-      # carried into the new basis.
-      left = beta_f * f.left + (1.0 - beta_f) * jnp.einsum(
-          'bik,bjk->bij', matrix, matrix)
-      right = beta_f * f.right + (1.0 - beta_f) * jnp.einsum(
-          'bki,bkj->bij', matrix, matrix)
-      left, right = left.astype(f.left.dtype), right.astype(f.right.dtype)
-
-      def refreshed(l, r, v_r, old_left=q_left, old_right=q_right):
-        new_left, new_right = _eigenbasis(l), _eigenbasis(r)
-        return new_left, new_right, _carry(v_r, old_left, old_right,
-                                           new_left, new_right)
-
-      q_left, q_right, v_new = jax.lax.cond(
-          refresh, refreshed, lambda l, r, v_r: (q_left, q_right, v_r),
-          left, right, v_new.astype(v.dtype))
-      nus.append(view.back(v_new))
-      factors.append(KronFactors(left, right, q_left, q_right))
+      step, m_new, v_new, f_new = _matrix_update(
+          rules, beta_f, first_step, mu_correction, nu_correction, refresh,
+          g, m, v, p, f, view)
+      steps.append(step), mus.append(m_new), nus.append(v_new)
+      factors.append(f_new)
     return treedef.unflatten(steps), KronPreconditionState(
         count=count_inc, mu=treedef.unflatten(mus),
         nu=treedef.unflatten(nus), factors=treedef.unflatten(factors))
