@@ -66,7 +66,8 @@ _PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
 # _VERSION grows with every registration, so a cached check is redone.
 _VERSION = 0
 
-_CBP_STATISTICS = frozenset({'EqualizeState', 'PreconditionState'})
+_CBP_STATISTICS = frozenset({'EqualizeState', 'PreconditionState',
+                             'KronPreconditionState'})
 
 _CONTAINERS = (dict, list, tuple, type(None))
 

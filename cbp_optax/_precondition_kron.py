@@ -86,6 +86,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from cbp_optax import _checks
 from cbp_optax import _precondition as diag
+from cbp_optax._paths import path_names
 
 
 class KronFactors(NamedTuple):
@@ -111,8 +112,10 @@ class KronPreconditionState(NamedTuple):
     mu: the first moment :math:`m` of eq. (12), like the parameters.
     nu: the second moment :math:`v` of eq. (11), like the parameters; for a
       matrix leaf, in the coordinates of its eigenbasis.
-    factors: per leaf, its :class:`KronFactors`, or ``optax.MaskedNode()``
-      for a leaf that keeps the diagonal M3.
+    factors: a dict from each matrix leaf's path (its keys joined by
+      ``/``, an NNX ``value`` attribute left out) to its
+      :class:`KronFactors`; the leaves that keep the diagonal M3 have none.
+      Without any matrix, one empty array.
   """
   count: chex.Array  # shape=(), dtype=jnp.int32.
   mu: optax.Updates
@@ -149,18 +152,33 @@ def _axes(spec: MuonDimensionNumbers, ndim: int) -> tuple[tuple[int, ...], ...]:
   return batch, reduction, output
 
 
+def _explicit_spec(x) -> Optional[Any]:
+  """The partition spec of ``x`` where its type carries one (axes of
+  ``AxisType.Explicit`` meshes), else None."""
+  spec = getattr(jax.typeof(x).sharding, 'spec', None)
+  return spec if spec is not None and any(a is not None for a in spec) else None
+
+
 class _Matrix(NamedTuple):
-  """How one leaf is viewed as ``(batch, m, n)`` and back."""
+  """How one leaf is viewed as ``(batch, m, n)`` and back.
+
+  A leaf sharded along explicit mesh axes is replicated for the view
+  (merging a sharded axis into another is not a sharding JAX can infer)
+  and given its sharding back with the result."""
   perm: tuple[int, ...]
   shape: tuple[int, int, int]
   permuted_shape: tuple[int, ...]
 
   def to(self, x):
+    if _explicit_spec(x) is not None:
+      x = jax.sharding.reshard(x, jax.sharding.PartitionSpec())
     return jnp.transpose(x, self.perm).reshape(self.shape)
 
-  def back(self, x):
+  def back(self, x, like=None):
     inverse = tuple(sorted(range(len(self.perm)), key=self.perm.__getitem__))
-    return jnp.transpose(x.reshape(self.permuted_shape), inverse)
+    out = jnp.transpose(x.reshape(self.permuted_shape), inverse)
+    spec = None if like is None else _explicit_spec(like)
+    return out if spec is None else jax.sharding.reshard(out, spec)
 
 
 def _matrix(shape: tuple[int, ...], spec: Optional[MuonDimensionNumbers],
@@ -191,6 +209,20 @@ def _specs(dimension_numbers: DimensionNumbers, params: Any) -> list:
         'MuonDimensionNumbers or None per parameter leaf; got '
         f'{len(specs)} for {len(leaves)} leaves.')
   return specs
+
+
+def _key(path) -> str:
+  """A leaf's key in ``factors``: its path's names joined by slashes, the
+  ``value`` attribute of an NNX Variable left out (``nnx.Optimizer``
+  initializes on Variables and updates with arrays)."""
+  return '/'.join(n for n in path_names(path) if n != 'value')
+
+
+def _no_factors() -> chex.Array:
+  """``factors`` where there is no matrix: one empty array, a leaf, so that
+  the state's structure is a prefix of any other (``optax.tree_map_params``
+  initializes on a placeholder without leaves)."""
+  return jnp.zeros((0,), jnp.float32)
 
 
 def _eye(batch: int, size: int, dtype) -> chex.Array:
@@ -238,7 +270,7 @@ def _matrix_update(rules, beta_f, first_step, mu_correction, nu_correction,
       rules, first_step, mu_correction, nu_correction,
       _rotate(q_left, matrix, q_right),
       _rotate(q_left, view.to(m), q_right), view.to(v), None)
-  step = view.back(_unrotate(q_left, step_r, q_right))
+  step = view.back(_unrotate(q_left, step_r, q_right), like=g)
   step = diag.saturating_cast(step, _checks.output_dtype(g, p))
   m_new = (rules.b1 * m + (1.0 - rules.b1) * g_stats).astype(m.dtype)
   # After the direction: the factors and bases of step t + 1, and v
@@ -257,7 +289,7 @@ def _matrix_update(rules, beta_f, first_step, mu_correction, nu_correction,
   q_left, q_right, v_new = jax.lax.cond(
       refresh, refreshed, lambda l, r, v_r: (q_left, q_right, v_r),
       left, right, v_new.astype(v.dtype))
-  return (step, m_new, view.back(v_new),
+  return (step, m_new, view.back(v_new, like=v),
           KronFactors(left, right, q_left, q_right))
 
 
@@ -355,8 +387,8 @@ def precondition_kron(
     >>> tx = cbp.precondition_kron(b1=0.0, every=1)
     >>> params = {'w': jnp.zeros((3, 2)), 'b': jnp.zeros(2)}
     >>> state = tx.init(params)
-    >>> state.factors['w'].left.shape, state.factors['b']
-    ((1, 3, 3), MaskedNode())
+    >>> state.factors['w'].left.shape, list(state.factors)
+    ((1, 3, 3), ['w'])
     >>> grads = {'w': jnp.ones((3, 2)), 'b': jnp.ones(2)}
     >>> updates, state = tx.update(grads, state)   # P_1 = I
     >>> print(updates['w'][0])
@@ -376,27 +408,33 @@ def precondition_kron(
              else dimension_numbers)
 
   def views(params):
-    return [_matrix(jnp.shape(p), s, max_dim)
-            for p, s in zip(jax.tree.leaves(params), _specs(numbers, params))]
+    """Per leaf, its key in ``factors`` and its matrix view (or None)."""
+    paths = [_key(path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(params)[0]]
+    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+    found = [(k, _matrix(shape, s, max_dim))
+             for k, shape, s in zip(paths, shapes, _specs(numbers, params))]
+    keys = [k for k, view in found if view is not None]
+    if len(set(keys)) != len(keys):
+      raise ValueError('precondition_kron: two matrix leaves have the same '
+                       f'path once joined ({sorted(keys)}); rename one.')
+    return found
 
   def init_fn(params):
     _checks.check_float_leaves('precondition_kron', params)
-    leaves, treedef = jax.tree.flatten(params)
-    factors = []
-    for leaf, view in zip(leaves, views(params)):
-      if view is None:
-        factors.append(optax.MaskedNode())
-        continue
-      dtype = diag.moment_dtype(leaf, stats_dtype)
-      batch, m, n = view.shape
-      factors.append(KronFactors(
-          jnp.zeros((batch, m, m), dtype), jnp.zeros((batch, n, n), dtype),
-          _eye(batch, m, dtype), _eye(batch, n, dtype)))
+    factors = {}
+    for leaf, (key, view) in zip(jax.tree.leaves(params), views(params)):
+      if view is not None:
+        dtype = diag.moment_dtype(leaf, stats_dtype)
+        batch, m, n = view.shape
+        factors[key] = KronFactors(
+            jnp.zeros((batch, m, m), dtype), jnp.zeros((batch, n, n), dtype),
+            _eye(batch, m, dtype), _eye(batch, n, dtype))
     return KronPreconditionState(
         count=jnp.zeros([], jnp.int32),
         mu=diag.zeros_like_tree(params, stats_dtype),
         nu=diag.zeros_like_tree(params, stats_dtype),
-        factors=treedef.unflatten(factors))
+        factors=factors or _no_factors())
 
   def update_fn(updates, state, params=None):
     _checks.check_real_gradients('precondition_kron', updates)
@@ -411,24 +449,27 @@ def precondition_kron(
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = ([None] * len(g_leaves) if params is None
                 else jax.tree.leaves(params))
-    f_leaves = treedef.flatten_up_to(state.factors)
-    steps, mus, nus, factors = [], [], [], []
-    for g, m, v, p, f, view in zip(
+    found = views(updates)
+    stored = state.factors if isinstance(state.factors, dict) else {}
+    missing = sorted({k for k, view in found if view is not None}
+                     ^ set(stored))
+    if missing:
+      raise ValueError('precondition_kron: the matrices of the gradients and '
+                       f'of the state differ at {missing}.')
+    steps, mus, nus, factors = [], [], [], {}
+    for g, m, v, p, (key, view) in zip(
         g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
-        p_leaves, f_leaves, views(updates)):
+        p_leaves, found):
       if view is None:
         step, m_new, v_new = diag.leaf_update(
             rules, first_step, mu_correction, nu_correction, g, m, v, p)
-        steps.append(step), mus.append(m_new), nus.append(v_new)
-        factors.append(f)
-        continue
-      step, m_new, v_new, f_new = _matrix_update(
-          rules, beta_f, first_step, mu_correction, nu_correction, refresh,
-          g, m, v, p, f, view)
+      else:
+        step, m_new, v_new, factors[key] = _matrix_update(
+            rules, beta_f, first_step, mu_correction, nu_correction, refresh,
+            g, m, v, p, state.factors[key], view)
       steps.append(step), mus.append(m_new), nus.append(v_new)
-      factors.append(f_new)
     return treedef.unflatten(steps), KronPreconditionState(
         count=count_inc, mu=treedef.unflatten(mus),
-        nu=treedef.unflatten(nus), factors=treedef.unflatten(factors))
+        nu=treedef.unflatten(nus), factors=factors or state.factors)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -47,6 +47,9 @@ PLAIN = ('sgd_momentum',)
 OPTIMIZERS = {
     'cbp': lambda dims: cbp.cbp(1e-2),
     'cbp_robust': lambda dims: cbp.cbp_robust(1e-2),
+    'precondition_kron': lambda dims: optax.chain(
+        cbp.precondition_kron(every=1, dimension_numbers=dims),
+        optax.scale_by_learning_rate(1e-2)),
     'recommended': lambda dims: cbp.recommended(1e-2, warmup_steps=2),
     'adamw': lambda dims: optax.adamw(1e-2),
     'nadamw': lambda dims: optax.nadamw(1e-2),

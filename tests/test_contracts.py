@@ -60,8 +60,24 @@ def cbp_chain(
   )
 
 
+def kron_chain(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    damping: float = 1e-3,
+    decay: float = 0.99,
+) -> optax.GradientTransformation:
+  """Algorithm 1 with the Kronecker-factored M3 (refreshed every 2 steps)."""
+  return optax.chain(
+      cbp.equalize(decay),
+      cbp.precondition_kron(b1, b2, damping, every=2),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
 OPTIMIZERS = {
     'cbp': (cbp.cbp, {}),
+    'kron_chain': (kron_chain, {}),
     'cbp_weight_decay': (cbp.cbp, {'weight_decay': 1e-2}),
     'chain': (cbp_chain, {}),
     'cbp_robust': (cbp.cbp_robust, {}),
@@ -144,9 +160,10 @@ def test_tree_map_params_maps_the_moments_only(name):
   params = {'a': jnp.ones(3), 'b': jnp.ones((2, 2))}
   state = jax.jit(opt.update)(params, opt.init(params), params)[1]
   mapped = optax.tree_map_params(opt, lambda v: v + 1.0, state)
+  kinds = (cbp.PreconditionState, cbp.KronPreconditionState)
   precondition_state = [s for s in jax.tree.leaves(
-      mapped, is_leaf=lambda x: isinstance(x, cbp.PreconditionState))
-                        if isinstance(s, cbp.PreconditionState)][0]
+      mapped, is_leaf=lambda x: isinstance(x, kinds))
+                        if isinstance(s, kinds)][0]
   chex.assert_trees_all_equal(
       precondition_state.mu,
       jax.tree.map(lambda m: m + 1.0, state[1].mu))
@@ -172,9 +189,9 @@ def _without_bases(state):
   full, does not depend on the basis chosen there."""
   def strip(x):
     if isinstance(x, cbp.KronPreconditionState):
-      return x._replace(nu=None, factors=jax.tree.map(
-          lambda f: f._replace(left_basis=None, right_basis=None),
-          x.factors, is_leaf=lambda f: isinstance(f, cbp.KronFactors)))
+      return x._replace(nu=None, factors={
+          k: f._replace(left_basis=None, right_basis=None)
+          for k, f in x.factors.items()})
     return x
   return jax.tree.map(
       strip, state,
