@@ -265,6 +265,7 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
   try:
     if args.out is not None:
       outputs.check_out_dir(args.out)
+      outputs.check_results_owner(args.out, outputs.COMPARE)
     if args.data_dir is not None and args.data_dir.exists() and (
         not args.data_dir.is_dir()):
       raise ValueError(f'--data-dir {args.data_dir}: a file, not a folder')

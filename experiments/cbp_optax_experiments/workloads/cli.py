@@ -580,6 +580,7 @@ def plan(args: argparse.Namespace) -> Plan:
   """
   outputs.check_out_dir(args.out)
   outputs.check_out_dir(args.out / RUNS)
+  outputs.check_results_owner(args.out, outputs.WORKLOADS)
   arms = _chosen_arms(args)
   names = _chosen_workloads(args)
   seeds = list(range(args.seeds or (QUICK_SEEDS if args.quick else
@@ -615,6 +616,7 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
     raise ValueError(f'--score-only rescores {args.out / report.RESULTS} as '
                      f'it stands: it takes no {", ".join(given)}')
   outputs.check_out_dir(args.out)
+  outputs.check_results_owner(args.out, outputs.WORKLOADS)
   results = report.load(args.out)
   if results is None:
     raise ValueError(f'--score-only: no {args.out / report.RESULTS}')
