@@ -11,6 +11,7 @@ import numbers
 from typing import Any, Callable, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -105,7 +106,10 @@ def recommended(
       scheduled ``learning_rate`` arrives as a number, so a warm-up on top
       of a schedule cannot be refused: put it in the schedule instead). As
       in ``optax.contrib.schedule_free_adamw``, the first step's rate is 0.
-    b1: schedule-free's interpolation :math:`\beta_1` in (0, 1).
+    b1: schedule-free's interpolation :math:`\beta_1` in (0, 1); to
+      schedule it, ``optax.inject_hyperparams(cbp.recommended)(...,
+      b1=schedule)`` (the state keeps the one of the latest update, which
+      the evaluation point uses).
     weight_decay: decoupled weight decay :math:`\ge 0`.
     mask: which leaves ``weight_decay`` applies to (a tree of bools or a
       function of the parameters), as ``optax.add_decayed_weights``; None:
@@ -180,5 +184,14 @@ def recommended(
                                 _kernels if mask is None else mask),
       optax.scale_by_learning_rate(rate),
   )
-  return optax.contrib.schedule_free(base, learning_rate=rate, b1=b1,
+  free = optax.contrib.schedule_free(base, learning_rate=rate, b1=b1,
                                      state_dtype=state_dtype)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = free.update(updates, state, params, **extra_args)
+    # The state's b1 is the one this update used, so that the evaluation
+    # point (y - (1 - b1) z) / b1 is the x of this update also when
+    # optax.inject_hyperparams schedules b1 (schedule_free keeps init's).
+    return updates, state._replace(b1=jnp.asarray(b1, state.b1.dtype))
+
+  return optax.GradientTransformationExtraArgs(free.init, update_fn)
