@@ -341,8 +341,8 @@ def cbp_robust_chain(learning_rate, weight_decay=None):
       cbp.equalize(min_scale=1.0, max_scale=1.0),
       cbp.precondition(damping=1e-8, zero_moment='normalized'),
       optax.clip(3.0),
-      *([] if weight_decay is None
-        else [optax.add_decayed_weights(weight_decay)]),
+      *([] if weight_decay is None else [optax.add_decayed_weights(
+          weight_decay, lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))]),
       optax.scale_by_learning_rate(learning_rate),
   )
 

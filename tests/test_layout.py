@@ -288,7 +288,7 @@ def test_cli_lets_other_import_errors_through(monkeypatch):
 # framework package (issue 29: precondition said "cbp.nnx.center moved ...",
 # the core's stack-axis remedy named cbp.nnx.Centered).
 FRAMEWORK_FREE = ('_alias.py', '_checks.py', '_equalize.py',
-                  '_precondition.py', '_recipe.py', '_stacks.py',
+                  '_weight_decay.py', '_precondition.py', '_recipe.py', '_stacks.py',
                   '_bias_shift.py', '_layer_spec.py', 'blocks.py',
                   'centering.py')
 FRAMEWORK_WORDS = ('nnx', 'linen', 'nn.scan', 'nn.vmap')
