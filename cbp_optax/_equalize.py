@@ -130,6 +130,83 @@ def block_energies(
   return jnp.concatenate(per_group)
 
 
+def _rescued_energies(
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    dtype: Any,
+    weight: chex.Numeric,
+) -> tuple[chex.Array, chex.Array]:
+  """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the
+  leaves in no block, without overflowing.
+
+  Each is formed as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
+  max |g|`` and saturates at the dtype's largest finite value, so that a
+  finite gradient whose squared norm is beyond the dtype's range still gives
+  a finite energy; a non-finite gradient gives a non-finite one.
+  """
+  largest = jnp.finfo(dtype).max
+  root = jnp.sqrt(jnp.asarray(weight, dtype))
+
+  def energy(members, stack, root):
+    xs = [jnp.asarray(leaves[i]).astype(dtype) for i in members]
+    axes = lambda x: tuple(range(1, x.ndim)) if stack is not None else None
+    shape = lambda x: (-1,) + (1,) * (x.ndim - 1) if stack is not None else ()
+    peak = xs[0].dtype.type(0)
+    for x in xs:
+      peak = jnp.maximum(peak, jnp.max(jnp.abs(x), axis=axes(x)))
+    safe = jnp.where(peak > 0, peak, jnp.ones_like(peak))
+    total = sum(jnp.sum(jnp.square(x / jnp.reshape(safe, shape(x))),
+                        axis=axes(x)) for x in xs)
+    return jnp.minimum(jnp.square(root * peak) * total, largest)
+
+  blocks = [jnp.reshape(energy(ids, stack, root), (-1,))
+            for ids, stack in zip(layout.groups, layout.group_stacks)]
+  in_blocks = {i for group in layout.groups for i in group}
+  rest = [i for i, leaf in enumerate(leaves)
+          if i not in in_blocks and jnp.size(leaf)]
+  unblocked = (energy(rest, None, jnp.ones((), dtype)) if rest
+               else jnp.zeros([], dtype))
+  return (jnp.concatenate(blocks) if blocks else jnp.zeros((0,), dtype),
+          unblocked)
+
+
+def _new_energies(
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    energy: chex.Array,
+    decay: chex.Numeric,
+    unscaled: Sequence[bool],
+) -> tuple[chex.Array, chex.Array]:
+  """The refreshed EMAs of eq. (5) and the unblocked energy.
+
+  ``decay * q_l + (1 - decay) ||g_l||_F^2`` as Algorithm 1 writes it; where
+  that overflows for a finite gradient (a norm beyond the dtype's range), it
+  is formed without the overflow (:func:`_rescued_energies`), at most the
+  dtype's largest value: a finite gradient never leaves a non-finite energy,
+  whose scales (eq. 6) would be NaN at every later step.
+  """
+  dtype = energy.dtype
+  energies = block_energies(layout, leaves, dtype, unscaled=unscaled)
+  plain = decay * energy + (1 - decay) * energies
+  unblocked = _unblocked_energy(layout, leaves, dtype)
+
+  def rescue(operands):
+    plain, unblocked, leaves = operands
+    weighted, rest = _rescued_energies(layout, leaves, dtype, 1 - decay)
+    rescued = jnp.minimum(decay * energy + weighted, jnp.finfo(dtype).max)
+    # Finite gradients and a finite stored energy only: anything else keeps
+    # Algorithm 1's non-finite value.
+    overflowed = (jnp.isinf(plain) & jnp.isfinite(energy)
+                  & jnp.isfinite(weighted))
+    rest_overflowed = jnp.isinf(unblocked) & jnp.isfinite(rest)
+    return (jnp.where(overflowed, rescued, plain).astype(dtype),
+            jnp.where(rest_overflowed, rest, unblocked).astype(dtype))
+
+  overflow = jnp.any(jnp.isinf(plain)) | jnp.isinf(unblocked)
+  return jax.lax.cond(overflow, rescue, lambda operands: operands[:2],
+                      (plain.astype(dtype), unblocked, list(leaves)))
+
+
 def _equalizing_scales(
     energy: chex.Array, min_scale: chex.Numeric, max_scale: chex.Numeric
 ) -> chex.Array:
@@ -137,6 +214,12 @@ def _equalizing_scales(
   if energy.shape[0] == 0:
     return energy
   target = jnp.sqrt(jnp.mean(energy))
+  # Finite energies near the dtype's largest value: their sum overflows, not
+  # their mean, which is formed relative to the largest energy instead.
+  peak = jnp.max(energy)
+  relative = jnp.sqrt(peak) * jnp.sqrt(
+      jnp.mean(energy / jnp.where(peak > 0, peak, jnp.ones_like(peak))))
+  target = jnp.where(jnp.isinf(target) & jnp.isfinite(peak), relative, target)
   positive = energy > 0
   safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
   ratio = jnp.where(
@@ -146,8 +229,8 @@ def _equalizing_scales(
   )
   low = jnp.asarray(min_scale, energy.dtype)
   high = jnp.asarray(max_scale, energy.dtype)
-  # clip(x, a, a) = a for every x, also where the energies overflowed
-  # (q = inf, ratio inf / inf = NaN): a degenerate clip fixes the scale. A
+  # clip(x, a, a) = a for every x, also where an energy is infinite
+  # (an infinite gradient: ratio inf / inf = NaN): a degenerate clip fixes the scale. A
   # proper interval keeps jnp.clip's result, NaN included (Algorithm 1).
   return jnp.where(low == high, low, jnp.clip(ratio, low, high))
 
@@ -440,9 +523,9 @@ def equalize(
     scales = _group_scales(
         layout, state.energy, state.count, min_scale, max_scale
     )
-    energies = block_energies(layout, leaves, state.energy.dtype,
-                              unscaled=[scale is None for scale in scales])
-    energy = decay * state.energy + (1 - decay) * energies
+    energy, unblocked = _new_energies(
+        layout, leaves, state.energy, decay,
+        unscaled=[scale is None for scale in scales])
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes,
                            state.energy.dtype)
     dtype = state.energy.dtype
@@ -451,7 +534,7 @@ def equalize(
         energy=energy.astype(dtype),
         min_scale=jnp.asarray(min_scale, dtype),
         max_scale=jnp.asarray(max_scale, dtype),
-        unblocked=_unblocked_energy(layout, leaves, dtype),
+        unblocked=unblocked,
     )
     return jax.tree.unflatten(treedef, scaled), new_state
 
