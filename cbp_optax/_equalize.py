@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cbp_optax import _checks
@@ -193,12 +194,12 @@ def _new_energies(
   def rescue(operands):
     plain, unblocked, leaves = operands
     weighted, rest = _rescued_energies(layout, leaves, dtype, 1 - decay)
-    rescued = jnp.minimum(decay * energy + weighted, jnp.finfo(dtype).max)
-    # Finite gradients and a finite stored energy only: anything else keeps
-    # Algorithm 1's non-finite value.
-    overflowed = (jnp.isinf(plain) & jnp.isfinite(energy)
-                  & jnp.isfinite(weighted))
-    rest_overflowed = jnp.isinf(unblocked) & jnp.isfinite(rest)
+    largest = jnp.finfo(dtype).max
+    rescued = jnp.minimum(decay * energy + weighted, largest)
+    # Finite gradients and a finite stored energy only (NaN compares false):
+    # anything else keeps Algorithm 1's non-finite value.
+    overflowed = jnp.isinf(plain) & (energy <= largest) & (weighted <= largest)
+    rest_overflowed = jnp.isinf(unblocked) & (rest <= largest)
     return (jnp.where(overflowed, rescued, plain).astype(dtype),
             jnp.where(rest_overflowed, rest, unblocked).astype(dtype))
 
@@ -219,7 +220,8 @@ def _equalizing_scales(
   peak = jnp.max(energy)
   relative = jnp.sqrt(peak) * jnp.sqrt(
       jnp.mean(energy / jnp.where(peak > 0, peak, jnp.ones_like(peak))))
-  target = jnp.where(jnp.isinf(target) & jnp.isfinite(peak), relative, target)
+  target = jnp.where(jnp.isinf(target) & (peak <= jnp.finfo(peak.dtype).max),
+                     relative, target)
   positive = energy > 0
   safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
   ratio = jnp.where(
@@ -386,6 +388,69 @@ def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
     )
 
 
+class RecordedBoundsError(ValueError):
+  """A state whose recorded M1 bounds (eq. 6) are not the transform's."""
+
+
+def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
+                           max_scale: Any) -> None:
+  """Refuses a concrete state that recorded other concrete bounds: a state of
+  another configuration (a ``cbp_robust`` checkpoint restored into
+  ``cbp.cbp``), whose bounds the update would silently replace."""
+  for name, recorded, own in (('min_scale', state.min_scale, min_scale),
+                              ('max_scale', state.max_scale, max_scale)):
+    value = _checks.concrete_float(own)
+    if value is None or isinstance(recorded, jax.core.Tracer):
+      continue
+    # NumPy: inside a trace a jnp operation would stage the concrete value.
+    recorded = np.asarray(recorded)
+    if float(recorded) != float(np.asarray(value, recorded.dtype)):
+      raise RecordedBoundsError(
+          f'equalize: the optimizer state records {name}='
+          f'{float(recorded):g} but this transform has {name}={value:g}: '
+          'the state was made by another configuration (a checkpoint of '
+          'cbp.cbp_robust restored into cbp.cbp, or the reverse). Restore '
+          'it into the optimizer that saved it; to change the bounds on '
+          'purpose, set them in the state (state._replace(min_scale=..., '
+          'max_scale=...)).')
+
+
+def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
+                          params: Any) -> None:
+  """Before a fused step compiles: ``tx.update`` traced abstractly with each
+  concrete :class:`EqualizeState`'s bounds kept concrete, so that an M1
+  inside any chain refuses bounds it did not record.
+
+  Raises:
+    RecordedBoundsError: a recorded bound differs from the transform's.
+  """
+  is_state = lambda x: isinstance(x, EqualizeState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state)
+           if is_state(x) and not isinstance(x.min_scale, jax.core.Tracer)]
+  if not found:
+    return
+
+  def run(state, params):
+    recorded = iter(found)
+
+    def concrete(node):
+      if not is_state(node):
+        return node
+      bounds = next(recorded)
+      return node._replace(min_scale=bounds.min_scale,
+                           max_scale=bounds.max_scale)
+
+    state = jax.tree.map(concrete, state, is_leaf=is_state)
+    return tx.update(params, state, params)
+
+  try:
+    jax.eval_shape(run, opt_state, params)
+  except RecordedBoundsError:
+    raise
+  except Exception:  # pylint: disable=broad-except
+    return  # anything else, the step itself reports
+
+
 def _check_scales(
     min_scale: Any, max_scale: Any, *, factory: str = 'cbp.equalize'
 ) -> None:
@@ -508,6 +573,7 @@ def equalize(
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     _check_matches_state(layout, state)
+    _check_recorded_bounds(state, min_scale, max_scale)
     # The state is a flat vector: only its length can be checked against the
     # gradients. The parameters, when given, are checked leaf for leaf; the
     # transform keeps no record of the trees it was initialized on.

@@ -178,10 +178,11 @@ def _leaf_update(rules: _Rules, first_step, mu_correction, nu_correction,
   # A finite gradient whose square overflows (eq. 11's g^2 beyond the
   # dtype's range): (sqrt(1 - b2) g)^2 instead, at most the largest finite
   # value, so the stored moment stays finite.
-  overflowed = jnp.isinf(v_new) & jnp.isfinite(g_stats) & jnp.isfinite(v)
+  largest = jnp.finfo(v.dtype).max
+  overflowed = (jnp.isinf(v_new) & (jnp.abs(g_stats) <= largest)
+                & (v <= largest))
   v_new = _where(overflowed, jnp.minimum(
-      b2 * v + jnp.square(jnp.sqrt(1.0 - b2) * g_stats),
-      jnp.finfo(v.dtype).max), v_new)
+      b2 * v + jnp.square(jnp.sqrt(1.0 - b2) * g_stats), largest), v_new)
   return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
           v_new.astype(v.dtype))
 

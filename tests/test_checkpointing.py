@@ -287,3 +287,35 @@ def test_the_page_refuses_names_that_join_to_one_dotted_name(tmp_path):
   with pytest.raises(ValueError, match=r"saved as \[.*'[a-z0-9.]*a\.b\."):
     DOC['save_nnx'](str(tmp_path / 'nnx'), model, optimizer)
   assert not list(tmp_path.iterdir())
+
+
+# A state restored into another configuration is refused --------------------------
+
+
+def test_a_cbp_robust_checkpoint_is_refused_by_a_cbp_build(
+    tmp_path, monkeypatch):
+  # cbp.cbp with cbp_robust's clip has its state's structure: the restore
+  # succeeded, and M1's bounds (1, 1) were silently replaced by (0.1, 4).
+  monkeypatch.setitem(OPTIMIZERS, 'cbp_clipped',
+                      lambda dims: cbp.cbp(1e-2, update_clip=3.0))
+  model, optimizer = nnx_build('cbp_robust')()
+  step = cbp.nnx.train_step(nnx_loss)
+  step(model, optimizer, X, Y)
+  DOC['save_nnx'](str(tmp_path / 'nnx'), model, optimizer)
+  model, optimizer = DOC['restore_nnx'](str(tmp_path / 'nnx'),
+                                        nnx_build('cbp_clipped'))
+  with pytest.raises(ValueError, match='records min_scale=1 but this '
+                     'transform has min_scale=0.1'):
+    step(model, optimizer, X, Y)
+
+  linen_step = cbp.linen.train_step(linen_loss)
+  state, _ = linen_step(linen_state('cbp_robust'), X, Y, jax.random.key(0))
+  DOC['save_linen'](str(tmp_path / 'linen'), state)
+  restored = DOC['restore_linen'](str(tmp_path / 'linen'),
+                                  linen_state('cbp_clipped'))
+  with pytest.raises(ValueError, match='records min_scale=1'):
+    linen_step(restored, X, Y, jax.random.key(0))
+  # The same configuration resumes.
+  restored = DOC['restore_linen'](str(tmp_path / 'linen'),
+                                  linen_state('cbp_robust'))
+  linen_step(restored, X, Y, jax.random.key(0))

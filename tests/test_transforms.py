@@ -624,3 +624,13 @@ def test_a_gradient_spike_beyond_any_float32_energy_leaves_a_finite_state(
              if jnp.issubdtype(x.dtype, jnp.floating))
   assert int(state.notfinite_count) == 0
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+def test_an_eager_update_refuses_another_configurations_state():
+  params = {'a': {'w': jnp.ones((2, 2))}, 'b': {'w': jnp.ones(3)}}
+  grads = jax.tree.map(jnp.ones_like, params)
+  robust = cbp.cbp_robust(1e-2)
+  _, robust_state = robust.update(grads, robust.init(params), params)
+  with pytest.raises(ValueError, match='records min_scale=1'):
+    cbp.cbp(1e-2, update_clip=3.0).update(grads, robust_state, params)
+  robust.update(grads, robust_state, params)
