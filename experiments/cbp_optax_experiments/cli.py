@@ -177,7 +177,8 @@ def compare_parser() -> argparse.ArgumentParser:
       '--out', type=pathlib.Path, default=None,
       help='also write results.md, results.json (per-step losses) and '
       'loss_curves.png into this directory (the PNG needs matplotlib: pip '
-      "install ./experiments)")
+      "install ./experiments); a directory holding another command's "
+      'results is refused')
   return parser
 
 

@@ -19,7 +19,8 @@ beside the normalized final metric. ``--split`` runs one split of ``splits.SPLIT
 (dev chooses the defaults, test only reports) into its own folder,
 ``workloads/<split>``: each split is scored on its own. Running into an
 ``--out`` that already holds results.json replaces the (workload, arm) pairs
-measured now and keeps the others; every run is also saved as its own file
+measured now and keeps the others (one that holds the results of
+``cbp-optax compare`` is refused); every run is also saved as its own file
 under ``--out``/runs, so the same command started again after an
 interruption resumes where it stopped (a stored run is used only while the
 code that made it is unchanged: the suite's, and an ``--arm``'s function and
