@@ -26,6 +26,7 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
 import chex
@@ -275,14 +276,17 @@ class RecordedBoundsError(ValueError):
 
 def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
                            max_scale: Any) -> None:
-  """Refuses a concrete state that recorded other concrete bounds: a state of
-  another configuration (a ``cbp_robust`` checkpoint restored into
-  ``cbp.cbp``), whose bounds the update would silently replace."""
+  """Refuses a concrete state that recorded other bounds than the numbers
+  the transform was built with: a state of another configuration (a
+  ``cbp_robust`` checkpoint restored into ``cbp.cbp``), whose bounds the
+  update would silently replace. Arrays (``inject_hyperparams``' values,
+  which may be scheduled or set by hand) are not checked."""
   for name, recorded, own in (('min_scale', state.min_scale, min_scale),
                               ('max_scale', state.max_scale, max_scale)):
-    value = _checks.concrete_float(own)
-    if value is None or isinstance(recorded, jax.core.Tracer):
+    if (not isinstance(own, (numbers.Real, np.generic))
+        or isinstance(recorded, jax.core.Tracer)):
       continue
+    value = float(own)
     # NumPy: inside a trace a jnp operation would stage the concrete value.
     recorded = np.asarray(recorded)
     if float(recorded) != float(np.asarray(value, recorded.dtype)):
