@@ -19,6 +19,7 @@ import optax
 from cbp_optax import _checks
 from cbp_optax import _equalize as equalize_lib
 from cbp_optax import _precondition as precondition_lib
+from cbp_optax import _weight_decay as weight_decay_lib
 
 
 def _narrow_in_float32(
@@ -80,7 +81,7 @@ def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
     if callable(arguments[name]):
       _checks.check_scalar(name, arguments[name], factory=factory)
   mask = arguments['mask']
-  mask_error = _checks.mask_error(factory, mask)
+  mask_error = weight_decay_lib.mask_error(factory, mask)
   arrived_as_value = {
       'block_fn': _checks.is_injected_value(arguments['block_fn']),
       'stacked': _checks.is_injected_value(arguments['stacked']),
@@ -100,12 +101,7 @@ def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
   if mask_error is not None:
     raise TypeError(mask_error)
   _checks.check_stats_dtype(arguments['stats_dtype'], factory=factory)
-  if mask is not None and weight_decay is None:
-    raise ValueError(
-        f'{factory}: mask selects the parameters that weight_decay applies '
-        'to, but weight_decay is None (no decay). Pass weight_decay=..., or '
-        'leave mask out.'
-    )
+  weight_decay_lib.check_pair(factory, weight_decay, mask)
 
 
 def cbp(
@@ -166,7 +162,9 @@ def cbp(
       out of the chain (0 keeps it in, so the state's structure is fixed).
     mask: which parameters the weight decay applies to, as in
       ``optax.add_decayed_weights``; only with ``weight_decay``. A single
-      bool is refused.
+      bool is refused. None: every leaf of rank >= 2 but those named
+      ``bias``, ``scale`` or ``embedding`` (the matrices of any pytree; not
+      vectors, stacked biases and norm scales, or embedding tables).
     block_fn: grouping of leaves into M1 blocks, see :func:`equalize`.
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
@@ -241,8 +239,7 @@ def cbp(
   ]
   if update_clip is not None:
     transforms.append(optax.clip(update_clip))
-  if weight_decay is not None:
-    transforms.append(optax.add_decayed_weights(weight_decay, mask))
+  transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
   transforms.append(optax.scale_by_learning_rate(learning_rate))
   return _narrow_in_float32(optax.chain(*transforms))
 

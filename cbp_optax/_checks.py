@@ -179,7 +179,7 @@ def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False,
                  factory=factory)
 
 
-def _short_repr(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
   text = repr(value)
   return text if len(text) <= limit else text[:limit - 3] + '...'
 
@@ -232,7 +232,7 @@ def check_function(
     return
   what = 'a function or None' if optional else 'a function'
   message = (f'{name} must be {what}, got the {type(value).__name__} '
-             f'{_short_repr(value)}.')
+             f'{short_repr(value)}.')
   if factory is not None and is_injected_value(value):
     message += ' ' + static_args_remedy(factory, (name,))
   raise TypeError(message)
@@ -250,27 +250,8 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
   step count, from ``optax.inject_hyperparams`` taking it for a schedule."""
   return TypeError(
       f'{function} takes (path, leaf) but was called with one argument, '
-      f'{_short_repr(value)}, as {argument}. '
+      f'{short_repr(value)}, as {argument}. '
       + static_args_remedy(None, (argument,))
-  )
-
-
-def mask_error(factory: str, value: Any) -> Optional[str]:
-  """What is wrong with a weight-decay ``mask`` that is one leaf (a bool, a
-  number, an array, e.g. a mask function ``inject_hyperparams`` called with
-  the step count), or None for a tree or a function."""
-  if value is None or callable(value):
-    return None
-  leaves = jax.tree.leaves(value)
-  if len(leaves) != 1 or leaves[0] is not value:
-    return None
-  return (
-      f'mask must be a tree of booleans shaped like the parameters or a '
-      f'function of the parameters returning one, got the '
-      f'{type(value).__name__} {_short_repr(value)}. To decay every '
-      'parameter leave mask out; to decay none leave weight_decay out. If a '
-      'function was passed: '
-      + static_args_remedy(factory, ('mask',))
   )
 
 
@@ -317,7 +298,7 @@ def check_stats_dtype(
     # jnp.float32 is callable: inject_hyperparams took it for a schedule.
     raise TypeError(
         f'stats_dtype must be a floating-point dtype, got the array '
-        f'{_short_repr(value)}. Pass it as a string (stats_dtype=\'float32\', '
+        f'{short_repr(value)}. Pass it as a string (stats_dtype=\'float32\', '
         '\'float64\', \'bfloat16\'), '
         'which optax.inject_hyperparams leaves alone, or: '
         + static_args_remedy(factory, ('stats_dtype',))

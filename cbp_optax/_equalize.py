@@ -26,14 +26,17 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cbp_optax import _checks
+from cbp_optax._energies import new_energies
 from cbp_optax.blocks import block_layout
 from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
@@ -97,39 +100,6 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
   return dtype
 
 
-def block_energies(
-    layout: BlockLayout,
-    leaves: Sequence[chex.Array],
-    dtype: Any,
-    unscaled: Sequence[bool],
-) -> chex.Array:
-  """Squared Frobenius norm of every block, ``||g_l||_F^2``, shape (L,).
-
-  ``unscaled[k]``: group ``k``'s leaves leave M1 unmultiplied (its scale is
-  one at every step, :func:`_group_scales`).
-  """
-  per_group = []
-  for leaf_ids, stack, barrier in zip(
-      layout.groups, layout.group_stacks, unscaled):
-    total = 0.0
-    for i in leaf_ids:
-      leaf = jnp.asarray(leaves[i])
-      if barrier:
-        # Behind a barrier, the square of an unmultiplied gradient is not
-        # merged with the second moment's (eq. 11) of the same gradient:
-        # merged, XLA writes the squared gradient out and reads it back (a
-        # parameter-sized buffer per step). A multiplied leaf's square is
-        # another value and gets none: barriers cost compile time.
-        leaf = jax.lax.optimization_barrier(leaf)
-      leaf = leaf.astype(dtype)
-      axes = tuple(range(1, leaf.ndim)) if stack is not None else None
-      total = total + jnp.sum(jnp.square(leaf), axis=axes)
-    per_group.append(jnp.reshape(total, (-1,)))
-  if not per_group:
-    return jnp.zeros((0,), dtype)
-  return jnp.concatenate(per_group)
-
-
 def _equalizing_scales(
     energy: chex.Array, min_scale: chex.Numeric, max_scale: chex.Numeric
 ) -> chex.Array:
@@ -137,6 +107,13 @@ def _equalizing_scales(
   if energy.shape[0] == 0:
     return energy
   target = jnp.sqrt(jnp.mean(energy))
+  # Finite energies near the dtype's largest value: their sum overflows, not
+  # their mean, which is formed relative to the largest energy instead.
+  peak = jnp.max(energy)
+  relative = jnp.sqrt(peak) * jnp.sqrt(
+      jnp.mean(energy / jnp.where(peak > 0, peak, jnp.ones_like(peak))))
+  target = jnp.where(jnp.isinf(target) & (peak <= jnp.finfo(peak.dtype).max),
+                     relative, target)
   positive = energy > 0
   safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
   ratio = jnp.where(
@@ -146,8 +123,9 @@ def _equalizing_scales(
   )
   low = jnp.asarray(min_scale, energy.dtype)
   high = jnp.asarray(max_scale, energy.dtype)
-  # clip(x, a, a) = a for every x, also where the energies overflowed
-  # (q = inf, ratio inf / inf = NaN): a degenerate clip fixes the scale. A
+  # clip(x, a, a) = a for every x, also where an energy is infinite (an
+  # infinite gradient: ratio inf / inf = NaN): a degenerate clip fixes the
+  # scale. A
   # proper interval keeps jnp.clip's result, NaN included (Algorithm 1).
   return jnp.where(low == high, low, jnp.clip(ratio, low, high))
 
@@ -281,17 +259,6 @@ def _scale_leaves(
   ]
 
 
-def _unblocked_energy(layout: BlockLayout, leaves: Sequence[chex.Array],
-                      dtype: Any) -> chex.Array:
-  """``sum ||g_k||_F^2`` over the leaves in no block (a zero when none is)."""
-  in_blocks = {i for group in layout.groups for i in group}
-  total = jnp.zeros([], dtype)
-  for i, leaf in enumerate(leaves):
-    if i not in in_blocks:
-      total = total + jnp.sum(jnp.square(leaf.astype(dtype)))
-  return total
-
-
 def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
   expected = state.energy.shape[0]
   if len(layout.names) != expected:
@@ -301,6 +268,72 @@ def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
         'structure of the parameters given to init (same leaves, same block '
         'grouping).'
     )
+
+
+class RecordedBoundsError(ValueError):
+  """A state whose recorded M1 bounds (eq. 6) are not the transform's."""
+
+
+def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
+                           max_scale: Any) -> None:
+  """Refuses a concrete state that recorded other bounds than the numbers
+  the transform was built with: a state of another configuration (a
+  ``cbp_robust`` checkpoint restored into ``cbp.cbp``), whose bounds the
+  update would silently replace. Arrays (``inject_hyperparams``' values,
+  which may be scheduled or set by hand) are not checked."""
+  for name, recorded, own in (('min_scale', state.min_scale, min_scale),
+                              ('max_scale', state.max_scale, max_scale)):
+    if (not isinstance(own, (numbers.Real, np.generic))
+        or isinstance(recorded, jax.core.Tracer)):
+      continue
+    value = float(own)
+    # NumPy: inside a trace a jnp operation would stage the concrete value.
+    recorded = np.asarray(recorded)
+    if float(recorded) != float(np.asarray(value, recorded.dtype)):
+      raise RecordedBoundsError(
+          f'equalize: the optimizer state records {name}='
+          f'{float(recorded):g} but this transform has {name}={value:g}: '
+          'the state was made by another configuration (a checkpoint of '
+          'cbp.cbp_robust restored into cbp.cbp, or the reverse). Restore '
+          'it into the optimizer that saved it; to change the bounds on '
+          'purpose, set them in the state (state._replace(min_scale=..., '
+          'max_scale=...)).')
+
+
+def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
+                          params: Any) -> None:
+  """Before a fused step compiles: ``tx.update`` traced abstractly with each
+  concrete :class:`EqualizeState`'s bounds kept concrete, so that an M1
+  inside any chain refuses bounds it did not record.
+
+  Raises:
+    RecordedBoundsError: a recorded bound differs from the transform's.
+  """
+  is_state = lambda x: isinstance(x, EqualizeState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state)
+           if is_state(x) and not isinstance(x.min_scale, jax.core.Tracer)]
+  if not found:
+    return
+
+  def run(state, params):
+    recorded = iter(found)
+
+    def concrete(node):
+      if not is_state(node):
+        return node
+      bounds = next(recorded)
+      return node._replace(min_scale=bounds.min_scale,
+                           max_scale=bounds.max_scale)
+
+    state = jax.tree.map(concrete, state, is_leaf=is_state)
+    return tx.update(params, state, params)
+
+  try:
+    jax.eval_shape(run, opt_state, params)
+  except RecordedBoundsError:
+    raise
+  except Exception:  # pylint: disable=broad-except
+    return  # anything else, the step itself reports
 
 
 def _check_scales(
@@ -425,6 +458,7 @@ def equalize(
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     _check_matches_state(layout, state)
+    _check_recorded_bounds(state, min_scale, max_scale)
     # The state is a flat vector: only its length can be checked against the
     # gradients. The parameters, when given, are checked leaf for leaf; the
     # transform keeps no record of the trees it was initialized on.
@@ -440,9 +474,9 @@ def equalize(
     scales = _group_scales(
         layout, state.energy, state.count, min_scale, max_scale
     )
-    energies = block_energies(layout, leaves, state.energy.dtype,
-                              unscaled=[scale is None for scale in scales])
-    energy = decay * state.energy + (1 - decay) * energies
+    energy, unblocked = new_energies(
+        layout, leaves, state.energy, decay,
+        unscaled=[scale is None for scale in scales])
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes,
                            state.energy.dtype)
     dtype = state.energy.dtype
@@ -451,7 +485,7 @@ def equalize(
         energy=energy.astype(dtype),
         min_scale=jnp.asarray(min_scale, dtype),
         max_scale=jnp.asarray(max_scale, dtype),
-        unblocked=_unblocked_energy(layout, leaves, dtype),
+        unblocked=unblocked,
     )
     return jax.tree.unflatten(treedef, scaled), new_state
 

@@ -510,6 +510,17 @@ def check_fusable(state: Any, where: str, kind: TreeKind = PLAIN) -> None:
         'parameters each by its own kernel.')
 
 
+def unshared(tree: Any) -> Any:
+  """``tree`` with every array copied into a buffer of its own.
+
+  What the adapters hand out as a separate model or parameter tree must
+  outlive the donating fused steps, which delete the buffers of the model
+  and the state they are given.
+  """
+  return jax.tree.map(
+      lambda x: jax.numpy.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
 def evaluation_params(state: Any, params: Any) -> Any:
   """The parameters to evaluate (arrays): schedule-free's ``x`` if ``state``
   has one; ValueError for several, or one over part of ``params``."""

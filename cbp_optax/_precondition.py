@@ -175,6 +175,14 @@ def leaf_update(rules: Rules, first_step, mu_correction, nu_correction,
   if rules.zero_moment == 'identity':
     step = _where(v == 0, m_hat, step)
   v_new = b2 * v + (1.0 - b2) * g_square
+  # A finite gradient whose square overflows (eq. 11's g^2 beyond the
+  # dtype's range): (sqrt(1 - b2) g)^2 instead, at most the largest finite
+  # value, so the stored moment stays finite.
+  largest = jnp.finfo(v.dtype).max
+  overflowed = (jnp.isinf(v_new) & (jnp.abs(g_stats) <= largest)
+                & (v <= largest))
+  v_new = _where(overflowed, jnp.minimum(
+      b2 * v + jnp.square(jnp.sqrt(1.0 - b2) * g_stats), largest), v_new)
   return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
           v_new.astype(v.dtype))
 

@@ -10,13 +10,13 @@ References:
 import numbers
 from typing import Any, Callable, Optional, Union
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from cbp_optax import _checks
-from cbp_optax import _paths
 from cbp_optax import _precondition as precondition_lib
+from cbp_optax import _weight_decay as weight_decay_lib
 
 # cbp_robust's M3 rules: Adam's epsilon as the damping, the current gradient
 # where the lagged second moment is still zero, and each coordinate of the
@@ -25,15 +25,6 @@ _B2 = 0.999
 _DAMPING = 1e-8
 _ZERO_MOMENT = 'normalized'
 _CLIP = 3.0
-
-
-def _kernels(params: Any) -> Any:
-  """True for the leaves named ``kernel`` (Flax's dense, convolution and
-  einsum weights), False for biases, norms, embeddings and centering means."""
-  def is_kernel(path, _):
-    names = [n for n in _paths.path_names(path) if n != 'value']
-    return bool(names) and names[-1] == 'kernel'
-  return jax.tree_util.tree_map_with_path(is_kernel, params)
 
 
 def _check_steps(value: Any) -> int:
@@ -56,7 +47,7 @@ def recommended(
     *,
     warmup_steps: Optional[int] = None,
     b1: float = 0.9,
-    weight_decay: float = 0.01,
+    weight_decay: Optional[float] = 0.01,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
@@ -74,7 +65,7 @@ def recommended(
     :math:`\zeta = 10^{-8}`, and the current :math:`g_t^2` where the stored
     moment is still zero (``zero_moment='normalized'``);
   * each coordinate clipped to :math:`[-3, 3]` (``optax.clip(3.0)``);
-  * decoupled weight decay on the kernels, times the rate;
+  * decoupled weight decay on the matrices, times the rate;
   * the rate: a linear warm-up over ``warmup_steps`` to ``learning_rate``,
     then constant. Schedule-free needs no decay.
 
@@ -97,12 +88,17 @@ def recommended(
       scheduled ``learning_rate`` arrives as a number, so a warm-up on top
       of a schedule cannot be refused: put it in the schedule instead). As
       in ``optax.contrib.schedule_free_adamw``, the first step's rate is 0.
-    b1: schedule-free's interpolation :math:`\beta_1` in (0, 1).
-    weight_decay: decoupled weight decay :math:`\ge 0`.
+    b1: schedule-free's interpolation :math:`\beta_1` in (0, 1); to
+      schedule it, ``optax.inject_hyperparams(cbp.recommended)(...,
+      b1=schedule)`` (the state keeps the one of the latest update, which
+      the evaluation point uses).
+    weight_decay: decoupled weight decay :math:`\ge 0`; None: none (as in
+      :func:`cbp`).
     mask: which leaves ``weight_decay`` applies to (a tree of bools or a
-      function of the parameters), as ``optax.add_decayed_weights``; None:
-      the leaves named ``kernel`` (Flax's dense, convolution and einsum
-      weights; not biases, norms, embeddings or centering means).
+      function of the parameters), as ``optax.add_decayed_weights``; only
+      with ``weight_decay``. None: every leaf of rank >= 2 but those named
+      ``bias``, ``scale`` or ``embedding`` (the matrices of any pytree; not
+      vectors, stacked biases and norm scales, or embedding tables).
     state_dtype: the dtype of schedule-free's parameter copy; None: the
       parameters'. Pass ``jnp.float32`` for a 16-bit model (and name it in
       ``static_args`` under ``optax.inject_hyperparams``).
@@ -115,7 +111,8 @@ def recommended(
       ``state_dtype`` that is not a real floating dtype, or another argument
       of the wrong type.
     ValueError: a negative learning rate, weight decay or warm-up, a ``b1``
-      outside (0, 1), or warm-up steps with a schedule.
+      outside (0, 1), warm-up steps with a schedule, or a ``mask`` without
+      ``weight_decay``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -143,10 +140,12 @@ def recommended(
   warmup_steps = _check_steps(warmup_steps)
   _checks.check_in_range('b1', b1, 0.0, 1.0, low_inclusive=False,
                          factory=factory)
-  _checks.check_nonnegative('weight_decay', weight_decay, factory=factory)
-  mask_error = _checks.mask_error(factory, mask)
+  if weight_decay is not None:
+    _checks.check_nonnegative('weight_decay', weight_decay, factory=factory)
+  mask_error = weight_decay_lib.mask_error(factory, mask)
   if mask_error is not None:
     raise TypeError(mask_error)
+  weight_decay_lib.check_pair(factory, weight_decay, mask)
   if state_dtype is not None:
     if _checks.is_array(state_dtype):  # inject_hyperparams called the dtype
       raise TypeError(
@@ -168,9 +167,17 @@ def recommended(
       precondition_lib.precondition(b1=0.0, b2=_B2, damping=_DAMPING,
                                     zero_moment=_ZERO_MOMENT),
       optax.clip(_CLIP),
-      optax.add_decayed_weights(weight_decay,
-                                _kernels if mask is None else mask),
+      *weight_decay_lib.decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(rate),
   )
-  return optax.contrib.schedule_free(base, learning_rate=rate, b1=b1,
+  free = optax.contrib.schedule_free(base, learning_rate=rate, b1=b1,
                                      state_dtype=state_dtype)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = free.update(updates, state, params, **extra_args)
+    # The state's b1 is the one this update used, so that the evaluation
+    # point (y - (1 - b1) z) / b1 is the x of this update also when
+    # optax.inject_hyperparams schedules b1 (schedule_free keeps init's).
+    return updates, state._replace(b1=jnp.asarray(b1, state.b1.dtype))
+
+  return optax.GradientTransformationExtraArgs(free.init, update_fn)

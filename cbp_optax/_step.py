@@ -100,8 +100,8 @@ def gradients_finite(
   first step is M1 on the raw gradients (``cbp.cbp``, ``cbp.equalize``, a
   chain beginning with it), the answer is read from the block energies
   :math:`q_l` M1 just stored (eq. 5): a non-finite gradient entry makes one
-  non-finite, as do an overflowing block norm and a state that was not
-  finite to begin with. For any other state this returns None, and the
+  non-finite, as does a state that was not finite to begin with (a finite
+  block norm beyond the dtype's range is stored saturated, finite). For any other state this returns None, and the
   fused step checks every entry.
   """
   if _raw_equalize_state(opt_state) is None:

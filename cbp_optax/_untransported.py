@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -75,21 +76,58 @@ def _ignored(framework: str) -> bool:
   return False
 
 
-# A layer's kernel fingerprint (the sum of its entries) when it last started
-# recording with mu at zero: the optimizer changes it between steps only.
-_started: dict[Any, np.ndarray] = {}
+class LayerKey:
+  """A layer's key for :func:`check`, kept as a static attribute of the
+  module: the copies a transform makes of it (an eager ``nnx.grad`` works on
+  a new module at every call) share the object, so the start it records
+  survives them. Any two compare equal, so that the graph definitions of two
+  otherwise equal models stay equal."""
+
+  __slots__ = ('started',)
+
+  def __init__(self):
+    self.started = None
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, LayerKey)
+
+  def __hash__(self) -> int:
+    return hash(LayerKey)
+
+  def __repr__(self) -> str:
+    return 'LayerKey()'
+
+
+# A layer's step token when it last started recording with mu at zero: its
+# kernel fingerprint (the sum of its entries, which the optimizer changes
+# between steps only), or, where the kernel is traced by an eager transform
+# (nnx.grad), a weak reference to the module instance the call ran on (one
+# per call). Kept on a LayerKey, else here by key.
+_started: dict[Any, Any] = {}
+
+
+def _same_step(started: Any, token: Any) -> bool:
+  if isinstance(started, weakref.ref) or isinstance(token, weakref.ref):
+    return (isinstance(started, weakref.ref) and isinstance(token, weakref.ref)
+            and started() is not None and started() is token())
+  return np.array_equal(started, token)
 
 
 def _decide(framework: str, layer: Any, start: np.ndarray,
-            fingerprint: np.ndarray) -> np.ndarray:
+            token: Any) -> np.ndarray:
   """Warns when ``layer`` fired at another step than it started at; 0."""
-  fingerprint = np.asarray(fingerprint)
+  if not isinstance(token, weakref.ref):
+    token = np.asarray(token)
   with _lock:
-    started = _started.get(layer)
+    keyed = isinstance(layer, LayerKey)
+    started = layer.started if keyed else _started.get(layer)
     if bool(np.any(start)) or started is None:
-      _started[layer] = fingerprint
+      if keyed:
+        layer.started = token
+      else:
+        _started[layer] = token
       return np.int32(0)
-  if not np.array_equal(started, fingerprint):
+  if not _same_step(started, token):
     _warn_once(framework)
   return np.int32(0)
 
@@ -139,7 +177,7 @@ def _level(count: jax.Array, threshold: int) -> jax.Array:
 
 def check(before: jax.Array, after: jax.Array, positions: int,
           framework: str, layer: Any, mean: jax.Array,
-          kernel: jax.Array) -> jax.Array:
+          kernel: jax.Array, instance: Any = None) -> jax.Array:
   """``after`` (store it as the layer's count), warning once it crosses
   :data:`CALLS` calls' worth at another step than it started recording.
 
@@ -155,9 +193,13 @@ def check(before: jax.Array, after: jax.Array, positions: int,
     after: after this call (``before + positions``).
     positions: the input positions this call pooled (static).
     framework: ``'nnx'`` or ``'linen'``, for the fix the warning names.
-    layer: a hashable key of the layer (static).
+    layer: a key of the layer (static): a :class:`LayerKey`, or a hashable
+      that every call of the layer gives alike.
     mean: the layer's ``mu``.
     kernel: the layer's kernel.
+    instance: the module object this call runs on, which tells the steps
+      apart where the kernel is traced but the count is not (an eager
+      ``nnx.grad`` or ``jax.grad``: a new module at every call).
   """
   if positions <= 0 or _ignored(framework):
     return after
@@ -165,10 +207,15 @@ def check(before: jax.Array, after: jax.Array, positions: int,
   start = (before == 0) & (after > 0)
   fires = jnp.all(mean == 0) & jnp.any(
       start | (_level(after, threshold) > _level(before, threshold)))
-  if not any(isinstance(x, jax.core.Tracer)
-             for x in (before, after, mean, kernel)):
+  if not any(isinstance(x, jax.core.Tracer) for x in (before, after, mean)):
     # Eager: decided in Python, so an error filter raises the warning itself.
     if bool(fires):
-      _decide(framework, layer, start, jnp.sum(kernel, dtype=jnp.float32))
+      if not isinstance(kernel, jax.core.Tracer):
+        token = jnp.sum(kernel, dtype=jnp.float32)
+      elif instance is not None:
+        token = weakref.ref(instance)
+      else:
+        return _pass_through(framework, layer)(fires, start, kernel, after)
+      _decide(framework, layer, start, token)
     return after
   return _pass_through(framework, layer)(fires, start, kernel, after)

@@ -55,7 +55,8 @@ def decay_ways(factory):
                KERNEL_MASK),
       'function': (factory(1e-2, weight_decay=0.5, mask=kernels_only),
                    KERNEL_MASK),
-      'no mask': (factory(1e-2, weight_decay=0.5), None),
+      # The default: the matrices (the leaves of rank >= 2).
+      'no mask': (factory(1e-2, weight_decay=0.5), KERNEL_MASK),
       'injected tree': (inject(factory)(1e-2, weight_decay=0.5,
                                         mask=KERNEL_MASK), KERNEL_MASK),
       'injected function in static_args': (
@@ -79,7 +80,6 @@ def test_weight_decay_is_applied_as_masked_for_every_way_of_passing_it(
   updates, _ = tx.update(grads, tx.init(params), params)
   expected, _ = plain.update(grads, plain.init(params), params)
   # Decoupled decay adds -lr * wd * param to the decayed leaves only.
-  decayed = decayed or jax.tree.map(lambda _: True, params)
   expected = jax.tree.map(lambda u, p, d: u - 1e-2 * 0.5 * p * d, expected,
                           params, decayed)
   chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-8)

@@ -23,10 +23,15 @@ import cbp_optax as cbp
 PAGE = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'checkpointing.md'
 
 
-def run_page():
-  """The namespace of the page's Python blocks, run in order."""
-  namespace = {'__name__': 'checkpointing_page'}
-  for block in re.findall(r'```python\n(.*?)```', PAGE.read_text(), re.S):
+def run_page(replace=(), names=None):
+  """The namespace of the page's Python blocks, run in order; ``replace``:
+  (text, by) pairs, each of which must occur on the page."""
+  text = PAGE.read_text()
+  for old, new in replace:
+    assert old in text, old
+    text = text.replace(old, new)
+  namespace = {'__name__': 'checkpointing_page', **(names or {})}
+  for block in re.findall(r'```python\n(.*?)```', text, re.S):
     exec(compile(block, str(PAGE), 'exec'), namespace)  # pylint: disable=exec-used
   return namespace
 
@@ -191,3 +196,129 @@ def test_checkpoint_manager_resumes_the_newest_step(tmp_path):
     DOC['step'](reference_model, reference_optimizer, DOC['x'], DOC['y'])
   assert_bit_equal(nnx.state((model, optimizer)),
                    nnx.state((reference_model, reference_optimizer)))
+
+
+# The page's code itself, with each optimizer swapped in ---------------------------
+
+# The page's optimizers, and each optimizer as the page's code spells it
+# (Muon reads its dimension numbers from the page's model or module).
+PAGE_NNX_TX = 'cbp.recommended(1e-2, warmup_steps=10)'
+PAGE_LINEN_TX = 'tx=cbp.cbp(1e-2))'
+SPELLED = {
+    'cbp': 'cbp.cbp(1e-2)',
+    'cbp_robust': 'cbp.cbp_robust(1e-2)',
+    'recommended': 'cbp.recommended(1e-2, warmup_steps=2)',
+    'adamw': 'optax.adamw(1e-2)',
+    'nadamw': 'optax.nadamw(1e-2)',
+    'muon': 'optax.contrib.muon(1e-2, muon_weight_dimension_numbers={dims})',
+    'schedule_free_adamw': 'optax.contrib.schedule_free_adamw(1e-2)',
+    'masked': 'optax.masked(optax.adam(1e-2), kernels)',
+}
+NNX_DIMS = 'cbp.nnx.muon_dimension_numbers(model)'
+LINEN_DIMS = 'cbp.linen.muon_dimension_numbers(module, jax.random.key(0), x)'
+
+
+def test_the_page_names_every_centered_optimizer():
+  assert set(SPELLED) == set(OPTIMIZERS) - set(PLAIN)
+
+
+@pytest.mark.parametrize('name', sorted(SPELLED))
+def test_the_pages_code_resumes_bit_exact_with_each_optimizer(name):
+  nnx_tx = SPELLED[name].format(dims=NNX_DIMS)
+  linen_tx = SPELLED[name].format(dims=LINEN_DIMS)
+  page = run_page(replace=[(PAGE_NNX_TX, nnx_tx),
+                           (PAGE_LINEN_TX, f'tx={linen_tx})')],
+                  names={'optax': optax, 'kernels': kernels})
+  # NNX: the page stepped, saved, restored and stepped once more.
+  model, optimizer = page['build']()
+  for _ in range(2):
+    page['step'](model, optimizer, page['x'], page['y'])
+  assert_bit_equal(nnx.state((page['model'], page['optimizer'])),
+                   nnx.state((model, optimizer)))
+  # Linen: likewise, from fresh_state.
+  state = page['fresh_state']()
+  for _ in range(2):
+    state, _ = page['linen_step'](state, page['x'], page['y'])
+  assert_bit_equal(page['state'], state)
+  assert int(page['state'].step) == 2
+
+
+# What Orbax would save but not restore is refused at save -------------------------
+
+
+@pytest.mark.parametrize('where', ['step[1]', 'lr[0.1]/step_1'])
+def test_the_page_refuses_a_path_orbax_reads_as_a_pattern(where, tmp_path):
+  model, optimizer = nnx_build('recommended')()
+  path = str(tmp_path / where)
+  with pytest.raises(ValueError, match=re.escape(repr(path))):
+    DOC['save_nnx'](path, model, optimizer)
+  with pytest.raises(ValueError, match='square brackets'):
+    DOC['save_linen'](path, {'w': jnp.arange(3)})
+  assert not (tmp_path / where).exists()
+
+
+class DottedLinen(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name='a.b')(x) + Inner(name='a')(x)
+
+
+class Inner(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name='b')(x)
+
+
+def test_the_page_refuses_names_that_join_to_one_dotted_name(tmp_path):
+  with pytest.raises(ValueError, match=r"\['a\.b'\]"):
+    DOC['save_linen'](str(tmp_path / 'raw'),
+                      {'a.b': jnp.ones(2), 'a': {'b': jnp.zeros(2)}})
+  module = cbp.linen.center(DottedLinen())
+  variables = module.init(jax.random.key(0), X)
+  state = cbp.linen.TrainState.create(
+      apply_fn=module.apply, params=variables['params'],
+      centering=variables['centering'], tx=cbp.recommended(1e-2))
+  with pytest.raises(ValueError, match=r"saved as \[.*'[a-z0-9.]*a\.b\."):
+    DOC['save_linen'](str(tmp_path / 'linen'), state)
+
+  model = nnx.Dict({'a.b': nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+                    'a': nnx.Dict({'b': nnx.Linear(2, 2, rngs=nnx.Rngs(1))})})
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, cbp.recommended(1e-2))
+  with pytest.raises(ValueError, match=r"saved as \[.*'[a-z0-9.]*a\.b\."):
+    DOC['save_nnx'](str(tmp_path / 'nnx'), model, optimizer)
+  assert not list(tmp_path.iterdir())
+
+
+# A state restored into another configuration is refused --------------------------
+
+
+def test_a_cbp_robust_checkpoint_is_refused_by_a_cbp_build(
+    tmp_path, monkeypatch):
+  # cbp.cbp with cbp_robust's clip has its state's structure: the restore
+  # succeeded, and M1's bounds (1, 1) were silently replaced by (0.1, 4).
+  monkeypatch.setitem(OPTIMIZERS, 'cbp_clipped',
+                      lambda dims: cbp.cbp(1e-2, update_clip=3.0))
+  model, optimizer = nnx_build('cbp_robust')()
+  step = cbp.nnx.train_step(nnx_loss)
+  step(model, optimizer, X, Y)
+  DOC['save_nnx'](str(tmp_path / 'nnx'), model, optimizer)
+  model, optimizer = DOC['restore_nnx'](str(tmp_path / 'nnx'),
+                                        nnx_build('cbp_clipped'))
+  with pytest.raises(ValueError, match='records min_scale=1 but this '
+                     'transform has min_scale=0.1'):
+    step(model, optimizer, X, Y)
+
+  linen_step = cbp.linen.train_step(linen_loss)
+  state, _ = linen_step(linen_state('cbp_robust'), X, Y, jax.random.key(0))
+  DOC['save_linen'](str(tmp_path / 'linen'), state)
+  restored = DOC['restore_linen'](str(tmp_path / 'linen'),
+                                  linen_state('cbp_clipped'))
+  with pytest.raises(ValueError, match='records min_scale=1'):
+    linen_step(restored, X, Y, jax.random.key(0))
+  # The same configuration resumes.
+  restored = DOC['restore_linen'](str(tmp_path / 'linen'),
+                                  linen_state('cbp_robust'))
+  linen_step(restored, X, Y, jax.random.key(0))

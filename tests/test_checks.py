@@ -280,8 +280,9 @@ def test_rosenbrock_zero_first_gradient_jumps_by_one_over_damping():
 
 
 def test_opt_in_zero_moment_identity_guard_converges_on_rosenbrock():
-  """The study behind the opt-in guard: at Adam's rate 0.1, Algorithm 1 ends
-  in NaN; with zero-moment coordinates at P = 1 it reaches the minimum.
+  """The study behind the opt-in guard: at Adam's rate 0.1, Algorithm 1
+  diverges (far from the minimum; its energies saturate rather than turn
+  NaN); with zero-moment coordinates at P = 1 it reaches the minimum.
 
   At a constant rate of 0.1 the guarded run circles the minimum with brief
   excursions (losses up to ~1.5 in its last 1,000 steps, in float32 and in
@@ -302,7 +303,9 @@ def test_opt_in_zero_moment_identity_guard_converges_on_rosenbrock():
 
     (results[guard], _), losses[guard] = jax.jit(lambda c: jax.lax.scan(
         step, c, length=20000))((jnp.zeros(2), tx.init(jnp.zeros(2))))
-  assert not np.isfinite(np.asarray(results[False])).all()
+  diverged = np.asarray(results[False])
+  assert not (np.isfinite(diverged).all()
+              and np.allclose(diverged, [1.0, 1.0], atol=1.0)), diverged
   assert np.isfinite(np.asarray(losses[True])).all()
   assert float(jnp.min(losses[True])) < 1e-6
   np.testing.assert_allclose(results[True], [1.0, 1.0], atol=2e-2)

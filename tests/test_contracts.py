@@ -207,7 +207,10 @@ def assert_injected_matches(opt, injected, grads, rtol=1e-5, state_rtol=1e-5):
     updates, state = jax.jit(opt.update)(grads, state, params)
     injected_updates, injected_state = jax.jit(injected.update)(
         grads, injected_state, params)
-    chex.assert_trees_all_close(injected_updates, updates, rtol=rtol)
+    # atol: one float32 ulp of the rate times the decay, where the decay
+    # nearly cancels the direction (recommended decays these matrices).
+    chex.assert_trees_all_close(injected_updates, updates, rtol=rtol,
+                                atol=1e-7)
     chex.assert_trees_all_close(_without_bases(injected_state.inner_state),
                                 _without_bases(state), rtol=state_rtol,
                                 atol=1e-5)

@@ -287,8 +287,8 @@ def test_cli_lets_other_import_errors_through(monkeypatch):
 # The optax transforms and the framework-free core: their messages name no
 # framework package (issue 29: precondition said "cbp.nnx.center moved ...",
 # the core's stack-axis remedy named cbp.nnx.Centered).
-FRAMEWORK_FREE = ('_alias.py', '_checks.py', '_equalize.py',
-                  '_precondition.py', '_recipe.py', '_stacks.py',
+FRAMEWORK_FREE = ('_alias.py', '_checks.py', '_equalize.py', '_energies.py',
+                  '_weight_decay.py', '_precondition.py', '_recipe.py', '_stacks.py',
                   '_bias_shift.py', '_layer_spec.py', 'blocks.py',
                   'centering.py')
 FRAMEWORK_WORDS = ('nnx', 'linen', 'nn.scan', 'nn.vmap')

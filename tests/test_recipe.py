@@ -194,3 +194,24 @@ def test_the_muon_candidate_is_muon_centered_but_for_batch_norm_models():
   assert candidate.centered and not candidate.center_batch_norm_models
   assert muon.center_batch_norm_models
   assert candidate.make is muon.make
+
+
+def test_a_scheduled_b1_moves_the_evaluation_point_with_it():
+  # The refusal of b1=schedule names inject_hyperparams: there, the
+  # evaluation point (y - (1 - b1) z) / b1 uses the b1 of the latest update.
+  b1 = optax.linear_schedule(0.9, 0.5, 10)
+  with jax.enable_x64(True):
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), _tree())
+    tx = optax.inject_hyperparams(cbp.recommended)(learning_rate=0.1, b1=b1)
+    state = tx.init(params)
+    for i in range(6):
+      grads = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), params)
+      updates, state = jax.jit(tx.update)(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    # The sixth update's (inject_hyperparams keeps it in float32).
+    used = float(state.hyperparams['b1'])
+    assert used == pytest.approx(float(b1(5)), rel=1e-7)
+    x = jax.tree.map(lambda y, z: (y - (1 - used) * z) / used, params,
+                     state.inner_state.z)
+    chex.assert_trees_all_close(
+        cbp.linen.eval_params(params, state), x, rtol=1e-14, atol=0)

@@ -11,6 +11,15 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
+from tests import numpy_reference as ref
+from tests.test_reference import BLOCK_SCALES
+from tests.test_reference import CLIP
+from tests.test_reference import from_tree
+from tests.test_reference import LR
+from tests.test_reference import max_relative_error
+from tests.test_reference import REF_CLIP
+from tests.test_reference import SHAPES
+from tests.test_reference import to_tree
 
 
 def make_params(dtype=jnp.float32):
@@ -548,3 +557,80 @@ def test_ten_thousand_leaves():
   # XLA's CPU compile time grows superlinearly with the number of buffers:
   # 20 min and 17.7 GB here on 2 shared cores (Adam: 7.6 min, 12.4 GB).
   check_many_leaves(10_000)
+
+
+# A finite gradient spike: M1's energies (eq. 5) and M3's moment (eq. 11) of
+# a block whose squared norm is beyond float32's range stay finite.
+
+
+def spike_sequence(steps, at, size):
+  """Ordinary float64 gradients of the reference's layers, and one entry of
+  ``size`` in layer 1's kernel at step ``at``."""
+  rng = np.random.default_rng(5)
+  grads = ref.gradient_sequence(rng, SHAPES, steps, BLOCK_SCALES)
+  grads[at][1][0][0, 0] = size
+  return grads
+
+
+def run_float32(make_tx, grads_seq):
+  """Parameters and updates of a float32 jitted optax loop."""
+  rng = np.random.default_rng(0)
+  params_np = [[rng.standard_normal(s) for s in b] for b in SHAPES]
+  tx = make_tx()
+  params = jax.tree.map(lambda x: x.astype(jnp.float32), to_tree(params_np))
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  all_updates = []
+  for grads_np in grads_seq:
+    grads = jax.tree.map(lambda x: x.astype(jnp.float32), to_tree(grads_np))
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    all_updates.append(updates)
+  return params_np, params, state, all_updates
+
+
+@pytest.mark.parametrize('guarded', [False, True])
+def test_a_finite_gradient_spike_matches_the_float64_reference(guarded):
+  # ||g||^2 = 1e40 overflows float32 (q = inf, and every later scale of
+  # eq. 6 was NaN: apply_if_finite applied them); (1 - rho) ||g||^2 = 1e38
+  # does not, and the reference keeps it.
+  grads_seq = spike_sequence(20, 5, 1e20)
+  make = lambda: cbp.cbp(LR, **CLIP)
+  if guarded:
+    make = lambda: optax.apply_if_finite(cbp.cbp(LR, **CLIP), 3)
+  params_np, params, state, updates = run_float32(make, grads_seq)
+  reference = ref.CBPReference(SHAPES, lr=LR, **REF_CLIP)
+  for grads_np in grads_seq:
+    params_np = reference.step(params_np, grads_np)
+  assert all(bool(jnp.all(jnp.isfinite(u)))
+             for step in updates for u in jax.tree.leaves(step))
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+  got = from_tree(jax.tree.map(lambda x: np.asarray(x, np.float64), params))
+  assert max_relative_error(got, params_np) < 1e-3
+
+
+@pytest.mark.parametrize('name', ['cbp', 'cbp_robust', 'recommended'])
+def test_a_gradient_spike_beyond_any_float32_energy_leaves_a_finite_state(
+    name):
+  # 1e30: even (1 - rho) ||g||^2 is beyond float32's range; the energy and
+  # the moment saturate at its largest value, and training goes on.
+  make = {'cbp': lambda: cbp.cbp(LR), 'cbp_robust': lambda: cbp.cbp_robust(LR),
+          'recommended': lambda: cbp.recommended(LR)}[name]
+  _, params, state, updates = run_float32(
+      lambda: optax.apply_if_finite(make(), 3), spike_sequence(12, 5, 1e30))
+  assert all(bool(jnp.all(jnp.isfinite(u)))
+             for step in updates for u in jax.tree.leaves(step))
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state)
+             if jnp.issubdtype(x.dtype, jnp.floating))
+  assert int(state.notfinite_count) == 0
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+def test_an_eager_update_refuses_another_configurations_state():
+  params = {'a': {'w': jnp.ones((2, 2))}, 'b': {'w': jnp.ones(3)}}
+  grads = jax.tree.map(jnp.ones_like, params)
+  robust = cbp.cbp_robust(1e-2)
+  _, robust_state = robust.update(grads, robust.init(params), params)
+  with pytest.raises(ValueError, match='records min_scale=1'):
+    cbp.cbp(1e-2, update_clip=3.0).update(grads, robust_state, params)
+  robust.update(grads, robust_state, params)

@@ -519,7 +519,8 @@ def test_linen_lookahead_moves_fast_and_slow_parameters():
     assert isinstance(new_params, optax.LookaheadParams)
     for new, old in zip(new_params, before):
       assert max_relative(f(new, new_centering), old) <= F64_TOLERANCE
-    assert cbp.linen.eval_params(new_params) is new_params.slow
+    chex.assert_trees_all_equal(cbp.linen.eval_params(new_params),
+                                new_params.slow)
 
 
 # ----------------------------------------------------------------------------
@@ -1244,3 +1245,49 @@ def test_nnx_muon_dimension_numbers_taken_before_center():
   assert got['conv']['layer']['kernel'] is not None
   assert jax.tree.leaves(got, is_leaf=lambda x: x is None) == jax.tree.leaves(
       late(params), is_leaf=lambda x: x is None)
+
+
+# ----------------------------------------------------------------------------
+# What eval_model and eval_params hand out outlives the donating steps
+
+EVAL_OPTIMIZERS = {
+    'recommended': lambda: cbp.recommended(1e-2, warmup_steps=2),
+    'adam': lambda: optax.adam(1e-2),
+}
+
+
+@pytest.mark.parametrize('name', sorted(EVAL_OPTIMIZERS))
+def test_nnx_eval_model_outlives_the_donating_step(name):
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+                         nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+  cbp.nnx.center(model)
+  optimizer = cbp.nnx.Optimizer(model, EVAL_OPTIMIZERS[name]())
+  step = cbp.nnx.train_step(lambda m, x: jnp.mean((m(x) - 1.0) ** 2))
+  x = jnp.linspace(-1.0, 2.0, 12).reshape(4, 3)
+  step(model, optimizer, x)
+  copies = [cbp.nnx.eval_model(model, optimizer), cbp.nnx.eval_model(model)]
+  outputs = [np.asarray(copy(x)) for copy in copies]
+  step(model, optimizer, x)  # donates the model's and optimizer's buffers
+  for copy, output in zip(copies, outputs):
+    np.testing.assert_array_equal(copy(x), output)
+
+
+@pytest.mark.parametrize('name', sorted(EVAL_OPTIMIZERS))
+def test_linen_eval_params_outlive_the_donating_step(name):
+  model = cbp.linen.center(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)]))
+  x = jnp.linspace(-1.0, 2.0, 12).reshape(4, 3)
+  variables = model.init(jax.random.key(0), x)
+  state = cbp.linen.TrainState.create(
+      apply_fn=model.apply, params=variables['params'],
+      centering=variables['centering'], tx=EVAL_OPTIMIZERS[name]())
+  step = cbp.linen.train_step(
+      lambda apply, x: jnp.mean((apply(x) - 1.0) ** 2))
+  state, _ = step(state, x)
+  held = [cbp.linen.eval_params(state.params, state.opt_state),
+          cbp.linen.eval_params(state.params)]
+  # Read through a computation: np.asarray would cache the values.
+  read = lambda params: jax.tree.map(lambda a: np.asarray(a + 0), params)
+  values = [read(params) for params in held]
+  state, _ = step(state, x)  # donates the state's buffers
+  for params, value in zip(held, values):
+    chex.assert_trees_all_equal(read(params), value)

@@ -463,3 +463,57 @@ def test_forward_passes_at_one_step_and_fresh_models_never_warn():
         grads = [grad(model, x, y) for _ in range(2 * CALLS)]
         update(model, optimizer, jax.tree.map(lambda *g: sum(g), *grads))
     jax.effects_barrier()
+
+
+# Eager loops: each eager nnx.grad (jax.grad) call runs the layer on a new
+# module object, so a key by the module's id never repeated.
+
+
+def nnx_eager_loop(steps):
+  model, optimizer = nnx_pair()
+  x, y = batch()
+  for _ in range(steps):
+    optimizer.update(model, nnx.grad(lambda m: loss_of(m(x), y))(model))
+  return model
+
+
+def linen_eager_loop(steps):
+  model = cbp.linen.center(LinenNet())
+  x, y = batch()
+  variables = model.init(jax.random.key(0), x)
+  tx = optax.adam(1e-2)
+  params, centering = variables['params'], variables['centering']
+  opt_state = tx.init(params)
+  for _ in range(steps):
+    def loss_fn(p, centering=centering):
+      logits, changed = model.apply({'params': p, 'centering': centering}, x,
+                                    mutable=['centering'])
+      return loss_of(logits, y), changed['centering']
+    grads, centering = jax.grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+@pytest.mark.parametrize('loop,framework', [(nnx_eager_loop, 'nnx'),
+                                            (linen_eager_loop, 'linen')])
+def test_an_eager_grad_loop_warns_once_and_raises_under_an_error_filter(
+    loop, framework):
+  with pytest.warns(UntransportedWarning,
+                    match=f'cbp.{framework}.transport') as record:
+    loop(3 * CALLS)
+  assert len(record) == 1
+  _untransported._warned.clear()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UntransportedWarning)
+    with pytest.raises(UntransportedWarning, match=f'cbp.{framework}'):
+      loop(3 * CALLS)
+
+
+def test_copies_of_a_model_share_its_key_and_equal_models_their_graph():
+  model, _ = nnx_pair()
+  other, _ = nnx_pair()
+  key = model.hidden.untransported_key
+  assert nnx.clone(model).hidden.untransported_key is key
+  assert other.hidden.untransported_key is not key
+  assert nnx.graphdef(model) == nnx.graphdef(other)

@@ -22,6 +22,8 @@ import pytest
 
 from cbp_optax_experiments import cli as top_cli
 from cbp_optax_experiments import datasets
+from cbp_optax_experiments import outputs
+from cbp_optax_experiments.reproduce import cli as reproduce_cli
 from cbp_optax_experiments.workloads import arms as arms_lib
 from cbp_optax_experiments.workloads import cli
 from cbp_optax_experiments.workloads import definitions
@@ -810,3 +812,54 @@ def test_own_workload_refusals(tmp_path, capsys, no_training, monkeypatch):
                       '--out', out], 'is in no split')
   fails_with(capsys, ['--quick', '--workload', 'bad', '--out', out],
              'NAME=module:function')
+
+
+# No command replaces the results another command wrote in its --out.
+
+
+def write_compare_results(out):
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.md').write_text('# cbp-optax compare\n\ntable\n')
+  (out / report.RESULTS).write_text(json.dumps({'config': {}, 'methods': []}))
+
+
+def contents(out):
+  return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+def test_compare_refuses_an_out_holding_the_workloads_results(
+    tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(datasets, 'find_mnist', lambda *a, **k: pytest.fail(
+      'read the data although --out holds another command\'s results'))
+  write_results(tmp_path, valid_results())
+  (tmp_path / 'results.md').write_text('# Workloads\n')
+  before = contents(tmp_path)
+  with pytest.raises(SystemExit) as info:
+    top_cli.main(['compare', *TINY, '--out', str(tmp_path)])
+  assert info.value.code == 2
+  assert 'written by cbp-optax workloads' in capsys.readouterr().err
+  assert contents(tmp_path) == before
+
+
+def test_workloads_and_reproduce_refuse_an_out_holding_compares_results(
+    tmp_path, capsys, no_training):
+  write_compare_results(tmp_path)
+  before = contents(tmp_path)
+  fails_with(capsys, quick_argv(tmp_path), 'written by cbp-optax compare')
+  fails_with(capsys, ['--score-only', '--out', str(tmp_path)],
+             'written by cbp-optax compare')
+  write_compare_results(tmp_path / 'quadratic')
+  with pytest.raises(SystemExit) as info:
+    reproduce_cli.parse(['quadratic', '--out', str(tmp_path)])
+  assert info.value.code == 2
+  assert 'results of cbp-optax compare' in capsys.readouterr().err
+  assert contents(tmp_path) == before
+
+
+def test_compare_may_replace_its_own_results(tmp_path):
+  write_compare_results(tmp_path)
+  outputs.check_results_owner(tmp_path, outputs.COMPARE)  # no error
+  outputs.check_results_owner(tmp_path / 'empty', outputs.COMPARE)
+  (tmp_path / report.RESULTS).write_text('{"not": "compare"}')
+  with pytest.raises(ValueError, match='written by another command'):
+    outputs.check_results_owner(tmp_path, outputs.COMPARE)

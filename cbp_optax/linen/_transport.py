@@ -236,7 +236,8 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
     opt_state: the optimizer state, or None.
 
   Returns:
-    A parameter tree like ``params`` (the slow one for lookahead).
+    A parameter tree like ``params`` (the slow one for lookahead), in
+    buffers of its own: it outlives the donating :func:`train_step`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -247,10 +248,10 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
     Array([1., 1.], dtype=float32)
   """
   if _lookahead(params):
-    return params.slow
+    return _opt_state.unshared(params.slow)
   if opt_state is None:
-    return params
-  return _opt_state.evaluation_params(opt_state, params)
+    return _opt_state.unshared(params)
+  return _opt_state.unshared(_opt_state.evaluation_params(opt_state, params))
 
 
 # A kernel-shaped parameter that muon_dimension_numbers adds next to each

@@ -146,7 +146,7 @@ def centered_call(
           inputs, spec, recorded.value, before, axis_name)
       count.value = _untransported.check(
           before, after, core.input_count(inputs, spec), 'linen',
-          tuple(host.path), mean.value, kernel_of())
+          tuple(host.path), mean.value, kernel_of(), instance=host)
 
   def kernel():
     value = kernel_of()

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cbp_optax import _checks
+from cbp_optax._equalize import check_recorded_bounds
 from cbp_optax._flax_state import FLAX
 from cbp_optax import _opt_state
 from cbp_optax import _step
@@ -172,6 +173,8 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
   def classify():
     _opt_state.check_fusable(optimizer.opt_state, 'train_step', FLAX)
     check_optimizer_state(model, optimizer, 'train_step')
+    check_recorded_bounds(optimizer.tx, nnx.as_pure(optimizer.opt_state),
+                          nnx.as_pure(nnx.state(model, optimizer.wrt)))
 
   classified.check(optimizer, (weakref.ref(model), optimizer.tx), classify)
   nodes = _graph_nodes(args)

@@ -180,7 +180,8 @@ def eval_model(model: nnx.Module,
     optimizer: its optimizer (``nnx.Optimizer``), or None.
 
   Returns:
-    A new module sharing no variable with ``model``.
+    A new module sharing no variable or array with ``model`` (its arrays
+    outlive the donating :func:`train_step`).
 
   Raises:
     ValueError: several ``schedule_free`` states, or one over part of the
@@ -203,13 +204,14 @@ def eval_model(model: nnx.Module,
     True
   """
   if optimizer is None:
-    copy = nnx.clone(model)
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, _opt_state.unshared(state))
     copy.eval()
     return copy
   graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
   params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
                                         nnx.as_pure(params))
-  copy = nnx.merge(graphdef, params, nnx.as_pure(rest))
+  copy = nnx.merge(graphdef, *_opt_state.unshared((params, nnx.as_pure(rest))))
   copy.eval()
   return copy
 

@@ -201,6 +201,7 @@ class Centered(nnx.Module):
     dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
     self.layer = layer
     self.spec = spec
+    self.untransported_key = _untransported.LayerKey()
     self.use_running_average = use_running_average
     self.axis_name = axis_name
     self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
@@ -228,8 +229,9 @@ class Centered(nnx.Module):
       self.batch_mean[...], after = core.record_mean(
           inputs, self.spec, self.batch_mean[...], before, self.axis_name)
       self.batch_count[...] = _untransported.check(
-          before, after, core.input_count(inputs, self.spec), 'nnx', id(self),
-          self.mean[...], self.layer.kernel[...])
+          before, after, core.input_count(inputs, self.spec), 'nnx',
+          getattr(self, 'untransported_key', id(self)), self.mean[...],
+          self.layer.kernel[...], instance=self)
     return core.centered_output(
         self.spec, lambda x: self.layer(x, *args, **kwargs), inputs,
         self._kernel, self.mean[...])

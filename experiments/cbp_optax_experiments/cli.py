@@ -177,7 +177,8 @@ def compare_parser() -> argparse.ArgumentParser:
       '--out', type=pathlib.Path, default=None,
       help='also write results.md, results.json (per-step losses) and '
       'loss_curves.png into this directory (the PNG needs matplotlib: pip '
-      "install ./experiments)")
+      "install ./experiments); a directory holding another command's "
+      'results is refused')
   return parser
 
 
@@ -265,6 +266,7 @@ def compare(argv: Optional[Sequence[str]] = None) -> int:
   try:
     if args.out is not None:
       outputs.check_out_dir(args.out)
+      outputs.check_results_owner(args.out, outputs.COMPARE)
     if args.data_dir is not None and args.data_dir.exists() and (
         not args.data_dir.is_dir()):
       raise ValueError(f'--data-dir {args.data_dir}: a file, not a folder')

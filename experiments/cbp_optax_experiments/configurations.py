@@ -61,9 +61,22 @@ def cbp_study(
   if update_clip is not None:
     transforms.append(optax.clip(update_clip))
   if weight_decay is not None:
-    transforms.append(optax.add_decayed_weights(weight_decay, mask))
+    transforms.append(optax.add_decayed_weights(
+        weight_decay, _matrices if mask is None else mask))
   transforms.append(optax.scale_by_learning_rate(learning_rate))
   return optax.chain(*transforms)
+
+
+def _matrices(params: Any) -> Any:
+  """``cbp.cbp``'s documented default decay mask: every leaf of rank >= 2 but
+  those named bias, scale or embedding."""
+  def is_matrix(path, leaf):
+    names = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
+             for k in path]
+    names = [n for n in names if n != 'value']
+    return jnp.ndim(leaf) >= 2 and not (
+        names and names[-1] in ('bias', 'scale', 'embedding'))
+  return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def _check_relative_damping(value: Any) -> None:

@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from cbp_optax_experiments import outputs
+
 # Study name -> module, in the paper's order. The real-data studies come last.
 STUDIES = {
     'gradient-norms': 'gradient_norms',   # §6.1, Fig. 2
@@ -82,7 +84,14 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       'not there (CIFAR-10 is never downloaded)')
   parser.add_argument('--no-progress', action='store_true',
                       help='hide the progress bars')
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  for name in selected(args.study):
+    writer = outputs.results_writer(args.out / name)
+    if writer in (outputs.COMPARE, outputs.WORKLOADS):
+      parser.error(f'--out {args.out}: {args.out / name} holds the results '
+                   f'of {writer}, which the study {name} would replace; '
+                   'choose another folder')
+  return args
 
 
 QUICK_NOTE = ('> Quick run (`--quick`): the reduced smoke-test version of '

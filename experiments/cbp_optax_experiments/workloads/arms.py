@@ -27,14 +27,16 @@ model (M2).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib
 import inspect
+import io
 import pathlib
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import optax
 
@@ -58,7 +60,8 @@ REFERENCE = 'adamw'
 # AlgoPerf's target-setting baselines, run first on every workload.
 BASELINES = ('adamw', 'nadamw', 'sgd_nesterov')
 # The peers whose ``<peer>_centered`` arm is built.
-PEERS = ('adamw', 'nadamw', 'muon', 'schedule_free_adamw')
+PEERS = ('adamw', 'nadamw', 'muon', 'schedule_free_adamw', 'cbp_kron',
+         'psgd_kron')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +187,42 @@ def _with_supported(factory, lr, ctx):
                  **{k: v for k, v in policy.items() if k in accepted})
 
 
+def _cbp_kron(lr, ctx):
+  """``cbp.cbp_kron``: cbp_robust with the Kronecker-factored M3 (§8.2), the
+  matrices viewed as Muon views them (``ctx.muon_dims``), the kernel-only
+  decay."""
+  return cbp.cbp_kron(ctx.schedule(lr), weight_decay=WEIGHT_DECAY,
+                      mask=decay_mask, stacked=ctx.stacked,
+                      dimension_numbers=ctx.muon_dims)
+
+
+class PSGDKronState(NamedTuple):
+  """psgd_jax's PSGD Kron state (a dict: its momentum and its triangular
+  preconditioners, gradient statistics only), in a type the transport can
+  be told about (``cbp.centering.register_parameter_state``)."""
+  inner: Any
+
+
+def _psgd_kron(lr, ctx):
+  """PSGD Kron (Li; psgd-jax's ``scale_by_kron``, momentum 0.9, its
+  preconditioner-update schedule), the kernel-only decay, the schedule."""
+  from psgd_jax import kron as psgd  # pylint: disable=g-import-not-at-top
+  inner = psgd.scale_by_kron(b1=0.9)
+
+  def init(params):
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its sizes
+      return PSGDKronState(inner.init(params))
+
+  def update(updates, state, params=None, **extra):
+    updates, new = inner.update(updates, state.inner, params, **extra)
+    return updates, PSGDKronState(new)
+
+  return optax.chain(
+      optax.GradientTransformationExtraArgs(init, update),
+      optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
+      optax.scale_by_learning_rate(ctx.schedule(lr)))
+
+
 def _peer_arms() -> list[Arm]:
   return [
       Arm('adamw', _adamw, description='optax.adamw'),
@@ -194,6 +233,10 @@ def _peer_arms() -> list[Arm]:
           eval_params=optax.contrib.schedule_free_eval_params,
           description='optax.contrib.schedule_free AdamW, scored at its '
           'evaluation parameters'),
+      Arm('cbp_kron', _cbp_kron, description='cbp.cbp_kron: cbp_robust with '
+          'the Kronecker-factored M3 (§8.2), matrices as Muon views them'),
+      Arm('psgd_kron', _psgd_kron, description='PSGD Kron (psgd-jax '
+          'scale_by_kron, momentum 0.9)'),
   ]
 
 
@@ -204,6 +247,10 @@ def _centered(arm: Arm) -> Arm:
   return dataclasses.replace(
       arm, name=f'{arm.name}_centered', centered=True,
       description=f'{arm.description}, on the centered model (M2)')
+
+
+# PSGD Kron's state holds gradient statistics only: nothing to transport.
+cbp.centering.register_parameter_state(PSGDKronState)
 
 
 def builtin_arms() -> dict[str, Arm]:

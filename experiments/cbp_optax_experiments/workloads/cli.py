@@ -19,7 +19,8 @@ beside the normalized final metric. ``--split`` runs one split of ``splits.SPLIT
 (dev chooses the defaults, test only reports) into its own folder,
 ``workloads/<split>``: each split is scored on its own. Running into an
 ``--out`` that already holds results.json replaces the (workload, arm) pairs
-measured now and keeps the others; every run is also saved as its own file
+measured now and keeps the others (one that holds the results of
+``cbp-optax compare`` is refused); every run is also saved as its own file
 under ``--out``/runs, so the same command started again after an
 interruption resumes where it stopped (a stored run is used only while the
 code that made it is unchanged: the suite's, and an ``--arm``'s function and
@@ -620,6 +621,7 @@ def plan(args: argparse.Namespace) -> Plan:
   """
   outputs.check_out_dir(args.out)
   outputs.check_out_dir(args.out / RUNS)
+  outputs.check_results_owner(args.out, outputs.WORKLOADS)
   arms = _chosen_arms(args)
   user = _user_workloads(args.workload or [], args.quick)
   names = _chosen_workloads(args, list(user))
@@ -658,6 +660,7 @@ def _check_score_only(args: argparse.Namespace) -> dict[str, Any]:
     raise ValueError(f'--score-only rescores {args.out / report.RESULTS} as '
                      f'it stands: it takes no {", ".join(given)}')
   outputs.check_out_dir(args.out)
+  outputs.check_results_owner(args.out, outputs.WORKLOADS)
   results = report.load(args.out)
   if results is None:
     raise ValueError(f'--score-only: no {args.out / report.RESULTS}')

@@ -171,7 +171,8 @@ def _label(arm: str) -> str:
   if arm in CENTERED_ONLY_LABELS:
     return CENTERED_ONLY_LABELS[arm].replace('`', '')
   if peer in PEER_LABELS:
-    return PEER_LABELS[peer] + (' centered' if peer != arm else '')
+    return PEER_LABELS[peer].replace('`', '') + (
+        ' centered' if peer != arm else '')
   return arm
 
 
@@ -256,7 +257,8 @@ def centering_verdicts(results: Mapping[str, Any]
 # its paired row compares it against (``statistics.anytime_pairs``).
 PEER_LABELS: dict[str, str] = {
     'adamw': 'AdamW', 'nadamw': 'NAdamW',
-    'schedule_free_adamw': 'schedule-free AdamW', 'muon': 'Muon'}
+    'schedule_free_adamw': 'schedule-free AdamW', 'muon': 'Muon',
+    'cbp_kron': '`cbp.cbp_kron`', 'psgd_kron': 'PSGD Kron'}
 CENTERED_ONLY_LABELS: dict[str, str] = {
     'cbp': '`cbp.cbp`',
     'cbp_robust': '`cbp.cbp_robust`',
@@ -293,6 +295,8 @@ def results_table(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
            'plain | test: plain | test: centered | test: centered vs plain |',
            '|---|---|---|---|---|---|---|']
   for peer, label in PEER_LABELS.items():
+    if not any(peer in scores for scores, _, _ in columns):
+      continue
     row = [label]
     for scores, intervals, pooled in columns:
       row += [cell(peer, scores, intervals),
@@ -301,6 +305,8 @@ def results_table(dev: Mapping[str, Any], test: Mapping[str, Any]) -> str:
                   (peer + statistics.CENTERED_SUFFIX, peer)))]
     lines.append('| ' + ' | '.join(row) + ' |')
   for arm, label in CENTERED_ONLY_LABELS.items():
+    if not any(arm in scores for scores, _, _ in columns):
+      continue
     against = AGAINST[arm]
     row = [label]
     for scores, intervals, pooled in columns:

@@ -1,0 +1,138 @@
+"""M1's block energies (eq. 5) from the gradients, without overflow.
+
+References:
+  Layerwise Conditioned Backpropagation: A Curvature-Aware
+  Reparameterization of the Backward Pass with Convergence Guarantees,
+  §4.1, eq. (5), and Algorithm 1, step 5.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from cbp_optax.blocks import BlockLayout
+
+
+def block_energies(
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    dtype: Any,
+    unscaled: Sequence[bool],
+) -> chex.Array:
+  """Squared Frobenius norm of every block, ``||g_l||_F^2``, shape (L,).
+
+  ``unscaled[k]``: group ``k``'s leaves leave M1 unmultiplied (its scale is
+  one at every step, :func:`_group_scales`).
+  """
+  per_group = []
+  for leaf_ids, stack, barrier in zip(
+      layout.groups, layout.group_stacks, unscaled):
+    total = 0.0
+    for i in leaf_ids:
+      leaf = jnp.asarray(leaves[i])
+      if barrier:
+        # Behind a barrier, the square of an unmultiplied gradient is not
+        # merged with the second moment's (eq. 11) of the same gradient:
+        # merged, XLA writes the squared gradient out and reads it back (a
+        # parameter-sized buffer per step). A multiplied leaf's square is
+        # another value and gets none: barriers cost compile time.
+        leaf = jax.lax.optimization_barrier(leaf)
+      leaf = leaf.astype(dtype)
+      axes = tuple(range(1, leaf.ndim)) if stack is not None else None
+      total = total + jnp.sum(jnp.square(leaf), axis=axes)
+    per_group.append(jnp.reshape(total, (-1,)))
+  if not per_group:
+    return jnp.zeros((0,), dtype)
+  return jnp.concatenate(per_group)
+
+
+def _rescued_energies(
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    dtype: Any,
+    weight: chex.Numeric,
+) -> tuple[chex.Array, chex.Array]:
+  """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the
+  leaves in no block, without overflowing.
+
+  Each is formed as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
+  max |g|`` and saturates at the dtype's largest finite value, so that a
+  finite gradient whose squared norm is beyond the dtype's range still gives
+  a finite energy; a non-finite gradient gives a non-finite one.
+  """
+  largest = jnp.finfo(dtype).max
+  root = jnp.sqrt(jnp.asarray(weight, dtype))
+
+  def energy(members, stack, root):
+    xs = [jnp.asarray(leaves[i]).astype(dtype) for i in members]
+    axes = lambda x: tuple(range(1, x.ndim)) if stack is not None else None
+    shape = lambda x: (-1,) + (1,) * (x.ndim - 1) if stack is not None else ()
+    peak = xs[0].dtype.type(0)
+    for x in xs:
+      peak = jnp.maximum(peak, jnp.max(jnp.abs(x), axis=axes(x)))
+    safe = jnp.where(peak > 0, peak, jnp.ones_like(peak))
+    total = sum(jnp.sum(jnp.square(x / jnp.reshape(safe, shape(x))),
+                        axis=axes(x)) for x in xs)
+    return jnp.minimum(jnp.square(root * peak) * total, largest)
+
+  blocks = [jnp.reshape(energy(ids, stack, root), (-1,))
+            for ids, stack in zip(layout.groups, layout.group_stacks)]
+  in_blocks = {i for group in layout.groups for i in group}
+  rest = [i for i, leaf in enumerate(leaves)
+          if i not in in_blocks and jnp.size(leaf)]
+  unblocked = (energy(rest, None, jnp.ones((), dtype)) if rest
+               else jnp.zeros([], dtype))
+  return (jnp.concatenate(blocks) if blocks else jnp.zeros((0,), dtype),
+          unblocked)
+
+
+def new_energies(
+    layout: BlockLayout,
+    leaves: Sequence[chex.Array],
+    energy: chex.Array,
+    decay: chex.Numeric,
+    unscaled: Sequence[bool],
+) -> tuple[chex.Array, chex.Array]:
+  """The refreshed EMAs of eq. (5) and the unblocked energy.
+
+  ``decay * q_l + (1 - decay) ||g_l||_F^2`` as Algorithm 1 writes it; where
+  that overflows for a finite gradient (a norm beyond the dtype's range), it
+  is formed without the overflow (:func:`_rescued_energies`), at most the
+  dtype's largest value: a finite gradient never leaves a non-finite energy,
+  whose scales (eq. 6) would be NaN at every later step.
+  """
+  dtype = energy.dtype
+  energies = block_energies(layout, leaves, dtype, unscaled=unscaled)
+  plain = decay * energy + (1 - decay) * energies
+  unblocked = _unblocked_energy(layout, leaves, dtype)
+
+  def rescue(operands):
+    plain, unblocked, leaves = operands
+    weighted, rest = _rescued_energies(layout, leaves, dtype, 1 - decay)
+    largest = jnp.finfo(dtype).max
+    rescued = jnp.minimum(decay * energy + weighted, largest)
+    # Finite gradients and a finite stored energy only (NaN compares false):
+    # anything else keeps Algorithm 1's non-finite value.
+    overflowed = jnp.isinf(plain) & (energy <= largest) & (weighted <= largest)
+    rest_overflowed = jnp.isinf(unblocked) & (rest <= largest)
+    return (jnp.where(overflowed, rescued, plain).astype(dtype),
+            jnp.where(rest_overflowed, rest, unblocked).astype(dtype))
+
+  overflow = jnp.any(jnp.isinf(plain)) | jnp.isinf(unblocked)
+  return jax.lax.cond(overflow, rescue, lambda operands: operands[:2],
+                      (plain.astype(dtype), unblocked, list(leaves)))
+
+
+def _unblocked_energy(layout: BlockLayout, leaves: Sequence[chex.Array],
+                      dtype: Any) -> chex.Array:
+  """``sum ||g_k||_F^2`` over the leaves in no block (a zero when none is)."""
+  in_blocks = {i for group in layout.groups for i in group}
+  total = jnp.zeros([], dtype)
+  for i, leaf in enumerate(leaves):
+    if i not in in_blocks:
+      total = total + jnp.sum(jnp.square(leaf.astype(dtype)))
+  return total
