@@ -7,6 +7,7 @@ Optimizer side (optax transforms):
 * :func:`precondition_kron` - M3 in the eigenbasis of each matrix's Kronecker
   factors (§8.2).
 * :func:`cbp` - the two chained with a learning rate (Algorithm 1, steps 3-9).
+* :func:`cbp_kron` - :func:`cbp_robust` with the Kronecker-factored M3.
 * :func:`recommended` - the recommended recipe's optimizer (schedule-free CBP
   M3) for a model centered with M2, chosen on the workload suite's dev split.
 
@@ -20,6 +21,7 @@ import importlib
 from cbp_optax import blocks
 from cbp_optax import centering
 from cbp_optax._alias import cbp
+from cbp_optax._alias import cbp_kron
 from cbp_optax._alias import cbp_robust
 from cbp_optax._recipe import recommended
 from cbp_optax.blocks import block_names
@@ -33,7 +35,6 @@ from cbp_optax._equalize_stats import equalize_stats
 from cbp_optax._equalize import EqualizeState
 from cbp_optax._precondition import precondition
 from cbp_optax._precondition import PreconditionState
-from cbp_optax._precondition_kron import KronFactors
 from cbp_optax._precondition_kron import KronPreconditionState
 from cbp_optax._precondition_kron import precondition_kron
 
@@ -42,12 +43,12 @@ __version__ = '0.1.0'
 __all__ = (
     'BlockStats',
     'EqualizeState',
-    'KronFactors',
     'KronPreconditionState',
     'PreconditionState',
     'block_names',
     'blocks',
     'cbp',
+    'cbp_kron',
     'cbp_robust',
     'centering',
     'equalize',

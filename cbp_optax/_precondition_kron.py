@@ -114,7 +114,9 @@ class KronPreconditionState(NamedTuple):
       matrix leaf, in the coordinates of its eigenbasis.
     factors: a dict from each matrix leaf's path (its keys joined by
       ``/``, an NNX ``value`` attribute left out) to its
-      :class:`KronFactors`; the leaves that keep the diagonal M3 have none.
+      ``KronFactors(left, right, left_basis, right_basis)``: ``L``, ``R``
+      and their eigenvectors, each of shape ``(batch, side, side)``; the
+      leaves that keep the diagonal M3 have none.
       Without any matrix, one empty array.
   """
   count: chex.Array  # shape=(), dtype=jnp.int32.

@@ -230,6 +230,8 @@ FACTORIES = {
     'precondition': (cbp.precondition, {}, ()),
     'precondition_kron': (cbp.precondition_kron, {'every': 2},
                           ('max_dim', 'dimension_numbers')),
+    'cbp_kron': (cbp.cbp_kron, {'learning_rate': 1e-2, 'every': 2},
+                 ('max_dim', 'dimension_numbers')),
     'recommended': (cbp.recommended, {'learning_rate': 1e-2}, ()),
     'recommended_warmup': (
         cbp.recommended, {'learning_rate': 1e-2, 'warmup_steps': 3},
@@ -243,7 +245,7 @@ FACTORIES = {
 # factors that the two round apart by ~1e-7, a rotation they carry into the
 # update at ~1e-5 of its largest entry (up to 3e-4 of a small one).
 INJECT_RTOL = {'recommended': 1e-4, 'recommended_warmup': 1e-4,
-               'precondition_kron': 1e-3}
+               'precondition_kron': 1e-3, 'cbp_kron': 1e-3}
 
 
 def _is_factory(value):
@@ -276,7 +278,7 @@ def test_public_factory_under_inject_hyperparams(name):
       rtol=INJECT_RTOL.get(name, 1e-5),
       # precondition_kron's factors sum G G^T with (1 - b2), which float32
       # rounds 1e-5 apart injected: over steps the factors drift by that.
-      state_rtol=1e-4 if name == 'precondition_kron' else 1e-5)
+      state_rtol=1e-4 if 'kron' in name else 1e-5)
 
 
 @pytest.mark.parametrize('factory', sorted(

@@ -380,11 +380,18 @@ def test_workloads_compare_runs_lists_disjoint_arms_and_flips(tmp_path,
 
 
 def test_the_centering_sentence_computes_comparisons_not_stored():
-  results = _three_arms()
-  results.pop('comparisons', None)
+  results = _anytime_results({'adamw': _rates(0.1, 0),
+                              'adamw_centered': _rates(0.2, 1)})
+  results.pop('meta')
+  assert 'anytime_comparisons' not in results
   text = summary.centering_sentence(results)
   assert text.startswith('On this run, pooled over the 30 (workload, seed) '
-                         'pairs'), text
+                         'pairs of the any-time score, centering is '
+                         'significantly better than plain for AdamW'), text
+  # No centered pair at all: said so, not a crash.
+  results = _anytime_results({'adamw': _rates(0.1, 0)})
+  assert 'no peer ran both plain and centered' in (
+      summary.centering_sentence(results))
 
 
 def test_the_stability_table_marks_disjoint_arms_and_flips():
@@ -438,56 +445,61 @@ def test_workloads_compare_runs_of_a_missing_or_damaged_file(tmp_path,
 
 
 def test_centering_verdicts_count_workloads_and_pool_the_seeds():
-  # Centered AdamW is 2x faster on two workloads of three, equal on one;
-  # centered Muon is equal everywhere; a peer without its centered arm is
-  # not listed.
-  results = _dev({
-      'adamw': _noisy(200, 0),
-      'adamw_centered': lambda i, n: _noisy(100 if i < 2 else 200, 0)(i, n),
-      'muon': _const(100), 'muon_centered': _const(100),
-      'nadamw': _const(100)})
+  # Centered AdamW climbs twice as fast on two workloads of three, equally
+  # on one; centered Muon equals Muon everywhere; a peer without its
+  # centered arm is not listed.
+  results = _anytime_results({
+      'adamw': _rates(0.05, 0),
+      'adamw_centered': lambda i, n: _rates(0.1 if i < 2 else 0.05, 1)(i, n),
+      'muon': _rates(0.1, 2), 'muon_centered': _rates(0.1, 2),
+      'nadamw': _rates(0.1, 3)})
   verdicts = summary.centering_verdicts(results)
   assert set(verdicts) == {'adamw', 'muon'}
   adamw = verdicts['adamw']
-  assert adamw['verdict'] == stats.BETTER
+  assert adamw['verdict'] == stats.BETTER and adamw['n'] == 30
   assert adamw['counts'] == {stats.BETTER: 2, stats.NO_DIFFERENCE: 1,
                              stats.WORSE: 0}
-  assert adamw['speedup'] == pytest.approx(2.0, rel=0.1)
-  assert adamw['interval'][0] <= adamw['speedup'] <= adamw['interval'][1]
+  assert adamw['interval'][0] <= adamw['difference'] <= adamw['interval'][1]
+  assert adamw['difference'] > 0.1
   assert verdicts['muon']['verdict'] == stats.NO_DIFFERENCE
-  assert verdicts['muon']['speedup'] == 1.0
+  assert verdicts['muon']['difference'] == 0.0
 
 
 def test_the_answer_names_the_dev_choice_and_needs_the_test_split():
-  candidates = decision.CANDIDATES
-  names = [c.arm for c in candidates]
-  steps = {name: _const(100 if name == 'muon_centered' else 300)
-           for name in names}
-  dev = _dev(steps)
+  names = [c.arm for c in decision.CANDIDATES]
+  dev = _anytime_results({name: _rates(0.2 if name == 'muon_centered'
+                                       else 0.05, 0, 0.0)
+                          for name in names}, split='dev')
+  dev = {**dev, 'meta': {'split': 'dev'}}
+  for entry in dev['workloads'].values():
+    for arm in entry['arms'].values():
+      arm['curves'] = arm['curves'] * 1   # ten seeds each
   assert decision.recommend(dev).arm == 'muon_centered'
   test = copy.deepcopy(dev)
   test['meta']['split'] = 'test'
   text = summary.answer(dev, test)
   assert text.startswith('Use ' + summary.RECIPES['muon_centered'])
-  assert '10 paired seeds' in text and text.count('1.000 [1.000, 1.000]') == 2
+  assert '10 paired seeds' in text
   with pytest.raises(ValueError, match='test split'):
     summary.answer(dev, dev)
-  assert text.endswith('and no arm is significantly faster than it there.')
+  # On test it is better than every other arm (all slower), worse than none.
+  assert 'significantly worse than' not in text
+  assert 'significantly better than' in text
   assert summary.dev_ties(dev) == ''  # it beat every other candidate
   assert set(summary.RECIPES) == set(names)
 
 
-def test_the_answer_names_the_arms_test_found_faster_than_the_choice():
+def test_the_answer_names_the_arms_test_found_better_than_the_choice():
   names = [c.arm for c in decision.CANDIDATES]
-  dev = _dev({name: _const(100 if name == 'muon_centered' else 300)
-              for name in names})
-  test = _dev({name: _const(100 if name == 'adamw_centered' else 300)
-               for name in names})
-  test['meta']['split'] = 'test'
+  dev = _anytime_results({name: _rates(0.2 if name == 'muon_centered'
+                                       else 0.05, 0, 0.0) for name in names})
+  test = _anytime_results({name: _rates(0.2 if name == 'adamw_centered'
+                                        else 0.05, 0, 0.0) for name in names},
+                          split='test')
   text = summary.answer(dev, test)
-  assert ('it is significantly slower than AdamW centered (1.000 [1.000, '
-          '1.000], median paired speedup 0.33x), and than no other arm.'
-          ) in text, text
+  # The difference is the choice's value minus the other's.
+  assert ('it is significantly worse than AdamW centered (0.900 [0.900, '
+          '0.900], mean paired difference -0.450)') in text, text
 
 
 # ---------------------------------------------------------------------------

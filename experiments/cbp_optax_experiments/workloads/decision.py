@@ -90,6 +90,11 @@ CANDIDATES: tuple[Candidate, ...] = (
               ('learning_rate', 'b1', 'b2', 'damping', 'zero_moment',
                'weight_decay', 'weight_lr_power')),
     Candidate('muon_centered', MATRIX, _MUON),
+    # Added before any run of it (the Kronecker-factored M3, §8.2): matrix
+    # products and eigendecompositions, so the costlier class.
+    Candidate('cbp_kron_centered', MATRIX,
+              ('learning_rate', 'b1', 'b2', 'damping', 'zero_moment',
+               'every', 'weight_decay')),
 )
 
 

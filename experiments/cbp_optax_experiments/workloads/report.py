@@ -391,6 +391,8 @@ def workload_ladder(entry: dict[str, Any]) -> dict[str, Any]:
   arms = entry['arms']
   higher = entry['higher_is_better']
   reference = arms.get(arms_lib.REFERENCE)
+  if reference is not None and not reference.get('curves'):
+    reference = None  # no stored curves (a hand-made record): no ladder
   targets = [] if reference is None else scoring.ladder(
       reference['curves'], reference['diverged'],
       {name: arm['best_metric'] for name, arm in arms.items()}, higher)
@@ -399,8 +401,8 @@ def workload_ladder(entry: dict[str, Any]) -> dict[str, Any]:
       'reference': arms_lib.REFERENCE if reference is not None else None,
       'fractions': list(scoring.LADDER_FRACTIONS),
       'hard': scoring.HARD_TARGETS,
-      'reach': {name: scoring.reach_fractions(arm['curves'], arm['diverged'],
-                                              targets, higher)
+      'reach': {name: scoring.reach_fractions(
+          arm.get('curves') or [], arm['diverged'], targets, higher)
                 for name, arm in arms.items()}}
 
 
@@ -448,7 +450,8 @@ def rescore(results: dict[str, Any]) -> dict[str, Any]:
     entry['statistics'] = statistics.arm_intervals(entry)
     if entry['ladder']['targets']:
       for arm, cell in entry['statistics'].items():
-        cell['anytime'] = statistics.anytime_cell(entry, arm)
+        if entry['arms'][arm].get('curves'):
+          cell['anytime'] = statistics.anytime_cell(entry, arm)
   profiles[FINAL] = {'score': scoring.final_scores(normalized)}
   results['profiles'] = profiles
   results['headline'] = HEADLINE
@@ -611,9 +614,11 @@ def ladder_table(name: str, entry: dict[str, Any]) -> str:
   stats = entry.get('statistics') or {}
   rows = []
   for arm, reach in ladder['reach'].items():
-    cell = (stats.get(arm) or {}).get('anytime') or statistics.anytime_cell(
-        entry, arm)
+    cell = (stats.get(arm) or {}).get('anytime')
+    if cell is None and entry['arms'][arm].get('curves'):
+      cell = statistics.anytime_cell(entry, arm)
     rows.append([arm] + [f'{r:.1f}' for r in reach] + [
+        '—' if cell is None else
         f'{cell["mean"]:.3f} {_interval_cell(cell["interval"])}'])
   fractions = ', '.join(f'{f:g}' for f in ladder['fractions'])
   header = ['arm'] + [f'{_fmt_metric(t, entry["metric"])}' for t in targets]

@@ -501,7 +501,7 @@ def anytime_values(entry: Mapping[str, Any], arm: str,
   cost = float(record.get('cost_vs_adamw') or 1.0) if wall_clock else 1.0
   higher = entry['higher_is_better']
   return np.asarray([scoring.anytime_value(curve, targets, higher, bad, cost)
-                     for curve, bad in zip(record['curves'],
+                     for curve, bad in zip(record.get('curves') or [],
                                            record['diverged'])], np.float64)
 
 

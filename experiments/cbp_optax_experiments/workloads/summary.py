@@ -27,6 +27,8 @@ RECIPES: dict[str, str] = {
         'schedule-free AdamW (optax.contrib.schedule_free_adamw) on the '
         'centered model'),
     'cbp_robust': 'cbp.cbp_robust on the centered model',
+    'cbp_kron_centered': ('cbp.cbp_kron (cbp_robust with the '
+                          'Kronecker-factored M3) on the centered model'),
     'schedule_free_cbp_robust': (
         'cbp.recommended (cbp_robust\'s preconditioner, M3 without momentum '
         'and each coordinate clipped to 3, inside optax.contrib.schedule_free) '
@@ -181,6 +183,8 @@ def centering_sentence(results: Mapping[str, Any]) -> str:
   any-time verdicts (Holm-corrected) and the per-workload counts."""
   verdicts = centering_verdicts(results)
   split = (results.get('meta') or {}).get('split') or 'this run'
+  if not verdicts:
+    return f'On {split}, no peer ran both plain and centered.'
   by_verdict: dict[str, list[str]] = {}
   for peer, label in PEER_LABELS.items():
     if peer in verdicts:
