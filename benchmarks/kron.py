@@ -66,11 +66,28 @@ def _bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def measure(width: int, rounds: int) -> list[dict]:
+def eigh_seconds(size: int, repeats: int = 3) -> float:
+  """Median seconds of one jitted eigendecomposition of a size x size PSD
+  matrix (what a refresh does for each side of each matrix)."""
+  a = jax.random.normal(jax.random.key(0), (1, size, size))
+  a = a @ jnp.swapaxes(a, 1, 2)
+  eigh = jax.jit(lambda x: jnp.linalg.eigh(x)[1])
+  jax.block_until_ready(eigh(a))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(eigh(a))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def measure(width: int, rounds: int, refresh: bool = True) -> list[dict]:
   params = _params(width)
   grads = jax.tree.map(lambda x: 1e-2 * jnp.ones_like(x) + 1e-3 * x, params)
   runs = {}
   for name, tx in variants().items():
+    if name == 'kron, refresh' and not refresh:
+      continue
     p = jax.tree.map(jnp.copy, params)
     state = tx.init(p)
     state_mb = _bytes(state) / 2**20
@@ -93,6 +110,8 @@ def measure(width: int, rounds: int) -> list[dict]:
                  'iqr': 1e3 * float(np.subtract(*np.percentile(t, [75, 25]))),
                  'x_adamw': float(np.median(t / adamw)),
                  'state_mb': run[3]})
+  if not refresh:
+    return rows
   rotate = next(r for r in rows if r['update'] == 'kron, rotate')
   refresh = next(r for r in rows if r['update'] == 'kron, refresh')
   mean_ms = ((EVERY - 1) * rotate['ms'] + refresh['ms']) / EVERY
@@ -121,13 +140,24 @@ def main() -> None:
                       help='hidden widths of the MLP 784 -> W x 4 -> 10')
   parser.add_argument('--rounds', type=int, default=9,
                       help='interleaved rounds per width')
+  parser.add_argument('--refresh-up-to', type=int, default=1024,
+                      help='time the refreshing step up to this width; '
+                      'above it, one eigendecomposition of a W x W factor '
+                      'is timed instead')
   args = parser.parse_args()
-  rows = []
+  rows, eighs = [], {}
   for width in (int(w) for w in args.widths.split(',')):
-    rows += measure(width, args.rounds)
+    refresh = width <= args.refresh_up_to
+    rows += measure(width, args.rounds, refresh)
+    if not refresh:
+      eighs[width] = eigh_seconds(width)
   print(f'jax {jax.__version__} on {jax.default_backend()}, '
         f'{jax.device_count()} device(s)\n')
   print(table(rows))
+  for width, seconds in eighs.items():
+    print(f'\nOne eigendecomposition of a {width} x {width} factor: '
+          f'{seconds:.2f} s (a refresh at width {width} does one per side '
+          'of each matrix longer than 10).')
 
 
 if __name__ == '__main__':
