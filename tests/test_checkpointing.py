@@ -213,6 +213,9 @@ SPELLED = {
     'muon': 'optax.contrib.muon(1e-2, muon_weight_dimension_numbers={dims})',
     'schedule_free_adamw': 'optax.contrib.schedule_free_adamw(1e-2)',
     'masked': 'optax.masked(optax.adam(1e-2), kernels)',
+    'precondition_kron': (
+        'optax.chain(cbp.precondition_kron(every=1, dimension_numbers={dims}),'
+        ' optax.scale_by_learning_rate(1e-2))'),
 }
 NNX_DIMS = 'cbp.nnx.muon_dimension_numbers(model)'
 LINEN_DIMS = 'cbp.linen.muon_dimension_numbers(module, jax.random.key(0), x)'
