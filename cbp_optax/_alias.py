@@ -343,14 +343,10 @@ def cbp_kron(
   :math:`\epsilon` as :math:`\zeta`, the normalized zero moment, the clip at
   3). Train it on the centered model (M2), as :func:`cbp`.
 
-  Args:
-    learning_rate: as in :func:`cbp`.
-    b1, b2, damping, decay, min_scale, max_scale, weight_decay, mask,
-      block_fn, stacked, stats_dtype, zero_moment, update_clip: as in
-      :func:`cbp`.
-    every, max_dim, dimension_numbers: as in :func:`precondition_kron`
-      (name ``max_dim`` and ``dimension_numbers`` in ``static_args`` under
-      ``optax.inject_hyperparams``).
+  Every argument is :func:`cbp`'s, but ``every``, ``max_dim`` and
+  ``dimension_numbers``, which are :func:`precondition_kron`'s (name
+  ``max_dim`` and ``dimension_numbers`` in ``static_args`` under
+  ``optax.inject_hyperparams``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
