@@ -105,6 +105,17 @@ def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
   weight_decay_lib.check_pair(factory, weight_decay, mask)
 
 
+def _finish(transforms: list, update_clip, weight_decay, mask,
+            learning_rate) -> optax.GradientTransformationExtraArgs:
+  """The chain after M1 and M3, shared by :func:`cbp` and :func:`cbp_kron`:
+  the optional clip, the optional decay and the learning rate."""
+  if update_clip is not None:
+    transforms.append(optax.clip(update_clip))
+  transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
+  transforms.append(optax.scale_by_learning_rate(learning_rate))
+  return _narrow_in_float32(optax.chain(*transforms))
+
+
 def cbp(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -238,11 +249,7 @@ def cbp(
       precondition_lib.precondition(b1, b2, damping, stats_dtype=stats_dtype,
                                     zero_moment=zero_moment),
   ]
-  if update_clip is not None:
-    transforms.append(optax.clip(update_clip))
-  transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
-  transforms.append(optax.scale_by_learning_rate(learning_rate))
-  return _narrow_in_float32(optax.chain(*transforms))
+  return _finish(transforms, update_clip, weight_decay, mask, learning_rate)
 
 
 cbp_robust = functools.partial(
@@ -382,8 +389,4 @@ def cbp_kron(
           dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
           zero_moment=zero_moment),
   ]
-  if update_clip is not None:
-    transforms.append(optax.clip(update_clip))
-  transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
-  transforms.append(optax.scale_by_learning_rate(learning_rate))
-  return _narrow_in_float32(optax.chain(*transforms))
+  return _finish(transforms, update_clip, weight_decay, mask, learning_rate)
