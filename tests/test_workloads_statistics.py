@@ -560,12 +560,16 @@ def test_anytime_comparisons_known_answers_and_family():
       'adamw': _rates(0.1, 0), 'adamw_centered': _rates(0.2, 1),
       'muon': _rates(0.1, 2), 'muon_centered': _rates(0.1, 2),
       'cbp_robust': _rates(0.05, 3), 'cbp': _rates(0.1, 4),
-      stats.RECIPE: _rates(0.1, 5)})
+      'cbp_kron_centered': _rates(0.1, 6), stats.RECIPE: _rates(0.1, 5)})
   found = stats.compare_anytime(results, resamples=200)
   pooled = {(c['a'], c['b']): c for c in found if c['workload'] == 'pooled'}
   assert ('adamw_centered', 'adamw') in pooled
   assert ('muon_centered', 'muon') in pooled
   assert stats.M3_PAIR in pooled and stats.ALGORITHM_1_PAIR in pooled
+  # Of the Kronecker family, the pairs whose arms both ran.
+  assert ('cbp_kron_centered', 'muon_centered') in pooled
+  assert ('cbp_kron_centered', 'cbp_robust') in pooled
+  assert ('cbp_kron_centered', 'psgd_kron') not in pooled
   assert (stats.RECIPE, 'adamw') in pooled
   assert len({frozenset(p) for p in pooled}) == len(pooled)  # no pair twice
   centered = pooled[('adamw_centered', 'adamw')]

@@ -485,6 +485,12 @@ def _stored_intervals(results: Mapping[str, Any], profile: str,
 
 M3_PAIR = ('cbp_robust', 'adamw_centered')   # M3's own contribution
 ALGORITHM_1_PAIR = ('cbp', 'adamw')          # Algorithm 1 against AdamW
+# The Kronecker-factored M3 on the centered model against the diagonal M3
+# it replaces and the matrix methods a user would pick instead (paper §8.2).
+KRON_PAIRS = (('cbp_kron_centered', 'cbp_robust'),
+              ('cbp_kron_centered', 'muon_centered'),
+              ('cbp_kron_centered', 'psgd_kron_centered'),
+              ('cbp_kron_centered', 'psgd_kron'))
 
 
 def ladder_targets(entry: Mapping[str, Any]) -> list[float]:
@@ -556,14 +562,14 @@ def anytime_pairs(arms: Sequence[str], recipe: str = RECIPE
                   ) -> list[tuple[str, str]]:
   """The any-time family, A tested against B: every ``<peer>_centered``
   against ``<peer>``; M3's own contribution (``cbp_robust`` against
-  ``adamw_centered``); Algorithm 1 (``cbp``) against AdamW; ``recipe``
-  against every other arm. Pairs whose arms did not both run are left
-  out."""
+  ``adamw_centered``); Algorithm 1 (``cbp``) against AdamW; the
+  Kronecker-factored M3 (``KRON_PAIRS``); ``recipe`` against every other
+  arm. Pairs whose arms did not both run are left out."""
   present = set(arms)
   pairs = [(name, name[:-len(CENTERED_SUFFIX)]) for name in arms
            if name.endswith(CENTERED_SUFFIX)
            and name[:-len(CENTERED_SUFFIX)] in present]
-  for pair in (M3_PAIR, ALGORITHM_1_PAIR):
+  for pair in (M3_PAIR, ALGORITHM_1_PAIR, *KRON_PAIRS):
     if set(pair) <= present:
       pairs.append(pair)
   if recipe in present:
