@@ -374,6 +374,26 @@ def code_fingerprint(factory: Callable[..., Any]) -> str:
   return digest.hexdigest()[:16]
 
 
+def load_spec(flag: str, spec: str) -> tuple[str, str, Callable[..., Any]]:
+  """``NAME=module:function`` -> ``(NAME, 'module:function', function)``.
+
+  Raises:
+    ValueError: a malformed spec, or a module / function that is not found
+      or not callable; the message starts with ``flag`` and the spec.
+  """
+  name, sep, target = spec.partition('=')
+  module_name, colon, function_name = target.partition(':')
+  if not sep or not colon or not name or not module_name or not function_name:
+    raise ValueError(f'{flag} expects NAME=module:function, got {spec!r}')
+  try:
+    factory = getattr(importlib.import_module(module_name), function_name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f'{flag} {spec!r}: cannot load {target!r} ({e})') from e
+  if not callable(factory):
+    raise ValueError(f'{flag} {spec!r}: {target!r} is not callable')
+  return name, target, factory
+
+
 def user_arm(spec: str, centered: bool = False) -> Arm:
   """``NAME=module:function`` -> an arm calling ``function(schedule)``.
 
@@ -384,16 +404,7 @@ def user_arm(spec: str, centered: bool = False) -> Arm:
   Raises:
     ValueError: a malformed spec, or a module / function that is not found.
   """
-  name, sep, target = spec.partition('=')
-  module_name, colon, function_name = target.partition(':')
-  if not sep or not colon or not name or not module_name or not function_name:
-    raise ValueError(f'--arm expects NAME=module:function, got {spec!r}')
-  try:
-    factory = getattr(importlib.import_module(module_name), function_name)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f'--arm {spec!r}: cannot load {target!r} ({e})') from e
-  if not callable(factory):
-    raise ValueError(f'--arm {spec!r}: {target!r} is not callable')
+  name, target, factory = load_spec('--arm', spec)
   return Arm(name, lambda lr, ctx: factory(ctx.schedule(lr)),
              centered=centered,
              description=f'user arm {target}'

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
@@ -402,17 +401,7 @@ def user_workload(spec: str, quick: bool) -> Workload:
     ValueError: a malformed spec, a module or function that is not found,
       or a function that does not return a ``Workload``.
   """
-  name, sep, target = spec.partition('=')
-  module_name, colon, function_name = target.partition(':')
-  if not sep or not colon or not name or not module_name or not function_name:
-    raise ValueError(f'--workload expects NAME=module:function, got {spec!r}')
-  try:
-    factory = getattr(importlib.import_module(module_name), function_name)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f'--workload {spec!r}: cannot load {target!r} ({e})'
-                     ) from e
-  if not callable(factory):
-    raise ValueError(f'--workload {spec!r}: {target!r} is not callable')
+  name, target, factory = arms_lib.load_spec('--workload', spec)
   try:
     built = factory(quick)
   except Exception as e:  # pylint: disable=broad-except

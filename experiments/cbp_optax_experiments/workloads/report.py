@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -637,21 +637,30 @@ def anytime_comparison_table(results: dict[str, Any],
   comparisons = results.get('anytime_comparisons')
   if comparisons is None:
     comparisons = statistics.compare_anytime(results)
-  rows = []
-  for c in comparisons:
-    if (c['workload'] == 'pooled') != pooled:
-      continue
-    low, high = c['interval']
-    rows.append([c['a'], c['b']] + ([] if pooled else [c['workload']]) + [
-        str(c['n']), f'{c["difference"]:+.3f}', f'[{low:+.3f}, {high:+.3f}]',
-        f'{c["p"]:.3g}', f'{c["p_holm"]:.3g}', c['verdict']])
+  return _paired_table(
+      comparisons, pooled, ['mean difference (A - B)'],
+      lambda c, low, high: [f'{c["difference"]:+.3f}',
+                            f'[{low:+.3f}, {high:+.3f}]'],
+      '(no pairs in the family among these arms)')
+
+
+def _paired_table(comparisons: Sequence[dict[str, Any]], pooled: bool,
+                  effect: list[str],
+                  cells: Callable[[dict[str, Any], float, float], list[str]],
+                  empty: str) -> str:
+  """One row per pooled (or per-workload) comparison: the pair, the pairs
+  counted, ``cells`` (the effect and its interval), the tests."""
+  rows = [[c['a'], c['b']] + ([] if pooled else [c['workload']])
+          + [str(c['n'])] + cells(c, *c['interval'])
+          + [f'{c["p"]:.3g}', f'{c["p_holm"]:.3g}', c['verdict']]
+          for c in comparisons if (c['workload'] == 'pooled') == pooled]
   if not rows:
-    return '(no pairs in the family among these arms)'
+    return empty
   return plotting.markdown_table(
-      ['arm A', 'vs arm B'] + ([] if pooled else ['workload']) + [
-          'pairs (workload, seed)', 'mean difference (A - B)',
-          '95% paired bootstrap', 'Wilcoxon p', 'Holm p',
-          f'A is ... (alpha {statistics.ALPHA:g})'], rows)
+      ['arm A', 'vs arm B'] + ([] if pooled else ['workload'])
+      + ['pairs (workload, seed)'] + effect
+      + ['95% paired bootstrap', 'Wilcoxon p', 'Holm p',
+         f'A is ... (alpha {statistics.ALPHA:g})'], rows)
 
 
 def score_table(results: dict[str, Any]) -> str:
@@ -710,23 +719,12 @@ def comparison_table(results: dict[str, Any], pooled: bool = True) -> str:
   comparisons = results.get('comparisons')
   if comparisons is None:
     comparisons = statistics.compare(results)
-  rows = []
-  for c in comparisons:
-    if (c['workload'] == 'pooled') != pooled:
-      continue
-    low, high = c['interval']
-    rows.append([c['a'], c['b']] + ([] if pooled else [c['workload']]) + [
-        str(c['n']), f'{2.0 ** c["median"]:.2f}x',
-        f'[{2.0 ** low:.2f}x, {2.0 ** high:.2f}x]', f'{c["p"]:.3g}',
-        f'{c["p_holm"]:.3g}', c['verdict']])
-  if not rows:
-    return '(no pairs: the family needs <peer>_centered with <peer>, or '\
-        f'{statistics.RECIPE} with another arm)'
-  return plotting.markdown_table(
-      ['arm A', 'vs arm B'] + ([] if pooled else ['workload']) + [
-          'pairs (workload, seed)', 'median speedup of A (steps)',
-          '95% paired bootstrap', 'Wilcoxon p', 'Holm p',
-          f'A is ... (alpha {statistics.ALPHA:g})'], rows)
+  return _paired_table(
+      comparisons, pooled, ['median speedup of A (steps)'],
+      lambda c, low, high: [f'{2.0 ** c["median"]:.2f}x',
+                            f'[{2.0 ** low:.2f}x, {2.0 ** high:.2f}x]'],
+      '(no pairs: the family needs <peer>_centered with <peer>, or '
+      f'{statistics.RECIPE} with another arm)')
 
 
 ANYTIME_NOTE = (

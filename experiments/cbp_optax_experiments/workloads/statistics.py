@@ -50,7 +50,7 @@ other arm.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import scipy.stats
@@ -364,21 +364,37 @@ def compare(results: Mapping[str, Any],
   """
   if pairs is None:
     pairs = comparison_pairs(_arm_names(results))
+  return _paired_tests(results, pairs, paired_steps, _record, False,
+                       resamples, seed, alpha)
+
+
+def _paired_tests(results: Mapping[str, Any],
+                  pairs: Sequence[tuple[str, str]],
+                  paired: Callable[..., Optional[np.ndarray]],
+                  record: Callable[..., dict[str, Any]], per_pair: bool,
+                  resamples: int, seed: int, alpha: float
+                  ) -> list[dict[str, Any]]:
+  """``record`` of ``paired`` differences per (pair, workload) and per pair
+  pooled, Holm-corrected over the pooled records and over the per-workload
+  records (all of them, or each pair's when ``per_pair``)."""
   per_workload, pooled = [], []
   for a, b in pairs:
     groups = []
     for name, entry in results['workloads'].items():
-      d = paired_steps(entry, a, b)
+      d = paired(entry, a, b)
       if d is None:
         continue
       groups.append(d)
-      per_workload.append(_record(a, b, name, [d], resamples, seed))
+      per_workload.append(record(a, b, name, [d], resamples, seed))
     if groups:
-      pooled.append(_record(a, b, 'pooled', groups, resamples, seed))
-  for family in (pooled, per_workload):
-    for record, adjusted in zip(family, holm([r['p'] for r in family])):
-      record['p_holm'] = adjusted
-      record['verdict'] = verdict(adjusted, record['direction'], alpha)
+      pooled.append(record(a, b, 'pooled', groups, resamples, seed))
+  families = [pooled] + (
+      [[r for r in per_workload if (r['a'], r['b']) == pair]
+       for pair in pairs] if per_pair else [per_workload])
+  for family in families:
+    for r, adjusted in zip(family, holm([r['p'] for r in family])):
+      r['p_holm'] = adjusted
+      r['verdict'] = verdict(adjusted, r['direction'], alpha)
   return pooled + per_workload
 
 
@@ -627,24 +643,8 @@ def compare_anytime(results: Mapping[str, Any],
   """
   if pairs is None:
     pairs = anytime_pairs(_arm_names(results))
-  per_workload, pooled = [], []
-  for a, b in pairs:
-    groups = []
-    for name, entry in results['workloads'].items():
-      d = paired_anytime(entry, a, b)
-      if d is None:
-        continue
-      groups.append(d)
-      per_workload.append(_anytime_record(a, b, name, [d], resamples, seed))
-    if groups:
-      pooled.append(_anytime_record(a, b, 'pooled', groups, resamples, seed))
-  families = [pooled] + [[r for r in per_workload if (r['a'], r['b']) == pair]
-                         for pair in pairs]
-  for family in families:
-    for record, adjusted in zip(family, holm([r['p'] for r in family])):
-      record['p_holm'] = adjusted
-      record['verdict'] = verdict(adjusted, record['direction'], alpha)
-  return pooled + per_workload
+  return _paired_tests(results, pairs, paired_anytime, _anytime_record, True,
+                       resamples, seed, alpha)
 
 
 def _anytime_record(a: str, b: str, workload: str,
