@@ -25,6 +25,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import Callable
 
 import chex
 import jax
@@ -45,34 +46,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 
 
-def cbp_chain(
+def _chain(
+    m3: Callable[..., optax.GradientTransformation],
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     damping: float = 1e-3,
     decay: float = 0.99,
 ) -> optax.GradientTransformation:
-  """Algorithm 1 spelled out as an optax chain."""
+  """Algorithm 1 spelled out as an optax chain, with ``m3`` as its M3."""
   return optax.chain(
       cbp.equalize(decay),
-      cbp.precondition(b1, b2, damping),
+      m3(b1, b2, damping),
       optax.scale_by_learning_rate(learning_rate),
   )
 
 
-def kron_chain(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-3,
-    decay: float = 0.99,
-) -> optax.GradientTransformation:
-  """Algorithm 1 with the Kronecker-factored M3 (refreshed every 2 steps)."""
-  return optax.chain(
-      cbp.equalize(decay),
-      cbp.precondition_kron(b1, b2, damping, every=2),
-      optax.scale_by_learning_rate(learning_rate),
-  )
+cbp_chain = functools.partial(_chain, cbp.precondition)
+# The Kronecker-factored M3, its eigenbases refreshed every 2 steps.
+kron_chain = functools.partial(
+    _chain, functools.partial(cbp.precondition_kron, every=2))
 
 
 OPTIMIZERS = {
