@@ -85,18 +85,17 @@ def test_no_library_docstring_carries_a_score_only_a_link():
   assert 'docs/reproduction/workloads.md' in cbp.recommended.__doc__
 
 
-@pytest.mark.parametrize('path', ['README.md', 'docs/faq.md',
+@pytest.mark.parametrize('path', ['docs/faq.md',
                                   'docs/reproduction/workloads.md'])
 def test_the_pages_name_the_candidates_the_tie_break_decided(dev, path):
   page = (ROOT / path).read_text()
   assert _plain(summary.dev_ties(dev)) in _plain(page), path
 
 
-def test_the_readme_table_and_verdicts_are_the_committed_runs(dev, test):
+def test_the_readme_table_is_the_committed_runs_and_fits_a_page(dev, test):
   readme = (ROOT / 'README.md').read_text()
   assert summary.results_table(dev, test) in readme
-  for results in (dev, test):
-    assert _plain(summary.centering_sentence(results)) in _plain(readme)
+  assert len(readme.splitlines()) <= 150  # a product page; details: docs/
 
 
 def test_the_workloads_page_has_both_splits_score_tables_and_verdicts(

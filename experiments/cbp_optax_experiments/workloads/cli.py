@@ -176,10 +176,11 @@ def make_parser() -> argparse.ArgumentParser:
       prog='cbp-optax workloads',
       formatter_class=_HelpFormatter,
       description=textwrap.fill(
-          'Time to target of optimizer arms (AdamW, NAdamW, Muon, '
-          'schedule-free AdamW, centered AdamW, CBP variants, your own) on '
-          'fixed small workloads, scored with AlgoPerf\'s performance '
-          'profile.', _width()),
+          'Optimizer arms (AdamW, NAdamW, Muon, schedule-free AdamW, PSGD '
+          'Kron, each plain and centered; CBP variants; your own) on fixed '
+          'small workloads, scored by the any-time score over a ladder of '
+          'targets per workload, with AlgoPerf\'s time to one target as a '
+          'second view.', _width()),
       epilog=epilog())
   parser.add_argument('--quick', action='store_true',
                       help='tiny sizes (a smoke test; targets from the '
