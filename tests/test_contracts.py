@@ -401,6 +401,39 @@ def test_learning_rate_is_annotated_as_a_schedule():
     assert annotation.annotation is optax.ScalarOrSchedule
 
 
+@pytest.mark.parametrize('name', NAMES)
+def test_sharded_updates_equal_one_device(name):
+  """On the 8-device mesh (kernels split along their output axis) the
+  updates equal one device's to float64 rounding, refreshes of the
+  Kronecker factors' eigenbases included."""
+  if jax.device_count() < DEVICES:
+    pytest.skip('needs 8 devices: test_sharding_contract_on_eight_simulated_'
+                'devices runs it with them')
+  rng = np.random.default_rng(0)
+  with jax.enable_x64(True):
+    params = {'w': jnp.asarray(rng.normal(size=(12, 16))),
+              'v': jnp.asarray(rng.normal(size=(2, 8, 8))),
+              'b': jnp.asarray(rng.normal(size=(16,)))}
+    grads = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)),
+                          params) for _ in range(5)]
+    mesh = jax.make_mesh((DEVICES,), ('x',), axis_types=(AxisType.Explicit,))
+    specs = {'w': P(None, 'x'), 'v': P(None, None, 'x'), 'b': P('x')}
+    place = lambda tree: jax.tree.map(
+        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+        tree, specs)
+    opt = make(name)
+    one, many = opt.init(params), None
+    with jax.set_mesh(mesh):
+      many = jax.jit(opt.init)(place(params))
+    for g in grads:
+      expected, one = jax.jit(opt.update)(g, one, params)
+      with jax.set_mesh(mesh):
+        actual, many = jax.jit(opt.update)(place(g), many, place(params))
+      for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e),
+                                   rtol=1e-10, atol=1e-12)
+
+
 # Sharding: state types equal at init and after an update ----------------------
 
 
@@ -414,7 +447,7 @@ def test_sharding_contract_on_eight_simulated_devices():
   result = subprocess.run(
       [sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'no:cacheprovider',
        str(pathlib.Path(__file__).relative_to(ROOT)), '-k',
-       'sharding_types'],
+       'sharding_types or sharded_updates'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   assert ' passed' in result.stdout, result.stdout[-3000:]
