@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from cbp_optax_experiments import cli
-from tests.test_datasets import MNIST_DIR, needs_mnist
+from tests.mnist import MNIST_DIR
+from tests.mnist import needs_mnist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,6 @@ not set or the directory lacks them.
 
 import gzip
 import hashlib
-import os
 import pathlib
 import struct
 
@@ -15,17 +14,8 @@ import numpy as np
 import pytest
 
 from cbp_optax_experiments import datasets
-
-MNIST_DIR = (pathlib.Path(os.environ['CBP_OPTAX_MNIST']).expanduser()
-             if os.environ.get('CBP_OPTAX_MNIST') else None)
-needs_mnist = pytest.mark.skipif(
-    MNIST_DIR is None
-    or not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').is_file(),
-    reason=('real MNIST: set CBP_OPTAX_MNIST to a directory with the IDX test '
-            'files (t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz)'
-            if MNIST_DIR is None else
-            f'real MNIST: CBP_OPTAX_MNIST={MNIST_DIR} has no '
-            't10k-images-idx3-ubyte.gz'))
+from tests.mnist import MNIST_DIR
+from tests.mnist import needs_mnist
 
 
 def idx_bytes(array, magic):

@@ -362,7 +362,7 @@ def test_docstring_examples():
 def test_the_docs_example_runs(capsys):
   import pathlib  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
-  page = pathlib.Path(__file__).resolve().parents[1] / 'docs/diagnostics.md'
+  page = pathlib.Path(__file__).resolve().parents[2] / 'docs/diagnostics.md'
   blocks = re.findall(r'```python\n(.*?)```', page.read_text(), re.S)
   assert len(blocks) == 1
   exec(compile(blocks[0], str(page), 'exec'), {})  # pylint: disable=exec-used

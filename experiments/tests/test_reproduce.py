@@ -36,7 +36,7 @@ from cbp_optax_experiments.reproduce import stats
 from cbp_optax_experiments.reproduce import training
 from cbp_optax_experiments.reproduce.context import StudyContext
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 slow = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get('CBP_OPTAX_SLOW') != '1',
     reason='minutes on 2 cores; set CBP_OPTAX_SLOW=1')]
