@@ -295,3 +295,15 @@ def test_cli_lets_other_import_errors_through(monkeypatch):
                       (needs_something_else, cli._COMMANDS['compare'][1]))
   with pytest.raises(ModuleNotFoundError, match='not_a_real_module_cbp'):
     cli.main(['compare'])
+
+
+def test_reproduce_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+  from cbp_optax_experiments.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reproduce_cli, '_prefer_fast_cpu_convolutions',
+                      lambda: None)
+  for name in [m for m in sys.modules if m.startswith('matplotlib')] + [
+      'cbp_optax_experiments.reproduce.plotting']:
+    monkeypatch.delitem(sys.modules, name, raising=False)
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # import fails
+  with pytest.raises(SystemExit, match=r'pip install \./experiments'):
+    reproduce_cli.main(['quadratic', '--quick', '--out', str(tmp_path)])

@@ -1,9 +1,11 @@
 """Precise BatchNorm: cbp_optax_experiments.recalibrate gives population statistics."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -12,6 +14,10 @@ from cbp_optax_experiments import recalibrate
 
 SIZES = (8, 8, 5)  # unequal: batches are weighted by their size
 EPS = 1e-5
+
+
+def shifted_inputs(shape, seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype) + 1.5
 
 
 def make_batches(features=3):
@@ -261,3 +267,244 @@ def test_docstring_examples():
   for module in (nnx_module, linen_module):
     failures, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert tried and not failures, module.__name__
+
+
+# --- center's items 2 and 3: recalibration pools every call and
+# weighs by what each call normalized ----------------------------------------------------
+
+
+class NnxNormTwice(nnx.Module):
+
+  def __init__(self, axis=-1):
+    self.norm = nnx.BatchNorm(1, axis=axis, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    return self.norm(x) + self.norm(x + 10.0)
+
+
+class LinenNormTwice(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    norm = nn.BatchNorm(use_running_average=True)
+    return norm(x) + norm(x + 10.0)
+
+
+def linen_recalibrated(module, batches, sample=None):
+  sample = batches[0] if sample is None else sample
+  variables = module.init(jax.random.key(0), sample)
+  return recalibrate.linen_batch_stats(module.apply, variables, batches)
+
+
+def test_a_batchnorm_applied_twice_pools_both_calls():
+  # Kept the last call only: 12.5 where the mean of all its inputs is 7.5.
+  x = jnp.arange(6.0).reshape(6, 1)
+  inputs = np.concatenate([np.asarray(x), np.asarray(x) + 10.0])
+  model = NnxNormTwice()
+  assert recalibrate.nnx_batch_stats(model, [x]) == ['norm']
+  stats = linen_recalibrated(LinenNormTwice(), [x])['batch_stats']
+  for mean, var in ((model.norm.mean[...], model.norm.var[...]),
+                    (stats['BatchNorm_0']['mean'],
+                     stats['BatchNorm_0']['var'])):
+    np.testing.assert_allclose(mean, [7.5], rtol=1e-6)
+    np.testing.assert_allclose(var, inputs.var(0), rtol=1e-6)
+
+
+def test_a_zero_example_batch_weighs_nothing():
+  # Every statistic became NaN, and the NNX model then output NaN.
+  full = shifted_inputs((8, 1))
+  empty = jnp.zeros((0, 1))
+  model = NnxNormTwice()
+  recalibrate.nnx_batch_stats(model, [full, empty])
+  reference = NnxNormTwice()
+  recalibrate.nnx_batch_stats(reference, [full])
+  chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
+                              nnx.state(reference, nnx.BatchStat), rtol=1e-6)
+  model.eval()
+  assert np.all(np.isfinite(model(full)))
+  stats = linen_recalibrated(LinenNormTwice(), [empty, full],
+                             sample=full)['batch_stats']
+  chex.assert_trees_all_close(
+      stats['BatchNorm_0'],
+      linen_recalibrated(LinenNormTwice(), [full])['batch_stats']
+      ['BatchNorm_0'], rtol=1e-6)
+
+
+def test_only_empty_batches_are_refused_and_change_nothing():
+  model = NnxNormTwice()
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
+  with pytest.raises(ValueError, match="'norm' normalized no example"):
+    recalibrate.nnx_batch_stats(model, [jnp.zeros((0, 1))] * 2)
+  chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), before)
+  with pytest.raises(ValueError, match="'BatchNorm_0' normalized no example"):
+    linen_recalibrated(LinenNormTwice(), [jnp.zeros((0, 1))],
+                       sample=jnp.ones((2, 1)))
+
+
+def test_time_major_batches_weigh_the_examples_they_hold():
+  # Both (T, B, F) batches weighed 5 (their leading axis): 0.5, not 0.99.
+  few, many = jnp.zeros((5, 1, 1)), jnp.ones((5, 99, 1))
+  model = nnx.Sequential(nnx.BatchNorm(1, rngs=nnx.Rngs(0)))
+  recalibrate.nnx_batch_stats(model, [few, many])
+  np.testing.assert_allclose(model.layers[0].mean[...], [0.99], rtol=1e-6)
+  np.testing.assert_allclose(model.layers[0].var[...], [0.99 * 0.01],
+                             rtol=1e-5)
+  stats = linen_recalibrated(nn.BatchNorm(use_running_average=False),
+                             [few, many])['batch_stats']
+  np.testing.assert_allclose(stats['mean'], [0.99], rtol=1e-6)
+  np.testing.assert_allclose(stats['var'], [0.99 * 0.01], rtol=1e-5)
+
+
+def test_masked_calls_weigh_the_positions_the_mask_keeps():
+  x = jnp.array([[0.0], [0.0], [9.0], [4.0]])
+  mask = jnp.array([[True], [False], [False], [True]])
+
+  class Masked(nnx.Module):
+
+    def __init__(self):
+      self.norm = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.norm(x, mask=mask) + self.norm(x[2:3])
+
+  model = Masked()
+  recalibrate.nnx_batch_stats(model, [x])
+  kept = np.array([0.0, 4.0, 9.0])  # the mask's two positions and 9
+  np.testing.assert_allclose(model.norm.mean[...], [kept.mean()], rtol=1e-6)
+  np.testing.assert_allclose(model.norm.var[...], [kept.var()], rtol=1e-6)
+
+
+def test_a_batchnorm_the_forward_pass_never_calls_keeps_its_statistics():
+  class Unused(nnx.Module):
+
+    def __init__(self):
+      self.used = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
+      self.unused = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.used(x)
+
+  model = Unused()
+  # It became mean 0 and variance 0 (every later output was x / sqrt(eps)).
+  assert recalibrate.nnx_batch_stats(model, [jnp.ones((4, 1))]) == [
+      'used']
+  np.testing.assert_array_equal(model.unused.var[...], [1.0])
+
+
+def test_non_finite_statistics_are_refused():
+  model = NnxNormTwice()
+  with pytest.raises(ValueError, match="'norm' are not finite"):
+    recalibrate.nnx_batch_stats(model, [jnp.full((2, 1), jnp.nan)])
+  np.testing.assert_array_equal(model.norm.var[...], [1.0])
+
+
+# --- center's item 12: keyword calls of intercepted Linen layers --------------
+
+
+class KeywordCalls(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(3, param_dtype=jnp.float64)(inputs=x)
+    x = nn.DenseGeneral(3, param_dtype=jnp.float64)(inputs=x)
+    x = nn.Conv(2, (1,), param_dtype=jnp.float64)(inputs=x[:, None, :])
+    return nn.BatchNorm(use_running_average=True)(x=x)
+
+
+def test_linen_layers_called_with_keyword_inputs_are_recalibrated():
+  # IndexError: tuple index out of range, in center and in recalibration
+  # (tests/test_center.py checks the centering).
+  with jax.enable_x64(True):
+    model = cbp.linen.center(KeywordCalls())
+    x = shifted_inputs((8, 3), dtype=jnp.float64)
+    variables = model.init(jax.random.key(0), x)
+    new = recalibrate.linen_batch_stats(model.apply, variables, [x])
+    h = model.apply(variables, x, capture_intermediates=True,
+                    mutable=['intermediates'])[1]['intermediates']
+    conv_out = np.asarray(h['Conv_0']['__call__'][0]).reshape(-1, 2)
+    # (BatchNorm's statistics are float32.)
+    np.testing.assert_allclose(new['batch_stats']['BatchNorm_0']['mean'],
+                               conv_out.mean(0), rtol=1e-6)
+
+
+# --- at schedule-free's evaluation point (cbp.nnx.eval_model, eval_params) ---
+
+F64 = jnp.float64
+
+
+def inputs(shape, seed, offset=2.0, dtype=F64):
+  """Normal inputs far from centered (float64 unless asked: call it inside
+  ``jax.enable_x64`` for float64)."""
+  return jnp.asarray(
+      np.random.default_rng(seed).standard_normal(shape) + offset, dtype)
+
+
+class BatchNormNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(3, 4, param_dtype=F64, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, param_dtype=F64, momentum=0.5, rngs=rngs)
+    self.out = nnx.Linear(4, 2, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.norm(self.hidden(x))))
+
+
+def test_nnx_recalibrate_the_eval_model_at_the_evaluation_point():
+  with jax.enable_x64(True):
+    model = BatchNormNet(nnx.Rngs(0))
+    cbp.nnx.center(model)
+    optimizer = cbp.nnx.Optimizer(
+        model, optax.contrib.schedule_free_adamw(0.1, b1=0.8))
+    step = cbp.nnx.train_step(lambda m, x: jnp.mean((m(x) - 1.0) ** 2))
+    batches = [inputs((8, 3), seed, 2.0) for seed in range(3)]
+    for batch in batches:
+      step(model, optimizer, batch)
+    trained_stats = np.asarray(model.norm.mean[...])
+    evaluated = cbp.nnx.eval_model(model, optimizer)
+    recalibrate.nnx_batch_stats(evaluated, batches)
+    # The statistics are those of the BatchNorm's input at x, not at y.
+    hidden = evaluated.hidden(jnp.concatenate(batches))
+    # (BatchNorm keeps its statistics in float32.)
+    np.testing.assert_allclose(evaluated.norm.mean[...], hidden.mean(0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(evaluated.norm.var[...], hidden.var(0),
+                               rtol=1e-6)
+    assert not np.allclose(evaluated.norm.mean[...],
+                           model.hidden(jnp.concatenate(batches)).mean(0))
+    np.testing.assert_array_equal(model.norm.mean[...], trained_stats)
+
+
+def test_linen_recalibrate_at_the_evaluation_point():
+  # float32: Linen's BatchNorm keeps its statistics in float32.
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+      x = nn.Dense(4, name='hidden')(x)
+      x = nn.BatchNorm(use_running_average=not train)(x)
+      return nn.Dense(2)(jnp.tanh(x))
+
+  model = cbp.linen.center(Net())
+  batches = [inputs((8, 3), seed, 2.0, jnp.float32) for seed in range(3)]
+  variables = model.init(jax.random.key(0), batches[0])
+  state = cbp.linen.TrainState.create(
+      apply_fn=model.apply, params=variables['params'],
+      centering=variables['centering'],
+      model_state={'batch_stats': variables['batch_stats']},
+      tx=optax.contrib.schedule_free_adamw(0.1, b1=0.8))
+  step = cbp.linen.train_step(lambda apply, x: jnp.mean((apply(x) - 1.) ** 2))
+  for batch in batches:
+    state, _ = step(state, batch)
+  params = cbp.linen.eval_params(state.params, state.opt_state)
+  recalibrated = recalibrate.linen_batch_stats(
+      model.apply, {'params': params, 'centering': state.centering,
+                    **state.model_state}, batches, train=False)
+  # The BatchNorm's input at x: the centered hidden layer's output.
+  hidden = nn.Dense(4).apply(
+      {'params': params['hidden']}, jnp.concatenate(batches)) - (
+          state.centering['hidden']['mean'].value @ params['hidden']['kernel'])
+  np.testing.assert_allclose(
+      recalibrated['batch_stats']['BatchNorm_0']['mean'], hidden.mean(0),
+      rtol=1e-5)
+  trained = state.model_state['batch_stats']['BatchNorm_0']['mean']
+  assert not np.allclose(trained, hidden.mean(0), rtol=1e-3)
