@@ -6,7 +6,7 @@ The synthetic studies take about a minute together on an idle 2-core machine
 of them took 77 s at load average 5). The
 real-data and timing studies (mnist, resnet, overhead) take longer in --quick
 mode (resnet: 45-55 s, five compilations, at load 5); they are marked slow and
-run with ``CBP_OPTAX_SLOW=1 pytest -m slow tests/test_reproduce.py``.
+run with ``CBP_OPTAX_SLOW=1 pytest -m slow experiments/tests/test_reproduce.py``.
 """
 
 import dataclasses
