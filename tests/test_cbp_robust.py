@@ -4,7 +4,8 @@ The option is off by default (tests/test_reference.py checks Algorithm 1,
 unchanged); here: the reference match of the option alone and inside
 ``cbp_robust``, guards that fail when the rule is dropped, Lemma 1's bounds on
 random gradients, construction-time validation, ``optax.inject_hyperparams``
-under ``jit`` and ``cbp_robust`` spelled out as a chain.
+under ``jit`` and ``cbp_robust`` spelled out as a chain. With the studies'
+relative damping: experiments/tests/test_configurations.py.
 """
 
 import re
@@ -110,6 +111,27 @@ def test_damped_zero_moment_is_algorithm_1_exactly():
     plain_u, plain_state = plain.update(g, plain_state, params)
     explicit_u, explicit_state = explicit.update(g, explicit_state, params)
     chex.assert_trees_all_equal(plain_u, explicit_u)
+
+
+def test_normalized_first_step_keeps_lemma_1_bounds():
+  # b1 = 0: the update is P_t g_t, so P_t = update / g coordinatewise, at
+  # every step including the first, and with coordinates revived late. With
+  # relative damping: experiments/tests/test_configurations.py.
+  rng = np.random.default_rng(2)
+  damping = 1e-3
+  tx = cbp.precondition(b1=0.0, damping=damping, zero_moment='normalized')
+  state = tx.init({'w': jnp.zeros(50)})
+  bound = 0.0
+  for t in range(30):
+    g = rng.standard_normal(50) * np.exp(rng.uniform(-6, 2, 50))
+    g[:10] = 0.0 if t < 5 else g[:10]
+    bound = max(bound, np.max(np.abs(g)))
+    updates, state = tx.update({'w': jnp.asarray(g)}, state)
+    nonzero = g != 0
+    p = np.asarray(updates['w'])[nonzero] / g[nonzero]
+    assert np.all(p <= 1 / damping * (1 + 1e-5))
+    lower = 1 / (bound + damping)
+    assert np.all(p >= lower * (1 - 1e-5)), (t, p.min(), lower)
 
 
 @pytest.mark.parametrize('bad, error', [
