@@ -1,12 +1,11 @@
 """The optimizer factories (``cbp``, ``cbp_robust``): arguments, stats and checks.
 
 Arguments that ``optax.inject_hyperparams`` turns into something else, the
-scales ``equalize_stats`` reports, the checks of ``params`` at update, and
-the diagnostics' block masks and counts. A test of a fix failed on the code
-before it (its comment says how); the others guard what was already right.
+scales ``equalize_stats`` reports and the checks of ``params`` at update (the
+experiments' diagnostics: experiments/tests/test_experiments_diagnostics.py).
+A test of a fix failed on the code before it (its comment says how); the
+others guard what was already right.
 """
-
-import re
 
 import chex
 import jax
@@ -17,7 +16,6 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax_experiments import diagnostics
 
 
 def two_layers():
@@ -403,116 +401,9 @@ def test_precondition_accepts_nnx_variables_at_init_and_arrays_at_update():
      "block_fn must be a function or None, got the str 'layer'"),
     (lambda: cbp.equalize(stacked=3), 'stacked must be a function or None'),
     (lambda: cbp.cbp_robust(1e-2, block_fn='x'), 'block_fn must be a'),
-    (lambda: diagnostics.gradient_profile({}, block_fn=1.0),
-     'block_fn must be a function or None, got the float 1.0'),
     (lambda: cbp.nnx.train_step('loss'), 'loss_fn must be a function, got'),
 ])
 def test_a_function_argument_of_the_wrong_type_is_a_type_error(call, match):
   # check_callable raised ValueError and check_function TypeError.
   with pytest.raises(TypeError, match=match):
     call()
-
-
-# --- item 14: diagnostics ----------------------------------------------------------
-
-
-def curvature_tree():
-  """A diagonal Hessian: every block's top eigenvalue is its largest entry."""
-  return {'a': {'kernel': jnp.array([[1.0, 9.0], [2.0, 3.0]]),
-                'bias': jnp.array([20.0, 1.0])},
-          'b': {'kernel': jnp.array([0.5, 6.0, 1.0])},
-          'norm': {'scale': jnp.array([30.0])},
-          'stack': {'kernel': jnp.array([[2.0, 12.0], [40.0, 1.0]])}}
-
-
-def diagonal_loss(curvature):
-  def loss(params):
-    return 0.5 * sum(jnp.sum(h * p**2) for h, p in zip(
-        jax.tree.leaves(curvature), jax.tree.leaves(params)))
-  return loss
-
-
-# The presets that put every leaf in a block worked before: slow tier.
-@pytest.mark.parametrize('block_fn, stacked, expected', [
-    pytest.param(None, False, {'a': 20.0, 'b': 6.0, 'norm': 30.0,
-                               'stack': 40.0}, marks=pytest.mark.slow),
-    pytest.param(cbp.layer_blocks, True, {
-        'a': 20.0, 'b': 6.0, 'norm': 30.0, 'stack[0]': 12.0,
-        'stack[1]': 40.0}, marks=pytest.mark.slow),
-    pytest.param(cbp.leaf_blocks, False, {
-        'a/bias': 20.0, 'a/kernel': 9.0, 'b/kernel': 6.0, 'norm/scale': 30.0,
-        'stack/kernel': 40.0}, marks=pytest.mark.slow),
-    (cbp.kernel_blocks, False, {'a': 9.0, 'b': 6.0, 'stack': 40.0}),
-    (cbp.kernel_blocks, True, {'a': 9.0, 'b': 6.0, 'stack[0]': 12.0,
-                               'stack[1]': 40.0}),
-    (cbp.no_blocks, False, {}),
-])
-def test_top_eigenvalue_per_block_with_every_built_in_block_fn(
-    block_fn, stacked, expected):
-  # Item 14: "'bool' object has no attribute 'astype'" for any leaf in no
-  # block (kernel_blocks' biases, no_blocks).
-  curvature = curvature_tree()
-  params = jax.tree.map(jnp.ones_like, curvature)
-  stacked_fn = cbp.blocks.stacked_predicate([('stack',)]) if stacked else None
-  out = diagnostics.top_eigenvalue(
-      diagonal_loss(curvature), params, jax.random.key(0), num_iters=40,
-      per_block=True, block_fn=block_fn, stacked=stacked_fn)
-  assert out.names == tuple(expected)
-  np.testing.assert_allclose(out.eigenvalue, list(expected.values()),
-                             rtol=1e-4)
-  # Each block's vector lies in its block: zero on every other leaf.
-  layout = cbp.blocks.block_layout(params, block_fn=block_fn,
-                                   stacked=stacked_fn)
-  leaves = jax.tree.leaves(out.vector)
-  for block, (group, stack) in enumerate(zip(layout.groups,
-                                             layout.group_stacks)):
-    if stack is not None:
-      continue
-    for i, leaf in enumerate(leaves):
-      if i not in group:
-        assert not np.any(leaf[block]), (out.names[block], i)
-
-
-@pytest.mark.parametrize('name, value', [
-    ('num_samples', 10**12), ('num_samples', 2**31), ('batch_size', 10**12),
-    ('num_iters', 10**12)])
-def test_diagnostics_counts_beyond_int32_are_refused(name, value):
-  # Item 14: "OverflowError ... argument path is y" from inside JAX.
-  curvature = curvature_tree()
-  params = jax.tree.map(jnp.ones_like, curvature)
-  loss = diagonal_loss(curvature)
-  call = (diagnostics.top_eigenvalue if name == 'num_iters'
-          else diagnostics.hessian_trace)
-  kwargs = {name: value} if name != 'batch_size' else {
-      'num_samples': 2, 'batch_size': value}
-  with pytest.raises(ValueError, match=(
-      rf'{name} must be an integer in \[[01], 2147483647\], got {value}')):
-    call(loss, params, jax.random.key(0), **kwargs)
-
-
-@pytest.mark.parametrize('key', [0, np.zeros(3, np.uint32),
-                                 jax.random.split(jax.random.key(0), 2)])
-def test_diagnostics_refuse_what_is_not_one_prng_key(key):
-  curvature = curvature_tree()
-  params = jax.tree.map(jnp.ones_like, curvature)
-  for call in (diagnostics.hessian_trace, diagnostics.top_eigenvalue):
-    with pytest.raises(TypeError, match='key must be one PRNG key'):
-      call(diagonal_loss(curvature), params, key)
-
-
-def test_diagnostics_accept_a_raw_key():
-  # Traced keys are covered by the jit tests of tests/test_diagnostics.py.
-  curvature = curvature_tree()
-  params = jax.tree.map(jnp.ones_like, curvature)
-  out = diagnostics.hessian_trace(diagonal_loss(curvature), params,
-                                  jax.random.PRNGKey(0), num_samples=2)
-  total = sum(float(jnp.sum(h)) for h in jax.tree.leaves(curvature))
-  assert float(out.estimate) == total
-
-
-@pytest.mark.parametrize('shape', [(0, 3), (2, 0, 3), (3, 0)])
-def test_mean_alignment_without_samples_or_features_is_refused(shape):
-  # (0, 3) gave NaN for every statistic, (3, 0) "integer modulo by zero".
-  with pytest.raises(ValueError, match='one sample and one feature, got '
-                     f'shape {re.escape(str(shape))}'):
-    diagnostics.mean_alignment(jnp.ones(shape))

@@ -4,7 +4,8 @@ The option is off by default (tests/test_reference.py checks Algorithm 1,
 unchanged); here: the reference match of the option alone and inside
 ``cbp_robust``, guards that fail when the rule is dropped, Lemma 1's bounds on
 random gradients, construction-time validation, ``optax.inject_hyperparams``
-under ``jit`` and ``cbp_robust`` spelled out as a chain.
+under ``jit`` and ``cbp_robust`` spelled out as a chain. With the studies'
+relative damping: experiments/tests/test_configurations.py.
 """
 
 import re
@@ -17,7 +18,6 @@ import optax
 import pytest
 
 import cbp_optax as cbp
-from cbp_optax_experiments import configurations
 from tests import numpy_reference as ref
 from tests.test_reference import CLIP
 from tests.test_reference import from_tree
@@ -48,17 +48,15 @@ def run_sequence(make_tx, reference, grads_seq, seed=0):
   return worst
 
 
-@pytest.mark.parametrize('relative_damping', [0.0, 0.3])
 @pytest.mark.parametrize('b1', [0.9, 0.0])
-def test_normalized_first_step_matches_numpy_reference(b1, relative_damping):
+def test_normalized_first_step_matches_numpy_reference(b1):
+  # With relative damping (the experiments' configurations):
+  # experiments/tests/test_configurations.py.
   kw = dict(b1=b1, b2=0.99, damping=1e-3)
   reference = ref.CBPReference(SHAPES, lr=LR, rho=0.9, **REF_CLIP, **kw,
-                               relative_damping=relative_damping,
                                normalized_first_step=True)
   worst, clip_low, clip_high = run_both(
-      lambda: configurations.cbp_study(LR, decay=0.9, **CLIP, **kw,
-                                       relative_damping=relative_damping,
-                                       zero_moment='normalized'),
+      lambda: cbp.cbp(LR, decay=0.9, **CLIP, **kw, zero_moment='normalized'),
       reference)
   assert clip_low and clip_high
   assert worst <= 1e-10, worst
@@ -104,15 +102,24 @@ def test_first_step_is_about_the_learning_rate_whatever_the_scale(scale):
   np.testing.assert_allclose(updates['w'], -0.1 * g['w'], rtol=1e-6)
 
 
-@pytest.mark.parametrize('relative_damping', [0.0, 0.5])
-def test_normalized_first_step_keeps_lemma_1_bounds(relative_damping):
+def test_damped_zero_moment_is_algorithm_1_exactly():
+  params = {'w': jnp.linspace(-1.0, 1.0, 7)}
+  grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1))} for t in range(4)]
+  plain, explicit = cbp.cbp(1e-2), cbp.cbp(1e-2, zero_moment='damped')
+  plain_state, explicit_state = plain.init(params), explicit.init(params)
+  for g in grads:
+    plain_u, plain_state = plain.update(g, plain_state, params)
+    explicit_u, explicit_state = explicit.update(g, explicit_state, params)
+    chex.assert_trees_all_equal(plain_u, explicit_u)
+
+
+def test_normalized_first_step_keeps_lemma_1_bounds():
   # b1 = 0: the update is P_t g_t, so P_t = update / g coordinatewise, at
-  # every step including the first, and with coordinates revived late.
+  # every step including the first, and with coordinates revived late. With
+  # relative damping: experiments/tests/test_configurations.py.
   rng = np.random.default_rng(2)
   damping = 1e-3
-  tx = configurations.relative_precondition(
-      b1=0.0, damping=damping, relative_damping=relative_damping,
-      zero_moment='normalized')
+  tx = cbp.precondition(b1=0.0, damping=damping, zero_moment='normalized')
   state = tx.init({'w': jnp.zeros(50)})
   bound = 0.0
   for t in range(30):
@@ -123,19 +130,8 @@ def test_normalized_first_step_keeps_lemma_1_bounds(relative_damping):
     nonzero = g != 0
     p = np.asarray(updates['w'])[nonzero] / g[nonzero]
     assert np.all(p <= 1 / damping * (1 + 1e-5))
-    lower = 1 / ((1 + relative_damping) * bound + damping)
+    lower = 1 / (bound + damping)
     assert np.all(p >= lower * (1 - 1e-5)), (t, p.min(), lower)
-
-
-def test_damped_zero_moment_is_algorithm_1_exactly():
-  params = {'w': jnp.linspace(-1.0, 1.0, 7)}
-  grads = [{'w': jnp.sin(jnp.arange(7.0) * (t + 1))} for t in range(4)]
-  plain, explicit = cbp.cbp(1e-2), cbp.cbp(1e-2, zero_moment='damped')
-  plain_state, explicit_state = plain.init(params), explicit.init(params)
-  for g in grads:
-    plain_u, plain_state = plain.update(g, plain_state, params)
-    explicit_u, explicit_state = explicit.update(g, explicit_state, params)
-    chex.assert_trees_all_equal(plain_u, explicit_u)
 
 
 @pytest.mark.parametrize('bad, error', [

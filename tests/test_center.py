@@ -1,13 +1,13 @@
 """``center`` (NNX and Linen): tied variables, repeated calls, keyword calls, stacks.
 
 Tied variables (item 1), a layer called several times in one forward pass
-(item 2), recalibration's zero-example and time-major batches (item 3),
-keyword calls of intercepted Linen layers (item 12) and the message for an
-``nn.scan`` without the centering collection (item 13). Each test here
-failed before the fix it names.
+(item 2), keyword calls of intercepted Linen layers (item 12) and the message
+for an ``nn.scan`` without the centering collection (item 13). Each test here
+failed before the fix it names. Recalibration's part of items 2, 3 and 12
+(zero-example and time-major batches) is tested with the experiments
+(experiments/tests/test_experiments_recalibrate.py).
 """
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,6 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax_experiments import recalibrate
 from cbp_optax import centering
 
 
@@ -423,135 +422,6 @@ def test_a_linen_collection_without_a_count_records_the_last_call():
   assert set(centering_['Dense_0']) == {'mean', 'batch_mean'}
 
 
-# --- items 2 and 3: cbp_optax_experiments.recalibrate pools every call and
-# weighs by what each call normalized ----------------------------------------------------
-
-
-class NnxNormTwice(nnx.Module):
-
-  def __init__(self, axis=-1):
-    self.norm = nnx.BatchNorm(1, axis=axis, rngs=nnx.Rngs(0))
-
-  def __call__(self, x):
-    return self.norm(x) + self.norm(x + 10.0)
-
-
-class LinenNormTwice(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    norm = nn.BatchNorm(use_running_average=True)
-    return norm(x) + norm(x + 10.0)
-
-
-def linen_recalibrated(module, batches, sample=None):
-  sample = batches[0] if sample is None else sample
-  variables = module.init(jax.random.key(0), sample)
-  return recalibrate.linen_batch_stats(module.apply, variables, batches)
-
-
-def test_a_batchnorm_applied_twice_pools_both_calls():
-  # Kept the last call only: 12.5 where the mean of all its inputs is 7.5.
-  x = jnp.arange(6.0).reshape(6, 1)
-  inputs = np.concatenate([np.asarray(x), np.asarray(x) + 10.0])
-  model = NnxNormTwice()
-  assert recalibrate.nnx_batch_stats(model, [x]) == ['norm']
-  stats = linen_recalibrated(LinenNormTwice(), [x])['batch_stats']
-  for mean, var in ((model.norm.mean[...], model.norm.var[...]),
-                    (stats['BatchNorm_0']['mean'],
-                     stats['BatchNorm_0']['var'])):
-    np.testing.assert_allclose(mean, [7.5], rtol=1e-6)
-    np.testing.assert_allclose(var, inputs.var(0), rtol=1e-6)
-
-
-def test_a_zero_example_batch_weighs_nothing():
-  # Every statistic became NaN, and the NNX model then output NaN.
-  full = shifted_inputs((8, 1))
-  empty = jnp.zeros((0, 1))
-  model = NnxNormTwice()
-  recalibrate.nnx_batch_stats(model, [full, empty])
-  reference = NnxNormTwice()
-  recalibrate.nnx_batch_stats(reference, [full])
-  chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
-                              nnx.state(reference, nnx.BatchStat), rtol=1e-6)
-  model.eval()
-  assert np.all(np.isfinite(model(full)))
-  stats = linen_recalibrated(LinenNormTwice(), [empty, full],
-                             sample=full)['batch_stats']
-  chex.assert_trees_all_close(
-      stats['BatchNorm_0'],
-      linen_recalibrated(LinenNormTwice(), [full])['batch_stats']
-      ['BatchNorm_0'], rtol=1e-6)
-
-
-def test_only_empty_batches_are_refused_and_change_nothing():
-  model = NnxNormTwice()
-  before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
-  with pytest.raises(ValueError, match="'norm' normalized no example"):
-    recalibrate.nnx_batch_stats(model, [jnp.zeros((0, 1))] * 2)
-  chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), before)
-  with pytest.raises(ValueError, match="'BatchNorm_0' normalized no example"):
-    linen_recalibrated(LinenNormTwice(), [jnp.zeros((0, 1))],
-                       sample=jnp.ones((2, 1)))
-
-
-def test_time_major_batches_weigh_the_examples_they_hold():
-  # Both (T, B, F) batches weighed 5 (their leading axis): 0.5, not 0.99.
-  few, many = jnp.zeros((5, 1, 1)), jnp.ones((5, 99, 1))
-  model = nnx.Sequential(nnx.BatchNorm(1, rngs=nnx.Rngs(0)))
-  recalibrate.nnx_batch_stats(model, [few, many])
-  np.testing.assert_allclose(model.layers[0].mean[...], [0.99], rtol=1e-6)
-  np.testing.assert_allclose(model.layers[0].var[...], [0.99 * 0.01],
-                             rtol=1e-5)
-  stats = linen_recalibrated(nn.BatchNorm(use_running_average=False),
-                             [few, many])['batch_stats']
-  np.testing.assert_allclose(stats['mean'], [0.99], rtol=1e-6)
-  np.testing.assert_allclose(stats['var'], [0.99 * 0.01], rtol=1e-5)
-
-
-def test_masked_calls_weigh_the_positions_the_mask_keeps():
-  x = jnp.array([[0.0], [0.0], [9.0], [4.0]])
-  mask = jnp.array([[True], [False], [False], [True]])
-
-  class Masked(nnx.Module):
-
-    def __init__(self):
-      self.norm = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-      return self.norm(x, mask=mask) + self.norm(x[2:3])
-
-  model = Masked()
-  recalibrate.nnx_batch_stats(model, [x])
-  kept = np.array([0.0, 4.0, 9.0])  # the mask's two positions and 9
-  np.testing.assert_allclose(model.norm.mean[...], [kept.mean()], rtol=1e-6)
-  np.testing.assert_allclose(model.norm.var[...], [kept.var()], rtol=1e-6)
-
-
-def test_a_batchnorm_the_forward_pass_never_calls_keeps_its_statistics():
-  class Unused(nnx.Module):
-
-    def __init__(self):
-      self.used = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
-      self.unused = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-      return self.used(x)
-
-  model = Unused()
-  # It became mean 0 and variance 0 (every later output was x / sqrt(eps)).
-  assert recalibrate.nnx_batch_stats(model, [jnp.ones((4, 1))]) == [
-      'used']
-  np.testing.assert_array_equal(model.unused.var[...], [1.0])
-
-
-def test_non_finite_statistics_are_refused():
-  model = NnxNormTwice()
-  with pytest.raises(ValueError, match="'norm' are not finite"):
-    recalibrate.nnx_batch_stats(model, [jnp.full((2, 1), jnp.nan)])
-  np.testing.assert_array_equal(model.norm.var[...], [1.0])
-
-
 # --- item 12: keyword calls of intercepted Linen layers ----------------------
 
 
@@ -565,8 +435,9 @@ class KeywordCalls(nn.Module):
     return nn.BatchNorm(use_running_average=True)(x=x)
 
 
-def test_linen_layers_called_with_keyword_inputs_are_centered_and_recalibrated():
-  # IndexError: tuple index out of range, in center and in recalibration.
+def test_linen_layers_called_with_keyword_inputs_are_centered():
+  # IndexError: tuple index out of range, in center and in recalibration
+  # (experiments/tests/test_experiments_recalibrate.py).
   with jax.enable_x64(True):
     model = cbp.linen.center(KeywordCalls())
     x = shifted_inputs((8, 3), dtype=jnp.float64)
@@ -579,13 +450,6 @@ def test_linen_layers_called_with_keyword_inputs_are_centered_and_recalibrated()
     y_new = model.apply(dict(variables, params=params, centering=centering_),
                         x)
     np.testing.assert_allclose(y_new, y, rtol=0, atol=1e-12)
-    new = recalibrate.linen_batch_stats(model.apply, variables, [x])
-    h = model.apply(variables, x, capture_intermediates=True,
-                    mutable=['intermediates'])[1]['intermediates']
-    conv_out = np.asarray(h['Conv_0']['__call__'][0]).reshape(-1, 2)
-    # (BatchNorm's statistics are float32.)
-    np.testing.assert_allclose(new['batch_stats']['BatchNorm_0']['mean'],
-                               conv_out.mean(0), rtol=1e-6)
 
 
 # --- item 13 (part): nn.scan without the centering collection -----------------

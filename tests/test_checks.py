@@ -4,9 +4,7 @@ error type and a message naming the argument, path or leaf; nothing is lost.
 Each test here failed before the fix it names (the issue's item number).
 """
 
-import gzip
 import math
-import os
 import pathlib
 import runpy
 import struct
@@ -24,8 +22,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cbp_optax as cbp
-from cbp_optax_experiments import datasets
-from cbp_optax_experiments import diagnostics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -319,103 +315,12 @@ def test_guard_must_be_a_known_rule():
     cbp.cbp(1e-2, zero_moment=True)
 
 
-# --- item 17: IDX parsing ---------------------------------------------------------
+# --- item 19: examples with a batch larger than the training set -------------------
 
 
 def idx(shape, magic=2051, payload=b''):
   return struct.pack('>I', magic) + b''.join(
       struct.pack('>I', d) for d in shape) + payload
-
-
-def test_overflowing_header_is_a_data_error():
-  with pytest.raises(datasets.DataError, match='header promises'):
-    datasets.parse_idx(idx((2**31, 2**31, 2**31)), expect_magic=2051)
-
-
-def test_gzip_bomb_is_inflated_only_as_far_as_the_header_promises(
-    tmp_path, monkeypatch):
-  header_and_images = idx((4, 28, 28), payload=bytes(4 * 28 * 28))
-  bomb = gzip.compress(header_and_images + bytes(32 << 20), compresslevel=1)
-  (tmp_path / 't10k-images-idx3-ubyte.gz').write_bytes(bomb)
-  (tmp_path / 't10k-labels-idx1-ubyte').write_bytes(
-      idx((4,), magic=2049, payload=bytes(4)))
-  inflated = []
-  real_open = gzip.open
-
-  class Counting:
-
-    def __init__(self, f):
-      self.f = f
-
-    def read(self, *size):
-      data = self.f.read(*size)
-      inflated.append(len(data))
-      return data
-
-    def __enter__(self):
-      return self
-
-    def __exit__(self, *exc):
-      self.f.close()
-
-  monkeypatch.setattr(datasets.gzip, 'open',
-                      lambda *a, **k: Counting(real_open(*a, **k)))
-  with pytest.raises(datasets.DataError, match='t10k-images.*promises'):
-    datasets.load_mnist(tmp_path)
-  assert sum(inflated) <= len(header_and_images) + 1
-
-
-def test_header_beyond_the_size_limit_is_refused_unread():
-  with pytest.raises(datasets.DataError, match='limit'):
-    datasets.parse_idx(idx((60000, 28, 28, 28, 28), magic=2053),
-                       expect_magic=2053)
-
-
-def test_too_few_test_images_for_a_split_is_refused(tmp_path):
-  (tmp_path / 't10k-images-idx3-ubyte').write_bytes(
-      idx((1, 28, 28), payload=bytes(28 * 28)))
-  (tmp_path / 't10k-labels-idx1-ubyte').write_bytes(
-      idx((1,), magic=2049, payload=bytes(1)))
-  with pytest.raises(datasets.DataError, match='1 image.*at least 2'):
-    datasets.load_mnist(tmp_path)
-
-
-# --- item 18: offline errors --------------------------------------------------------
-
-
-def test_offline_without_data_says_where_it_looked_and_what_to_do(
-    tmp_path, monkeypatch):
-  dirs = [tmp_path / 'first', tmp_path / 'cache']
-  monkeypatch.setattr(datasets, 'default_mnist_dirs', lambda: dirs)
-
-  def offline(url, timeout):
-    raise OSError(f'no network for {url}')
-
-  monkeypatch.setattr(datasets.urllib.request, 'urlopen', offline)
-  for download in (True, False):
-    with pytest.raises(datasets.DataError) as info:
-      datasets.find_mnist(None, download=download)
-    message = str(info.value)
-    assert str(dirs[0].resolve()) in message and str(dirs[1].resolve()) in message
-    assert '--data-dir' in message and '$CBP_OPTAX_MNIST' in message
-  with pytest.raises(datasets.DataError, match='downloading them failed.*'
-                     '--data-dir'):
-    datasets.load_mnist(tmp_path / 'given', download=True)
-
-
-def test_reproduce_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
-  from cbp_optax_experiments.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(reproduce_cli, '_prefer_fast_cpu_convolutions',
-                      lambda: None)
-  for name in [m for m in sys.modules if m.startswith('matplotlib')] + [
-      'cbp_optax_experiments.reproduce.plotting']:
-    monkeypatch.delitem(sys.modules, name, raising=False)
-  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # import fails
-  with pytest.raises(SystemExit, match=r'pip install \./experiments'):
-    reproduce_cli.main(['quadratic', '--quick', '--out', str(tmp_path)])
-
-
-# --- item 19: examples with a batch larger than the training set -------------------
 
 
 @pytest.mark.parametrize('script', ['mnist_nnx.py', 'mnist_linen.py'])
@@ -732,69 +637,7 @@ def test_stack_as_long_as_a_feature_size_is_refused_unless_its_axis_is_known():
     cbp.nnx.Centered(four_by_four_stack(0), stack_axes=(5,))
 
 
-# --- issue 24, items 7 and 12: diagnostics totals, block keys ---------------------
-
-
-def diagonal_quadratic():
-  curvature = {'l': {'bias': jnp.array([4.0, 6.0]),
-                     'kernel': jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])}}
-
-  def loss(params):
-    return 0.5 * sum(jnp.sum(h * p**2) for h, p in zip(
-        jax.tree.leaves(curvature), jax.tree.leaves(params)))
-
-  return loss, jax.tree.map(jnp.ones_like, curvature)
-
-
-@pytest.mark.parametrize('block_fn, blocks, outside', [
-    (None, [25.0], 0.0),
-    (cbp.no_blocks, [], 25.0),
-    (cbp.kernel_blocks, [15.0], 10.0),
-])
-def test_diagnostics_totals_cover_parameters_outside_blocks(
-    block_fn, blocks, outside):
-  # Item 7: with a true trace of 25, no_blocks gave 0.0 and kernel_blocks
-  # 15.0; parameter_movement(..., no_blocks).total was 0.0.
-  loss, params = diagonal_quadratic()
-  out = diagnostics.hessian_trace(loss, params, jax.random.key(0),
-                                      num_samples=2, block_fn=block_fn)
-  assert float(out.estimate) == 25.0
-  np.testing.assert_array_equal(out.block_estimates, blocks)
-  assert float(out.outside_estimate) == outside
-  init = jax.tree.map(lambda x: 2.0 * x, params)
-  movement = diagnostics.parameter_movement(params, init,
-                                                block_fn=block_fn)
-  assert float(movement.total) == pytest.approx(0.5)
-  assert float(movement.outside_distance) == pytest.approx(
-      {0.0: 0.0, 25.0: math.sqrt(7.0), 10.0: math.sqrt(2.0)}[outside])
-
-
-def test_parameter_movement_of_nan_parameters_is_nan():
-  params = {'a': {'w': jnp.array([1.0, jnp.nan])}}
-  init = {'a': {'w': jnp.array([jnp.nan, 1.0])}}
-  movement = diagnostics.parameter_movement(params, init)
-  assert np.isnan(movement.relative).all() and np.isnan(movement.total)
-
-
-@pytest.mark.parametrize('name, value, error', [
-    ('num_samples', 2.0, TypeError), ('num_samples', '4', TypeError),
-    ('num_samples', 0, ValueError), ('num_samples', True, TypeError),
-    ('batch_size', 0, ValueError), ('batch_size', 1.5, TypeError),
-])
-def test_hessian_trace_refuses_bad_counts(name, value, error):
-  loss, params = diagonal_quadratic()
-  kwargs = {'num_samples': 2, name: value}
-  with pytest.raises(error, match=f'{name} must be an integer'):
-    diagnostics.hessian_trace(loss, params, jax.random.key(0), **kwargs)
-
-
-@pytest.mark.parametrize('value, error', [
-    (2.5, TypeError), (-1, ValueError), ('3', TypeError)])
-def test_top_eigenvalue_refuses_bad_iteration_counts(value, error):
-  loss, params = diagonal_quadratic()
-  with pytest.raises(error, match='num_iters must be an integer'):
-    diagnostics.top_eigenvalue(loss, params, jax.random.key(0),
-                                   num_iters=value)
+# --- issue 24, item 12: block keys ----------------------------------------------
 
 
 def test_block_fn_returning_a_list_is_a_path():
@@ -895,7 +738,6 @@ def audit_cases():
   params = {'a': {'w': jnp.ones((4, 2))}}
   model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
   linen_params = {'Dense_0': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}}
-  loss = lambda p: jnp.sum(p['a']['w'] ** 2)
   return {
       'nnx stacked_blocks misspelt': (
           lambda: cbp.nnx.stacked_blocks(model, 'layerz'),
@@ -926,10 +768,6 @@ def audit_cases():
       'block_names block_fn': (
           lambda: cbp.block_names(params, block_fn='layer'),
           TypeError, "block_fn must be a function or None, got the str 'layer'"),
-      'top_eigenvalue per_block': (
-          lambda: diagnostics.top_eigenvalue(
-              loss, params, jax.random.key(0), per_block='yes'),
-          TypeError, "per_block must be True or False, got 'yes'"),
       'initialize_from_env collectives': (
           lambda: launch.initialize_from_env(collectives='nccl'),
           ValueError, "collectives must be 'gloo' or 'mpi', got 'nccl'"),
@@ -944,16 +782,6 @@ def test_audit_bad_input_is_refused_naming_the_argument(case):
   call, error, match = audit_cases()[case]
   with pytest.raises(error, match=match):
     call()
-
-
-def test_mean_alignment_of_half_precision_is_computed_in_float32():
-  # float16 second moments overflow (65504) and eigh has no half precision:
-  # "NotImplementedError: Unsupported dtype float16".
-  a = jnp.array([[300.0, 1.0], [1.0, 400.0]], jnp.float16)
-  out = diagnostics.mean_alignment(a)
-  assert out.eigenvalues.dtype == jnp.float32
-  chex.assert_trees_all_close(
-      out, diagnostics.mean_alignment(a.astype(jnp.float32)))
 
 
 def test_launch_command_line_reports_a_bad_argument_as_a_usage_error(capsys):

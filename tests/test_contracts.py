@@ -30,7 +30,6 @@ from typing import Callable
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
@@ -40,7 +39,6 @@ from optax._src import test_utils
 
 import cbp_optax as cbp
 from cbp_optax._equalize_stats import find_equalize_state
-from cbp_optax_experiments import configurations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8

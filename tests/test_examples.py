@@ -1,4 +1,5 @@
-"""The runnable entry points: the examples and the ``cbp-optax compare`` job."""
+"""The runnable examples (examples/). The ``cbp-optax compare`` job is the
+experiments' (experiments/tests/test_cli.py)."""
 
 import ast
 import pathlib
@@ -8,8 +9,8 @@ import sys
 
 import pytest
 
-from cbp_optax_experiments import cli
-from tests.test_datasets import MNIST_DIR, needs_mnist
+from tests.mnist import MNIST_DIR
+from tests.mnist import needs_mnist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,17 +50,6 @@ def test_mnist_nnx_resumes_from_its_orbax_checkpoint_exactly(tmp_path):
   epoch_2 = [re.findall(r'epoch 2: .*', out) for out in (through, resumed)]
   assert len(epoch_2[0]) == 1 and epoch_2[0] == epoch_2[1], epoch_2
   assert sorted(p.name for p in (tmp_path / 'b').iterdir()) == ['1', '2']
-
-
-# The default tier runs the compare job offline (tests/test_cli.py).
-@pytest.mark.slow
-@needs_mnist
-def test_compare_job_prints_a_table():
-  out = run('-m', 'cbp_optax_experiments.cli', 'compare', '--steps', '20', '--width',
-            '32', '--data-dir', str(MNIST_DIR))
-  lines = [l for l in out.splitlines() if l.startswith('| ')]
-  assert [l.split('|')[1].strip() for l in lines[1:]] == [
-      'Adam', 'Adam + Center', 'CBP (M1+M2+M3)', cli.RECOMMENDED]
 
 
 @needs_mnist

@@ -233,57 +233,6 @@ def test_the_experiments_ship_as_their_own_package_with_the_data():
   assert 'data/mnist_subset.npz' in own
 
 
-@pytest.mark.parametrize('missing', EXTRA)
-def test_cli_names_the_extra_when_a_dependency_is_missing(missing):
-  # `reproduce` on a study that needs all three; the dependency is made
-  # unimportable before anything is loaded.
-  code = (
-      'import sys\n'
-      f'sys.modules[{missing!r}] = None\n'
-      'from cbp_optax_experiments import cli\n'
-      "from cbp_optax_experiments.reproduce import cli as reproduce_cli\n"
-      'reproduce_cli._prefer_fast_cpu_convolutions = lambda: None\n'
-      "sys.exit(cli.main(['reproduce', 'quadratic', '--quick', '--out', "
-      "'/nonexistent/never-written']))\n")
-  result = run_python(code)
-  assert result.returncode != 0
-  assert 'Traceback' not in result.stderr, result.stderr
-  message = result.stderr.strip().splitlines()
-  assert len(message) == 1, result.stderr
-  assert missing in message[0]
-  assert "pip install ./experiments" in message[0]
-
-
-def test_cli_extra_check_covers_imports_deeper_than_the_commands(monkeypatch):
-  from cbp_optax_experiments import cli  # pylint: disable=g-import-not-at-top
-
-  def needs_scipy(argv):
-    del argv
-    import scipy.special  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    return 0
-
-  monkeypatch.setitem(sys.modules, 'scipy', None)
-  monkeypatch.setitem(cli._COMMANDS, 'compare',
-                      (needs_scipy, cli._COMMANDS['compare'][1]))
-  with pytest.raises(SystemExit,
-                     match=r"needs scipy.*pip install \./experiments"):
-    cli.main(['compare'])
-
-
-def test_cli_lets_other_import_errors_through(monkeypatch):
-  from cbp_optax_experiments import cli  # pylint: disable=g-import-not-at-top
-
-  def needs_something_else(argv):
-    del argv
-    import not_a_real_module_cbp  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    return 0
-
-  monkeypatch.setitem(cli._COMMANDS, 'compare',
-                      (needs_something_else, cli._COMMANDS['compare'][1]))
-  with pytest.raises(ModuleNotFoundError, match='not_a_real_module_cbp'):
-    cli.main(['compare'])
-
-
 # The optax transforms and the framework-free core: their messages name no
 # framework package (issue 29: precondition said "cbp.nnx.center moved ...",
 # the core's stack-axis remedy named cbp.nnx.Centered).

@@ -1,5 +1,5 @@
 """The README's Python snippets run as written and its quick start is the one
-CI runs (its answer and table: test_recommendation.py)."""
+CI runs (its answer and table: experiments/tests/test_recommendation.py)."""
 
 import pathlib
 import re

@@ -9,7 +9,6 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax_experiments.workloads import arms as arms_lib
 
 
 def _tree():
@@ -176,24 +175,6 @@ def test_recommended_keeps_16_bit_models_copy_in_float32_on_request():
       model, cbp.recommended(1e-3, state_dtype=jnp.float32))
   step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
   assert not bool(step(model, optimizer, jnp.ones((3, 4))).skipped)
-
-
-def test_the_recipe_arm_is_cbp_recommended_with_the_suites_warmup():
-  arm = arms_lib.builtin_arms()[arms_lib.RECOMMENDED]
-  ctx = arms_lib.Context(steps=40)
-  params = _tree()
-  chex.assert_trees_all_equal(
-      _run(arm.make(1e-2, ctx), params),
-      _run(cbp.recommended(1e-2, warmup_steps=ctx.warmup), params))
-
-
-def test_the_muon_candidate_is_muon_centered_but_for_batch_norm_models():
-  builtin = arms_lib.builtin_arms()
-  candidate = builtin['muon_centered_batchnorm_plain']
-  muon = builtin['muon_centered']
-  assert candidate.centered and not candidate.center_batch_norm_models
-  assert muon.center_batch_norm_models
-  assert candidate.make is muon.make
 
 
 def test_a_scheduled_b1_moves_the_evaluation_point_with_it():

@@ -22,7 +22,6 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax_experiments import recalibrate
 from cbp_optax import centering as core
 
 F64_TOLERANCE = 1e-12
@@ -812,77 +811,6 @@ def test_nnx_skipped_step_leaves_z():
   out = step(model, optimizer, jnp.ones((4, 3)), jnp.full((4, 2), jnp.nan))
   assert bool(out.skipped) and int(optimizer.skipped_steps[...]) == 1
   chex.assert_trees_all_equal(nnx.as_pure(optimizer.opt_state), before)
-
-
-class BatchNormNet(nnx.Module):
-
-  def __init__(self, rngs):
-    self.hidden = nnx.Linear(3, 4, param_dtype=F64, rngs=rngs)
-    self.norm = nnx.BatchNorm(4, param_dtype=F64, momentum=0.5, rngs=rngs)
-    self.out = nnx.Linear(4, 2, param_dtype=F64, rngs=rngs)
-
-  def __call__(self, x):
-    return self.out(jnp.tanh(self.norm(self.hidden(x))))
-
-
-def test_nnx_recalibrate_the_eval_model_at_the_evaluation_point():
-  with jax.enable_x64(True):
-    model = BatchNormNet(nnx.Rngs(0))
-    cbp.nnx.center(model)
-    optimizer = cbp.nnx.Optimizer(
-        model, optax.contrib.schedule_free_adamw(0.1, b1=0.8))
-    step = cbp.nnx.train_step(lambda m, x: jnp.mean((m(x) - 1.0) ** 2))
-    batches = [inputs((8, 3), seed, 2.0) for seed in range(3)]
-    for batch in batches:
-      step(model, optimizer, batch)
-    trained_stats = np.asarray(model.norm.mean[...])
-    evaluated = cbp.nnx.eval_model(model, optimizer)
-    recalibrate.nnx_batch_stats(evaluated, batches)
-    # The statistics are those of the BatchNorm's input at x, not at y.
-    hidden = evaluated.hidden(jnp.concatenate(batches))
-    # (BatchNorm keeps its statistics in float32.)
-    np.testing.assert_allclose(evaluated.norm.mean[...], hidden.mean(0),
-                               rtol=1e-6)
-    np.testing.assert_allclose(evaluated.norm.var[...], hidden.var(0),
-                               rtol=1e-6)
-    assert not np.allclose(evaluated.norm.mean[...],
-                           model.hidden(jnp.concatenate(batches)).mean(0))
-    np.testing.assert_array_equal(model.norm.mean[...], trained_stats)
-
-
-def test_linen_recalibrate_at_the_evaluation_point():
-  # float32: Linen's BatchNorm keeps its statistics in float32.
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-      x = nn.Dense(4, name='hidden')(x)
-      x = nn.BatchNorm(use_running_average=not train)(x)
-      return nn.Dense(2)(jnp.tanh(x))
-
-  model = cbp.linen.center(Net())
-  batches = [inputs((8, 3), seed, 2.0, jnp.float32) for seed in range(3)]
-  variables = model.init(jax.random.key(0), batches[0])
-  state = cbp.linen.TrainState.create(
-      apply_fn=model.apply, params=variables['params'],
-      centering=variables['centering'],
-      model_state={'batch_stats': variables['batch_stats']},
-      tx=optax.contrib.schedule_free_adamw(0.1, b1=0.8))
-  step = cbp.linen.train_step(lambda apply, x: jnp.mean((apply(x) - 1.) ** 2))
-  for batch in batches:
-    state, _ = step(state, batch)
-  params = cbp.linen.eval_params(state.params, state.opt_state)
-  recalibrated = recalibrate.linen_batch_stats(
-      model.apply, {'params': params, 'centering': state.centering,
-                    **state.model_state}, batches, train=False)
-  # The BatchNorm's input at x: the centered hidden layer's output.
-  hidden = nn.Dense(4).apply(
-      {'params': params['hidden']}, jnp.concatenate(batches)) - (
-          state.centering['hidden']['mean'].value @ params['hidden']['kernel'])
-  np.testing.assert_allclose(
-      recalibrated['batch_stats']['BatchNorm_0']['mean'], hidden.mean(0),
-      rtol=1e-5)
-  trained = state.model_state['batch_stats']['BatchNorm_0']['mean']
-  assert not np.allclose(trained, hidden.mean(0), rtol=1e-3)
 
 
 def test_nnx_checkpoint_resume_with_schedule_free_is_bit_exact(tmp_path):

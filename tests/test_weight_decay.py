@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 import cbp_optax as cbp
-from cbp_optax_experiments import configurations
 
 FACTORIES = {
     'cbp': cbp.cbp,
@@ -134,12 +133,3 @@ def test_recommended_decays_the_matrices_by_default_and_none_when_injected_none(
       lambda x: x.ndim >= 2, params)
   injected = optax.inject_hyperparams(cbp.recommended)(0.1, weight_decay=None)
   assert not any(jax.tree.leaves(decayed(injected, params)))
-
-
-def test_the_studies_chain_decays_what_cbp_decays():
-  # configurations.cbp_study spells cbp.cbp out, its default mask included.
-  for tree in TREES.values():
-    params = {'tree': tree, 'layer': {'bias': _w(2, 3), 'embedding': _w(5, 2),
-                                      'scale': _w(3, 2), 'kernel': _w(2, 2)}}
-    assert decayed(configurations.cbp_study(0.1, weight_decay=0.5),
-                   params) == decayed(cbp.cbp(0.1, weight_decay=0.5), params)

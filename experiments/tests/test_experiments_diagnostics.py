@@ -6,6 +6,8 @@ float64, eagerly and under jit. A few seconds on 2 cores.
 """
 
 import doctest
+import math
+import re
 
 import chex
 import jax
@@ -362,7 +364,7 @@ def test_docstring_examples():
 def test_the_docs_example_runs(capsys):
   import pathlib  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
-  page = pathlib.Path(__file__).resolve().parents[1] / 'docs/diagnostics.md'
+  page = pathlib.Path(__file__).resolve().parents[2] / 'docs/diagnostics.md'
   blocks = re.findall(r'```python\n(.*?)```', page.read_text(), re.S)
   assert len(blocks) == 1
   exec(compile(blocks[0], str(page), 'exec'), {})  # pylint: disable=exec-used
@@ -400,3 +402,202 @@ def test_profile_propagates_nan_and_inf():
                                       'c': {'w': jnp.zeros(2)}})
   assert np.isnan(out.norms[0]) and out.norms[1] == np.inf
   assert out.norms[2] == 0.0
+
+
+# --- argument checks (item 14 of the factories' audit) ------------------------
+
+
+def test_a_block_fn_of_the_wrong_type_is_a_type_error():
+  # check_callable raised ValueError and check_function TypeError.
+  with pytest.raises(TypeError, match=(
+      'block_fn must be a function or None, got the float 1.0')):
+    diagnostics.gradient_profile({}, block_fn=1.0)
+
+
+def curvature_tree():
+  """A diagonal Hessian: every block's top eigenvalue is its largest entry."""
+  return {'a': {'kernel': jnp.array([[1.0, 9.0], [2.0, 3.0]]),
+                'bias': jnp.array([20.0, 1.0])},
+          'b': {'kernel': jnp.array([0.5, 6.0, 1.0])},
+          'norm': {'scale': jnp.array([30.0])},
+          'stack': {'kernel': jnp.array([[2.0, 12.0], [40.0, 1.0]])}}
+
+
+def diagonal_loss(curvature):
+  def loss(params):
+    return 0.5 * sum(jnp.sum(h * p**2) for h, p in zip(
+        jax.tree.leaves(curvature), jax.tree.leaves(params)))
+  return loss
+
+
+# The presets that put every leaf in a block worked before: slow tier.
+@pytest.mark.parametrize('block_fn, stacked, expected', [
+    pytest.param(None, False, {'a': 20.0, 'b': 6.0, 'norm': 30.0,
+                               'stack': 40.0}, marks=pytest.mark.slow),
+    pytest.param(cbp.layer_blocks, True, {
+        'a': 20.0, 'b': 6.0, 'norm': 30.0, 'stack[0]': 12.0,
+        'stack[1]': 40.0}, marks=pytest.mark.slow),
+    pytest.param(cbp.leaf_blocks, False, {
+        'a/bias': 20.0, 'a/kernel': 9.0, 'b/kernel': 6.0, 'norm/scale': 30.0,
+        'stack/kernel': 40.0}, marks=pytest.mark.slow),
+    (cbp.kernel_blocks, False, {'a': 9.0, 'b': 6.0, 'stack': 40.0}),
+    (cbp.kernel_blocks, True, {'a': 9.0, 'b': 6.0, 'stack[0]': 12.0,
+                               'stack[1]': 40.0}),
+    (cbp.no_blocks, False, {}),
+])
+def test_top_eigenvalue_per_block_with_every_built_in_block_fn(
+    block_fn, stacked, expected):
+  # Item 14: "'bool' object has no attribute 'astype'" for any leaf in no
+  # block (kernel_blocks' biases, no_blocks).
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  stacked_fn = cbp.blocks.stacked_predicate([('stack',)]) if stacked else None
+  out = diagnostics.top_eigenvalue(
+      diagonal_loss(curvature), params, jax.random.key(0), num_iters=40,
+      per_block=True, block_fn=block_fn, stacked=stacked_fn)
+  assert out.names == tuple(expected)
+  np.testing.assert_allclose(out.eigenvalue, list(expected.values()),
+                             rtol=1e-4)
+  # Each block's vector lies in its block: zero on every other leaf.
+  layout = cbp.blocks.block_layout(params, block_fn=block_fn,
+                                   stacked=stacked_fn)
+  leaves = jax.tree.leaves(out.vector)
+  for block, (group, stack) in enumerate(zip(layout.groups,
+                                             layout.group_stacks)):
+    if stack is not None:
+      continue
+    for i, leaf in enumerate(leaves):
+      if i not in group:
+        assert not np.any(leaf[block]), (out.names[block], i)
+
+
+@pytest.mark.parametrize('name, value', [
+    ('num_samples', 10**12), ('num_samples', 2**31), ('batch_size', 10**12),
+    ('num_iters', 10**12)])
+def test_diagnostics_counts_beyond_int32_are_refused(name, value):
+  # Item 14: "OverflowError ... argument path is y" from inside JAX.
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  loss = diagonal_loss(curvature)
+  call = (diagnostics.top_eigenvalue if name == 'num_iters'
+          else diagnostics.hessian_trace)
+  kwargs = {name: value} if name != 'batch_size' else {
+      'num_samples': 2, 'batch_size': value}
+  with pytest.raises(ValueError, match=(
+      rf'{name} must be an integer in \[[01], 2147483647\], got {value}')):
+    call(loss, params, jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize('key', [0, np.zeros(3, np.uint32),
+                                 jax.random.split(jax.random.key(0), 2)])
+def test_diagnostics_refuse_what_is_not_one_prng_key(key):
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  for call in (diagnostics.hessian_trace, diagnostics.top_eigenvalue):
+    with pytest.raises(TypeError, match='key must be one PRNG key'):
+      call(diagonal_loss(curvature), params, key)
+
+
+def test_diagnostics_accept_a_raw_key():
+  # Traced keys are covered by the jit tests above.
+  curvature = curvature_tree()
+  params = jax.tree.map(jnp.ones_like, curvature)
+  out = diagnostics.hessian_trace(diagonal_loss(curvature), params,
+                                  jax.random.PRNGKey(0), num_samples=2)
+  total = sum(float(jnp.sum(h)) for h in jax.tree.leaves(curvature))
+  assert float(out.estimate) == total
+
+
+@pytest.mark.parametrize('shape', [(0, 3), (2, 0, 3), (3, 0)])
+def test_mean_alignment_without_samples_or_features_is_refused(shape):
+  # (0, 3) gave NaN for every statistic, (3, 0) "integer modulo by zero".
+  with pytest.raises(ValueError, match='one sample and one feature, got '
+                     f'shape {re.escape(str(shape))}'):
+    diagnostics.mean_alignment(jnp.ones(shape))
+
+
+# --- issue 24, item 7: totals cover parameters outside blocks -----------------
+
+
+def diagonal_quadratic():
+  curvature = {'l': {'bias': jnp.array([4.0, 6.0]),
+                     'kernel': jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])}}
+
+  def loss(params):
+    return 0.5 * sum(jnp.sum(h * p**2) for h, p in zip(
+        jax.tree.leaves(curvature), jax.tree.leaves(params)))
+
+  return loss, jax.tree.map(jnp.ones_like, curvature)
+
+
+@pytest.mark.parametrize('block_fn, blocks, outside', [
+    (None, [25.0], 0.0),
+    (cbp.no_blocks, [], 25.0),
+    (cbp.kernel_blocks, [15.0], 10.0),
+])
+def test_diagnostics_totals_cover_parameters_outside_blocks(
+    block_fn, blocks, outside):
+  # Item 7: with a true trace of 25, no_blocks gave 0.0 and kernel_blocks
+  # 15.0; parameter_movement(..., no_blocks).total was 0.0.
+  loss, params = diagonal_quadratic()
+  out = diagnostics.hessian_trace(loss, params, jax.random.key(0),
+                                      num_samples=2, block_fn=block_fn)
+  assert float(out.estimate) == 25.0
+  np.testing.assert_array_equal(out.block_estimates, blocks)
+  assert float(out.outside_estimate) == outside
+  init = jax.tree.map(lambda x: 2.0 * x, params)
+  movement = diagnostics.parameter_movement(params, init,
+                                                block_fn=block_fn)
+  assert float(movement.total) == pytest.approx(0.5)
+  assert float(movement.outside_distance) == pytest.approx(
+      {0.0: 0.0, 25.0: math.sqrt(7.0), 10.0: math.sqrt(2.0)}[outside])
+
+
+def test_parameter_movement_of_nan_parameters_is_nan():
+  params = {'a': {'w': jnp.array([1.0, jnp.nan])}}
+  init = {'a': {'w': jnp.array([jnp.nan, 1.0])}}
+  movement = diagnostics.parameter_movement(params, init)
+  assert np.isnan(movement.relative).all() and np.isnan(movement.total)
+
+
+@pytest.mark.parametrize('name, value, error', [
+    ('num_samples', 2.0, TypeError), ('num_samples', '4', TypeError),
+    ('num_samples', 0, ValueError), ('num_samples', True, TypeError),
+    ('batch_size', 0, ValueError), ('batch_size', 1.5, TypeError),
+])
+def test_hessian_trace_refuses_bad_counts(name, value, error):
+  loss, params = diagonal_quadratic()
+  kwargs = {'num_samples': 2, name: value}
+  with pytest.raises(error, match=f'{name} must be an integer'):
+    diagnostics.hessian_trace(loss, params, jax.random.key(0), **kwargs)
+
+
+@pytest.mark.parametrize('value, error', [
+    (2.5, TypeError), (-1, ValueError), ('3', TypeError)])
+def test_top_eigenvalue_refuses_bad_iteration_counts(value, error):
+  loss, params = diagonal_quadratic()
+  with pytest.raises(error, match='num_iters must be an integer'):
+    diagnostics.top_eigenvalue(loss, params, jax.random.key(0),
+                                   num_iters=value)
+
+
+# --- issue 24, audit: arguments are refused naming them -------------------------
+
+
+def test_top_eigenvalue_refuses_a_per_block_that_is_not_a_bool():
+  params = {'a': {'w': jnp.ones((4, 2))}}
+  loss = lambda p: jnp.sum(p['a']['w'] ** 2)
+  with pytest.raises(TypeError,
+                     match="per_block must be True or False, got 'yes'"):
+    diagnostics.top_eigenvalue(loss, params, jax.random.key(0),
+                               per_block='yes')
+
+
+def test_mean_alignment_of_half_precision_is_computed_in_float32():
+  # float16 second moments overflow (65504) and eigh has no half precision:
+  # "NotImplementedError: Unsupported dtype float16".
+  a = jnp.array([[300.0, 1.0], [1.0, 400.0]], jnp.float16)
+  out = diagnostics.mean_alignment(a)
+  assert out.eigenvalues.dtype == jnp.float32
+  chex.assert_trees_all_close(
+      out, diagnostics.mean_alignment(a.astype(jnp.float32)))

@@ -511,8 +511,8 @@ def test_results_that_cannot_be_read_name_the_file(
 
 
 def test_the_committed_suite_results_pass_the_check():
-  path = (pathlib.Path(__file__).parent.parent / 'results' / 'workloads'
-          / 'seven-workload-2026-12-01' / 'results.json')
+  path = (pathlib.Path(__file__).resolve().parents[2] / 'results'
+          / 'workloads' / 'seven-workload-2026-12-01' / 'results.json')
   report.validate(json.loads(path.read_text()))
 
 
@@ -763,7 +763,7 @@ def test_help_marks_the_arms_a_default_run_leaves_out():
 # ---------------------------------------------------------------------------
 # --workload: the user's own model through the same protocol
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / 'examples'
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / 'examples'
 
 
 def not_a_workload(quick):

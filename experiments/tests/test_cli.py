@@ -2,6 +2,8 @@
 ``reproduce``'s summary and ``--download``, run in-process on small inputs."""
 
 import json
+import pathlib
+import subprocess
 import sys
 import types
 
@@ -11,7 +13,10 @@ import pytest
 from cbp_optax_experiments import cli
 from cbp_optax_experiments import datasets
 from cbp_optax_experiments.reproduce import cli as reproduce_cli
+from tests.mnist import MNIST_DIR
+from tests.mnist import needs_mnist
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ['--steps', '3', '--width', '8', '--depth', '1', '--batch-size', '16']
 
 
@@ -220,3 +225,85 @@ def test_a_quick_run_says_so_in_its_results(tmp_path, fake_studies):
   assert 'numbers' in quick[3:]
   full = (tmp_path / 'disparity' / 'results.md').read_text()
   assert 'Quick run' not in full
+
+
+# The default tier runs the compare job offline (above); this one on real
+# MNIST, in a subprocess.
+@pytest.mark.slow
+@needs_mnist
+def test_compare_job_prints_a_table():
+  done = subprocess.run(
+      [sys.executable, '-m', 'cbp_optax_experiments.cli', 'compare',
+       '--steps', '20', '--width', '32', '--data-dir', str(MNIST_DIR)],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = done.stdout
+  lines = [l for l in out.splitlines() if l.startswith('| ')]
+  assert [l.split('|')[1].strip() for l in lines[1:]] == [
+      'Adam', 'Adam + Center', 'CBP (M1+M2+M3)', cli.RECOMMENDED]
+
+
+# --- a missing extra: the command names it ------------------------------------
+
+EXTRA = ('matplotlib', 'scipy', 'tqdm')
+
+
+@pytest.mark.parametrize('missing', EXTRA)
+def test_cli_names_the_extra_when_a_dependency_is_missing(missing):
+  # `reproduce` on a study that needs all three; the dependency is made
+  # unimportable before anything is loaded.
+  code = (
+      'import sys\n'
+      f'sys.modules[{missing!r}] = None\n'
+      'from cbp_optax_experiments import cli\n'
+      "from cbp_optax_experiments.reproduce import cli as reproduce_cli\n"
+      'reproduce_cli._prefer_fast_cpu_convolutions = lambda: None\n'
+      "sys.exit(cli.main(['reproduce', 'quadratic', '--quick', '--out', "
+      "'/nonexistent/never-written']))\n")
+  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          check=False)
+  assert result.returncode != 0
+  assert 'Traceback' not in result.stderr, result.stderr
+  message = result.stderr.strip().splitlines()
+  assert len(message) == 1, result.stderr
+  assert missing in message[0]
+  assert "pip install ./experiments" in message[0]
+
+
+def test_cli_extra_check_covers_imports_deeper_than_the_commands(monkeypatch):
+  def needs_scipy(argv):
+    del argv
+    import scipy.special  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    return 0
+
+  monkeypatch.setitem(sys.modules, 'scipy', None)
+  monkeypatch.setitem(cli._COMMANDS, 'compare',
+                      (needs_scipy, cli._COMMANDS['compare'][1]))
+  with pytest.raises(SystemExit,
+                     match=r"needs scipy.*pip install \./experiments"):
+    cli.main(['compare'])
+
+
+def test_cli_lets_other_import_errors_through(monkeypatch):
+  def needs_something_else(argv):
+    del argv
+    import not_a_real_module_cbp  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    return 0
+
+  monkeypatch.setitem(cli._COMMANDS, 'compare',
+                      (needs_something_else, cli._COMMANDS['compare'][1]))
+  with pytest.raises(ModuleNotFoundError, match='not_a_real_module_cbp'):
+    cli.main(['compare'])
+
+
+def test_reproduce_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+  from cbp_optax_experiments.reproduce import cli as reproduce_cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reproduce_cli, '_prefer_fast_cpu_convolutions',
+                      lambda: None)
+  for name in [m for m in sys.modules if m.startswith('matplotlib')] + [
+      'cbp_optax_experiments.reproduce.plotting']:
+    monkeypatch.delitem(sys.modules, name, raising=False)
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # import fails
+  with pytest.raises(SystemExit, match=r'pip install \./experiments'):
+    reproduce_cli.main(['quadratic', '--quick', '--out', str(tmp_path)])

@@ -16,7 +16,7 @@ from cbp_optax_experiments.workloads import decision
 from cbp_optax_experiments.workloads import statistics
 from cbp_optax_experiments.workloads import summary
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEV = ROOT / 'results' / 'workloads' / 'dev' / 'results.json'
 TEST = ROOT / 'results' / 'workloads' / 'test' / 'results.json'
 # The dev split rerun at another float32 rounding (--vmap on), and the run

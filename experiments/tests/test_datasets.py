@@ -7,7 +7,6 @@ not set or the directory lacks them.
 
 import gzip
 import hashlib
-import os
 import pathlib
 import struct
 
@@ -15,17 +14,8 @@ import numpy as np
 import pytest
 
 from cbp_optax_experiments import datasets
-
-MNIST_DIR = (pathlib.Path(os.environ['CBP_OPTAX_MNIST']).expanduser()
-             if os.environ.get('CBP_OPTAX_MNIST') else None)
-needs_mnist = pytest.mark.skipif(
-    MNIST_DIR is None
-    or not (MNIST_DIR / 't10k-images-idx3-ubyte.gz').is_file(),
-    reason=('real MNIST: set CBP_OPTAX_MNIST to a directory with the IDX test '
-            'files (t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz)'
-            if MNIST_DIR is None else
-            f'real MNIST: CBP_OPTAX_MNIST={MNIST_DIR} has no '
-            't10k-images-idx3-ubyte.gz'))
+from tests.mnist import MNIST_DIR
+from tests.mnist import needs_mnist
 
 
 def idx_bytes(array, magic):
@@ -260,3 +250,84 @@ def test_a_named_directory_never_falls_back(tmp_path, monkeypatch):
   _offline(monkeypatch)
   with pytest.raises(datasets.DataError, match='No MNIST IDX files'):
     datasets.find_mnist(tmp_path, download=True, bundled=True)
+
+
+# --- bad files and offline errors (issue's items 17 and 18) -----------------------
+
+
+def idx(shape, magic=2051, payload=b''):
+  return struct.pack('>I', magic) + b''.join(
+      struct.pack('>I', d) for d in shape) + payload
+
+
+def test_overflowing_header_is_a_data_error():
+  with pytest.raises(datasets.DataError, match='header promises'):
+    datasets.parse_idx(idx((2**31, 2**31, 2**31)), expect_magic=2051)
+
+
+def test_gzip_bomb_is_inflated_only_as_far_as_the_header_promises(
+    tmp_path, monkeypatch):
+  header_and_images = idx((4, 28, 28), payload=bytes(4 * 28 * 28))
+  bomb = gzip.compress(header_and_images + bytes(32 << 20), compresslevel=1)
+  (tmp_path / 't10k-images-idx3-ubyte.gz').write_bytes(bomb)
+  (tmp_path / 't10k-labels-idx1-ubyte').write_bytes(
+      idx((4,), magic=2049, payload=bytes(4)))
+  inflated = []
+  real_open = gzip.open
+
+  class Counting:
+
+    def __init__(self, f):
+      self.f = f
+
+    def read(self, *size):
+      data = self.f.read(*size)
+      inflated.append(len(data))
+      return data
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.f.close()
+
+  monkeypatch.setattr(datasets.gzip, 'open',
+                      lambda *a, **k: Counting(real_open(*a, **k)))
+  with pytest.raises(datasets.DataError, match='t10k-images.*promises'):
+    datasets.load_mnist(tmp_path)
+  assert sum(inflated) <= len(header_and_images) + 1
+
+
+def test_header_beyond_the_size_limit_is_refused_unread():
+  with pytest.raises(datasets.DataError, match='limit'):
+    datasets.parse_idx(idx((60000, 28, 28, 28, 28), magic=2053),
+                       expect_magic=2053)
+
+
+def test_too_few_test_images_for_a_split_is_refused(tmp_path):
+  (tmp_path / 't10k-images-idx3-ubyte').write_bytes(
+      idx((1, 28, 28), payload=bytes(28 * 28)))
+  (tmp_path / 't10k-labels-idx1-ubyte').write_bytes(
+      idx((1,), magic=2049, payload=bytes(1)))
+  with pytest.raises(datasets.DataError, match='1 image.*at least 2'):
+    datasets.load_mnist(tmp_path)
+
+
+def test_offline_without_data_says_where_it_looked_and_what_to_do(
+    tmp_path, monkeypatch):
+  dirs = [tmp_path / 'first', tmp_path / 'cache']
+  monkeypatch.setattr(datasets, 'default_mnist_dirs', lambda: dirs)
+
+  def offline(url, timeout):
+    raise OSError(f'no network for {url}')
+
+  monkeypatch.setattr(datasets.urllib.request, 'urlopen', offline)
+  for download in (True, False):
+    with pytest.raises(datasets.DataError) as info:
+      datasets.find_mnist(None, download=download)
+    message = str(info.value)
+    assert str(dirs[0].resolve()) in message and str(dirs[1].resolve()) in message
+    assert '--data-dir' in message and '$CBP_OPTAX_MNIST' in message
+  with pytest.raises(datasets.DataError, match='downloading them failed.*'
+                     '--data-dir'):
+    datasets.load_mnist(tmp_path / 'given', download=True)

@@ -1,5 +1,6 @@
-"""The recipe candidate beyond the peers: schedule-free CBP M3
-(``arms.CANDIDATES``)."""
+"""The recipe's arms in the workload suite: the recipe itself
+(``arms.RECOMMENDED``, ``cbp.recommended``) and the candidates beyond the
+peers, schedule-free CBP M3 (``arms.CANDIDATES``)."""
 
 import math
 
@@ -42,6 +43,24 @@ def _run(tx, params, steps=3):
     params = optax.apply_updates(params, updates)
     out.append(updates)
   return out, state
+
+
+def test_the_recipe_arm_is_cbp_recommended_with_the_suites_warmup():
+  arm = arms_lib.builtin_arms()[arms_lib.RECOMMENDED]
+  ctx = arms_lib.Context(steps=40)
+  chex.assert_trees_all_equal(
+      _run(arm.make(1e-2, ctx), _params(), steps=6),
+      _run(cbp.recommended(1e-2, warmup_steps=ctx.warmup), _params(),
+           steps=6))
+
+
+def test_the_muon_candidate_is_muon_centered_but_for_batch_norm_models():
+  builtin = arms_lib.builtin_arms()
+  candidate = builtin['muon_centered_batchnorm_plain']
+  muon = builtin['muon_centered']
+  assert candidate.centered and not candidate.center_batch_norm_models
+  assert muon.center_batch_norm_models
+  assert candidate.make is muon.make
 
 
 def test_candidates_follow_the_recipes_model_rule():

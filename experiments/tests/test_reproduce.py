@@ -6,7 +6,7 @@ The synthetic studies take about a minute together on an idle 2-core machine
 of them took 77 s at load average 5). The
 real-data and timing studies (mnist, resnet, overhead) take longer in --quick
 mode (resnet: 45-55 s, five compilations, at load 5); they are marked slow and
-run with ``CBP_OPTAX_SLOW=1 pytest -m slow tests/test_reproduce.py``.
+run with ``CBP_OPTAX_SLOW=1 pytest -m slow experiments/tests/test_reproduce.py``.
 """
 
 import dataclasses
@@ -36,7 +36,7 @@ from cbp_optax_experiments.reproduce import stats
 from cbp_optax_experiments.reproduce import training
 from cbp_optax_experiments.reproduce.context import StudyContext
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 slow = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get('CBP_OPTAX_SLOW') != '1',
     reason='minutes on 2 cores; set CBP_OPTAX_SLOW=1')]

@@ -190,7 +190,7 @@ def test_classic_mlp_example_trains_every_optimizer():
   import re  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  root = pathlib.Path(__file__).resolve().parents[1]
+  root = pathlib.Path(__file__).resolve().parents[2]
   done = subprocess.run(
       [sys.executable, 'examples/mlp_classic.py', '--epochs', '1'], cwd=root,
       capture_output=True, text=True, timeout=600)
