@@ -29,11 +29,10 @@ def _rebuild(tree: Any, key: Any, child: Any) -> Any:
     return tree.copy({key: child})
   if isinstance(tree, nnx.State):
     # Keep raw nested dicts: State's wrappers would change the pytree.
-    raw = dict(tree.raw_mapping)
+    raw = tree.raw_mapping
     if isinstance(child, nnx.State) and not isinstance(raw[key], nnx.State):
       child = child.raw_mapping
-    raw[key] = child
-    return type(tree)(raw, _copy=False)
+    return type(tree)({**raw, key: child})
   return None
 
 

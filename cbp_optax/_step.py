@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import optax
 
 from cbp_optax import _equalize
 
@@ -114,6 +115,21 @@ def gradients_finite(
     return jnp.all(jnp.isfinite(stored))
 
   return check
+
+
+def update_with_loss(update: Callable[..., Any],
+                     tx: optax.GradientTransformation, loss: jax.Array) -> Any:
+  """``update()``, or ``update(value=loss)`` where that raises a TypeError
+  for a transform taking extra arguments (optax's protocol): polyak_sgd,
+  momo and reduce_on_plateau require the loss. Every other runs as the
+  user's, without ``value=`` (``optax.contrib.sam`` refuses one, even in a
+  chain)."""
+  try:
+    return update()
+  except TypeError:
+    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+      raise
+  return update(value=loss)
 
 
 def conditioned_update(

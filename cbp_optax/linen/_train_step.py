@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import functools
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -61,17 +63,6 @@ def _old_counts(new: Any, old: Any) -> Any:
     return new
   return {k: old[k] if k == COUNT and k in old else _old_counts(v, old.get(k))
           for k, v in new.items()} if isinstance(old, Mapping) else new
-
-
-def _tx_update(state: TrainState, grads: Any, loss: jax.Array) -> Any:
-  """``state.tx.update``; ``value=loss`` only for an optimizer that requires it
-  (polyak_sgd, momo, reduce_on_plateau), so any other compiles as the user's."""
-  try:
-    return state.tx.update(grads, state.opt_state, state.params)
-  except TypeError as error:
-    if "'value'" not in str(error):
-      raise
-    return state.tx.update(grads, state.opt_state, state.params, value=loss)
 
 
 def _check_state_first(args: tuple[Any, ...]) -> None:
@@ -203,7 +194,9 @@ def train_step(
 
     def apply_step(state, grads, changed):
       (centering, model_state), loss = changed
-      updates, opt_state = _tx_update(state, grads, loss)
+      update = functools.partial(state.tx.update, grads, state.opt_state,
+                                 state.params)
+      updates, opt_state = _step.update_with_loss(update, state.tx, loss)
       params = optax.apply_updates(state.params, updates)
       return state.replace(step=state.step + 1, params=params,
                            opt_state=opt_state, centering=centering,

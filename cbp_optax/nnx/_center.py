@@ -81,14 +81,14 @@ def _graph_paths(
       children = enumerate(node)
     elif isinstance(node, dict):
       children = node.items()
-    elif (not isinstance(node, nnx.Variable)
-          and nnx.graph.get_node_impl(node) is not None):
-      children = nnx.graph.get_node_impl(node).node_dict(node).items()
+    elif isinstance(node, nnx.Pytree):  # a Module, nnx.List, nnx.Dict
+      # Its attributes, as NNX orders them (an nnx.List's indices by number).
+      children = sorted(vars(node).items(), key=lambda item: (
+          item[0].zfill(20) if item[0].isdigit() else item[0]))
     else:  # a Variable, an array
       return
     for key, child in children:
-      if not (isinstance(key, str) and key.startswith('_pytree__')):
-        walk(child, path + (key,), above)
+      walk(child, path + (key,), above)
 
   walk(model, (), frozenset())
   return modules, variables

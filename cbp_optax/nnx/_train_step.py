@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -128,18 +129,6 @@ def _check_has_params(params: nnx.State, optimizer: nnx.Optimizer) -> None:
         f'wrt filter is {optimizer.wrt!r}); there are no gradients to take. '
         'Give the model parameters (nnx.Param), or build the optimizer with '
         'wrt= naming the variables to train.')
-
-
-def _update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any,
-            loss: jax.Array) -> None:
-  """``optimizer.update``; ``value=loss`` only for an optimizer that requires it
-  (polyak_sgd, momo, reduce_on_plateau), so any other compiles as the user's."""
-  try:
-    optimizer.update(model, grads)
-  except TypeError as error:
-    if "'value'" not in str(error):
-      raise
-    optimizer.update(model, grads, value=loss)
 
 
 def _select(ok: Any, apply_step: Callable[..., None],
@@ -346,7 +335,8 @@ def train_step(
     def apply_step(model, optimizer, nodes, grads, changed):
       changed, loss = changed
       nnx.update((model, nodes), changed)
-      _update(optimizer, model, grads, loss)
+      _step.update_with_loss(functools.partial(optimizer.update, model, grads),
+                             optimizer.tx, loss)
 
     def skip_step(model, optimizer, nodes, grads, changed):
       del model, nodes, grads, changed
