@@ -233,7 +233,12 @@ def staged(tree: Any) -> bool:
   """
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
     return True
-  return type(jax.extend.core.find_top_trace(())).__name__ != 'EvalTrace'
+  # No public JAX API says whether a transform is tracing (jax-ml/jax#18544);
+  # jax.extend's top trace, compared with the eager one seen at import.
+  return not isinstance(jax.extend.core.find_top_trace(()), _EAGER_TRACE)
+
+
+_EAGER_TRACE = type(jax.extend.core.find_top_trace(()))
 
 
 def jit_step(
