@@ -13,6 +13,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
@@ -22,6 +23,7 @@ from jax import lax
 
 from cbp_optax import _checks
 from cbp_optax import _opt_state
+from cbp_optax import _untransported
 from cbp_optax._layer_spec import CONV
 from cbp_optax._layer_spec import DENSE  # noqa: F401  (for the adapters)
 from cbp_optax._layer_spec import LayerSpec
@@ -30,8 +32,8 @@ from cbp_optax._layer_spec import conv_spec
 from cbp_optax._layer_spec import dense_spec
 from cbp_optax._layer_spec import feature_axes
 from cbp_optax._layer_spec import normalize_axes  # noqa: F401  (for the adapters)
-from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY  # noqa: F401  (for the adapters)
-from cbp_optax._stacks import layer_axes  # noqa: F401  (for the adapters)
+from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY
+from cbp_optax._stacks import layer_axes
 from cbp_optax._stacks import muon_dimension_numbers
 from cbp_optax._stacks import stack_axes_placements  # noqa: F401  (for the adapters)
 from cbp_optax._bias_shift import bias_shift
@@ -243,6 +245,95 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
           + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)
 
 
+class LayerState(NamedTuple):
+  """One centered layer's M2 variables, as an adapter reads and writes them.
+
+  The interface between the core and ``cbp_optax.nnx`` / ``cbp_optax.linen``:
+  an adapter builds one from its framework's variables, and :func:`record`
+  and :func:`refresh` return the layer's next state.
+
+  Attributes:
+    spec: the layer, unstacked.
+    kernel: its kernel ``W`` (possibly with stack axes), unmasked.
+    bias: its bias ``b~``, with the same stack axes.
+    mean: ``mu`` (eq. 8), with the same stack sizes.
+    recorded: the batch mean recorded since the last transport.
+    count: the input positions ``recorded`` pools; None keeps no count (the
+      last call's mean is recorded, every transport moves ``mu``).
+    mask: a convolution's kernel mask, or None.
+    stack_axes: ``mean``'s stack axes where known; else found from shapes.
+    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`).
+  """
+
+  spec: LayerSpec
+  kernel: jax.Array
+  bias: jax.Array
+  mean: jax.Array
+  recorded: jax.Array
+  count: Optional[jax.Array] = None
+  mask: Optional[jax.Array] = None
+  stack_axes: Optional[tuple[int, ...]] = None
+  residual: Optional[jax.Array] = None
+
+
+def record(layer: LayerState, inputs: jax.Array, axis_name: Any, *,
+           framework: str, key: Any, instance: Any) -> LayerState:
+  """``layer`` after one training call on ``inputs``: the recorded mean
+  pooled over calls (:func:`record_mean`), or the last call's without a
+  count; ``framework``, ``key`` and ``instance`` tell the check of
+  :class:`UntransportedWarning` which layer this is."""
+  if layer.count is None:
+    return layer._replace(recorded=batch_mean(
+        inputs, layer.spec, layer.recorded.dtype, axis_name))
+  recorded, after = record_mean(inputs, layer.spec, layer.recorded,
+                                layer.count, axis_name)
+  count = _untransported.check(
+      layer.count, after, input_count(inputs, layer.spec), framework, key,
+      layer.mean, layer.kernel, instance=instance)
+  return layer._replace(recorded=recorded, count=count)
+
+
+def refresh(layer: LayerState, decay: Any, recorded_only: bool = True,
+            remedy: Optional[str] = None) -> LayerState:
+  """``layer`` after its mean refresh and bias transport (Algorithm 1, steps
+  10-11; eq. 10), its count restarted; with ``recorded_only``, a slice that
+  recorded nothing keeps ``mu`` and bias. ``remedy`` is the adapter's words
+  for ``AMBIGUOUS_STACK_REMEDY`` in the error of an ambiguous stack."""
+  new_mean = ema(layer.mean, layer.recorded, decay)
+  if recorded_only and layer.count is not None:
+    new_mean = jnp.where(layer.count > 0, new_mean, layer.mean)
+  try:
+    moved = shift_bias(layer.spec, layer.kernel, layer.bias, layer.mean,
+                       new_mean, mask=layer.mask,
+                       mean_stack_axes=layer.stack_axes,
+                       residual=layer.residual)
+  except ValueError as error:
+    if remedy is None or AMBIGUOUS_STACK_REMEDY not in str(error):
+      raise
+    raise ValueError(str(error).replace(AMBIGUOUS_STACK_REMEDY,
+                                        remedy)) from error
+  bias, residual = moved if layer.residual is not None else (moved, None)
+  count = None if layer.count is None else jnp.zeros_like(layer.count)
+  return layer._replace(bias=bias, mean=new_mean, count=count,
+                        residual=residual)
+
+
+def copy_shift(old: LayerState, new: LayerState) -> Callable[..., Any]:
+  """``shift(kernel, bias)``: the transport :func:`refresh` made, for an
+  optimizer's copy of the parameters with its own kernel (eq. 10)."""
+  return functools.partial(shift_bias, old.spec, mean=old.mean,
+                           new_mean=new.mean, mask=old.mask,
+                           mean_stack_axes=old.stack_axes)
+
+
+def kernel_dimension_numbers(layer: LayerState) -> Any:
+  """Muon's view of ``layer``'s kernel: contracted input axes reduce, stack
+  axes are batch axes."""
+  _, axes, _ = layer_axes(layer.spec, layer.kernel, layer.bias, layer.mean,
+                          layer.stack_axes)
+  return muon_dimension_numbers(layer.spec, axes)
+
+
 def transport(
     spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
     recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
@@ -291,23 +382,10 @@ def transport(
     steps 10-11.
   """
   _checks.check_mean_decay(decay)
-  return transport_layer(spec, kernel, bias, mean, recorded, decay, mask=mask,
-                         mean_stack_axes=mean_stack_axes, residual=residual)
-
-
-def transport_layer(
-    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
-    recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
-    mean_stack_axes: Optional[tuple[int, ...]] = None,
-    residual: Optional[jax.Array] = None,
-) -> tuple[jax.Array, ...]:
-  """:func:`transport` for a ``decay`` its caller validated already."""
-  new_mean = ema(mean, recorded, decay)
-  moved = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
-                     mean_stack_axes=mean_stack_axes, residual=residual)
-  if residual is None:
-    return moved, new_mean
-  return moved[0], new_mean, moved[1]
+  new = refresh(LayerState(spec, kernel, bias, mean, recorded, mask=mask,
+                           stack_axes=mean_stack_axes, residual=residual),
+                decay)
+  return (new.bias, new.mean) + (() if residual is None else (new.residual,))
 
 
 def register_parameter_state(state_type: type, *fields: str) -> None:

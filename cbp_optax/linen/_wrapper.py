@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from cbp_optax import _untransported
 from cbp_optax import centering as core
 from cbp_optax._paths import path_str
 
@@ -138,15 +137,14 @@ def centered_call(
       and not host.is_initializing()
       and host.is_mutable_collection(COLLECTION)
   ):
-    if count is None:
-      recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
-    else:
-      before = count.value
-      recorded.value, after = core.record_mean(
-          inputs, spec, recorded.value, before, axis_name)
-      count.value = _untransported.check(
-          before, after, core.input_count(inputs, spec), 'linen',
-          tuple(host.path), mean.value, kernel_of(), instance=host)
+    new = core.record(
+        core.LayerState(spec, kernel_of(), None, mean.value, recorded.value,
+                        None if count is None else count.value),
+        inputs, axis_name, framework='linen', key=tuple(host.path),
+        instance=host)
+    recorded.value = new.recorded
+    if count is not None:
+      count.value = new.count
 
   def kernel():
     value = kernel_of()

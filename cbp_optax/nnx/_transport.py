@@ -3,7 +3,6 @@ with the optimizer's parameter copies; ``eval_model``, ``muon_dimension_numbers`
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,6 +22,7 @@ from cbp_optax.nnx._center import centered_paths
 from cbp_optax.nnx._center import plain_spec
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
+from cbp_optax.nnx._wrapper import layer_state
 from cbp_optax.nnx._wrapper import transport_layer
 from cbp_optax.nnx._wrapper import SPEC_OF
 
@@ -146,14 +146,8 @@ def transport_model(model: nnx.Module, mean_decay: Any,
     _opt_state.transport_state(opt_state, _layer_moves(model, trained),
                                what='opt_state', kind=FLAX,
                                params=nnx.state(model, nnx.Param))
-  shifts = []
-  for _, layer in centered_paths(model):
-    old = layer.mean[...]
-    transport_layer(layer, mean_decay, recorded_only)
-    shifts.append(functools.partial(
-        core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
-        mask=getattr(layer.layer, 'mask', None),
-        mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
+  shifts = [transport_layer(layer, mean_decay, recorded_only)
+            for _, layer in centered_paths(model)]
   moves = _layer_moves(model, trained, shifts)
   # The model's own Variables in the state moved above: not twice.
   own = {id(v) for v in jax.tree.leaves(nnx.state(model), is_leaf=_is_variable)
@@ -261,13 +255,8 @@ def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
   for path, module in nnx.iter_modules(model):
     path = tuple(path)
     if isinstance(module, Centered):
-      layer = module.layer
-      kernel = layer.kernel[...]
-      _, axes, _ = core.layer_axes(
-          module.spec, kernel, layer.bias[...], module.mean[...],
-          module.mean.get_metadata().get('stack_axes'))
       table[path_names(path + ('layer', 'kernel'))] = (
-          core.muon_dimension_numbers(module.spec, axes))
+          core.kernel_dimension_numbers(layer_state(module)))
     elif type(module) in SPEC_OF and path[-1:] != ('layer',):
       spec = plain_spec(module)
       axes = resolve_stack_axes(tuple(module.kernel.shape), spec.kernel_shape)
