@@ -71,25 +71,18 @@ def _move(path, name, inner, shift=None) -> _opt_state.LayerMove:
       kernel_trained=True, shift=shift)
 
 
-def _transport_layer(layer_params, entry, mean_decay, path, moves,
-                     recorded_only=True):
-  name, inner, old = _layer_state(layer_params, entry)
-  new = core.refresh(old, mean_decay, recorded_only)
-  moves.append(_move(path, name, inner, core.copy_shift(old, new)))
-  inner = dict(inner, bias=new.bias)
-  new_params = inner if name is None else dict(layer_params, **{name: inner})
-  new_entry = dict(entry, **{MEAN: entry[MEAN].replace_boxed(new.mean)})
-  for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
-    if value is not None:
-      new_entry[key] = value
-  return new_params, new_entry
-
-
 def _transport_tree(params, centering, mean_decay, path=(), moves=None,
                     recorded_only=True):
   if is_entry(centering):
-    return _transport_layer(params, centering, mean_decay, path, moves,
-                            recorded_only)
+    name, inner, old = _layer_state(params, centering)
+    new = core.refresh(old, mean_decay, recorded_only)
+    moves.append(_move(path, name, inner, core.copy_shift(old, new)))
+    inner = dict(inner, bias=new.bias)
+    entry = dict(centering, **{MEAN: centering[MEAN].replace_boxed(new.mean)})
+    for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
+      if value is not None:
+        entry[key] = value
+    return inner if name is None else dict(params, **{name: inner}), entry
   new_params, new_centering = dict(params), dict(centering)
   for key, sub in centering.items():
     if key not in params:
@@ -116,7 +109,6 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
   if _lookahead(params):
     params = params.fast
   moves = []
-  boxes = flax.core.unfreeze(centering)
 
   def visit(params, entries, path):
     if is_entry(entries):
@@ -126,7 +118,7 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
       if key in params:
         visit(params[key], sub, path + (key,))
 
-  visit(flax.core.unfreeze(params), boxes, ())
+  visit(flax.core.unfreeze(params), flax.core.unfreeze(centering), ())
   return moves
 
 

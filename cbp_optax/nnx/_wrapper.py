@@ -207,9 +207,8 @@ class Centered(nnx.Module):
     self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
     self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
                                    stack_axes=stack_axes)
-    self.batch_count = RecordedCount(
-        jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
-        stack_axes=stack_axes)
+    self.batch_count = RecordedCount(core.zero_count(shape, dtype, stack_axes),
+                                     stack_axes=stack_axes)
     if core.needs_bias_residual(layer.bias.dtype):
       self.bias_residual = TransportResidual(
           jnp.zeros(layer.bias.shape, jnp.float32))
@@ -264,8 +263,7 @@ class Centered(nnx.Module):
 
 
 def layer_state(layer: Centered) -> core.LayerState:
-  """``layer``'s variables as the core's
-  :class:`~cbp_optax.centering.LayerState`."""
+  """``layer``'s variables, for the core."""
   residual = getattr(layer, 'bias_residual', None)
   return core.LayerState(
       layer.spec, layer.layer.kernel[...], layer.layer.bias[...],
@@ -277,14 +275,12 @@ def layer_state(layer: Centered) -> core.LayerState:
 
 def transport_layer(layer: Centered, mean_decay: Any,
                     recorded_only: bool = True) -> Any:
-  """:meth:`Centered.transport` for a validated ``mean_decay`` (with
-  ``recorded_only``, a slice that recorded nothing keeps ``mu`` and bias);
-  returns the shift of an optimizer's parameter copies
-  (:func:`~cbp_optax.centering.copy_shift`)."""
+  """:meth:`Centered.transport` for a validated ``mean_decay``; returns
+  the shift of the optimizer's parameter copies (``core.copy_shift``)."""
   old = layer_state(layer)
   new = core.refresh(old, mean_decay, recorded_only, _STACK_REMEDY)
   layer.layer.bias[...], layer.mean[...] = new.bias, new.mean
-  layer.batch_count[...] = new.count
+  layer.restart_recording()
   if new.residual is not None:
     layer.bias_residual[...] = new.residual
   return core.copy_shift(old, new)
