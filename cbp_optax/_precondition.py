@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from cbp_optax import _checks
-from cbp_optax.blocks import centered_after_init
+from cbp_optax.centering import centered_after_init
 
 
 class PreconditionState(NamedTuple):

@@ -108,44 +108,6 @@ def path_name(path: KeyPath) -> str:
   return '/'.join(key_name(k) for k in path)
 
 
-def centered_after_init(
-    tree: Any, state_tree: Any, *, center: str = 'centering',
-    remedy: str = 'Build the optimizer after centering the model.',
-) -> Optional[str]:
-  """Why ``tree`` no longer matches ``state_tree``, when centering did it.
-
-  Centering a layer in place moves its parameters one level down
-  (``hidden/kernel`` becomes ``hidden/layer/kernel``), so an optimizer state
-  built before it holds the old paths. Returns an error message saying so
-  and what to do, or None when the mismatch has another cause. Paths of
-  ``state_tree`` may carry a prefix (an optax chain's state).
-
-  Args:
-    tree: the gradients (or parameters) of the step.
-    state_tree: the optimizer state.
-    center: what moved the parameters, for the message (a framework package
-      names its own function; the optax transforms name none).
-    remedy: the message's last sentence, what to do instead.
-  """
-  def names(t):
-    return [tuple(key_name(k) for k in strip_variable_suffix(path))
-            for path, _ in jax.tree_util.tree_leaves_with_path(t)]
-
-  suffixes = {p[i:] for p in names(state_tree) for i in range(len(p))}
-  for path in names(tree):
-    if path in suffixes or 'layer' not in path:
-      continue
-    i = path.index('layer')
-    old = path[:i] + path[i + 1:]
-    if old in suffixes:
-      return (
-          'the model was centered after the optimizer was built: '
-          f"{center} moved '{'/'.join(old)}' to '{'/'.join(path)}', "
-          f'and the optimizer state still has the old layout. {remedy}'
-      )
-  return None
-
-
 def _block_name(block_key: Hashable) -> str:
   if isinstance(block_key, tuple) and all(
       isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,

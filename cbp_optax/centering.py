@@ -5,7 +5,8 @@ EMA ``mu`` of its input mean moves, the bias is transported,
 ``b~ <- b~ + W (mu_new - mu_old)`` (eq. 10), so the function is unchanged.
 Each exactly centered layer kind (``'dense'``, ``'conv'``: run as the plain
 layer minus :func:`mean_correction`, eq. 9) is a :class:`LayerSpec` of one
-stack slice; ``cbp_optax.nnx`` and ``cbp_optax.linen`` hold the state.
+stack slice; ``cbp_optax.nnx`` and ``cbp_optax.linen`` hold the state, which
+:func:`record` and :func:`refresh` move as a :class:`LayerState`.
 
 References:
   Layerwise Conditioned Backpropagation, §4.2, eqs. (8)-(10), Algorithm 1.
@@ -13,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
@@ -22,22 +24,24 @@ from jax import lax
 
 from cbp_optax import _checks
 from cbp_optax import _opt_state
+from cbp_optax import _untransported
+from cbp_optax._paths import path_names
 from cbp_optax._layer_spec import CONV
-from cbp_optax._layer_spec import DENSE  # noqa: F401  (for the adapters)
 from cbp_optax._layer_spec import LayerSpec
 from cbp_optax._layer_spec import Shape
 from cbp_optax._layer_spec import conv_spec
 from cbp_optax._layer_spec import dense_spec
 from cbp_optax._layer_spec import feature_axes
 from cbp_optax._layer_spec import normalize_axes  # noqa: F401  (for the adapters)
-from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY  # noqa: F401  (for the adapters)
-from cbp_optax._stacks import layer_axes  # noqa: F401  (for the adapters)
+from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY
+from cbp_optax._stacks import layer_axes
 from cbp_optax._stacks import muon_dimension_numbers
 from cbp_optax._stacks import stack_axes_placements  # noqa: F401  (for the adapters)
 from cbp_optax._bias_shift import bias_shift
 from cbp_optax._bias_shift import needs_bias_residual  # noqa: F401  (for the adapters)
 from cbp_optax._bias_shift import shift_bias
 from cbp_optax._untransported import UntransportedWarning
+from cbp_optax.blocks import strip_variable_suffix
 
 
 # The documented surface; the other names serve the adapters.
@@ -170,38 +174,13 @@ def batch_mean(
   return mean
 
 
-def input_count(inputs: jax.Array, spec: LayerSpec) -> int:
-  """How many input positions :func:`batch_mean` averages (on this device)."""
-  axes = feature_axes(spec, inputs.ndim)
-  return math.prod(d for a, d in enumerate(inputs.shape) if a not in axes)
-
-
-def count_dtype(mean_dtype: Any) -> jnp.dtype:
-  """The recorded count's dtype: a float (no wrap-around), at least float32."""
-  return jnp.promote_types(mean_dtype, jnp.float32)
-
-
-def count_shape(mean_shape: Shape, stack_axes: Sequence[int] = ()) -> Shape:
-  """The recorded count's shape: ``mu``'s with each feature axis 1."""
-  return tuple(d if a in tuple(stack_axes) else 1
-               for a, d in enumerate(mean_shape))
-
-
-def record_mean(
-    inputs: jax.Array, spec: LayerSpec, recorded: jax.Array, count: jax.Array,
-    axis_name: Optional[Any] = None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(recorded, count)`` after one more call of the layer on ``inputs``:
-  the mean since the last transport, pooled by :func:`input_count`."""
-  n = input_count(inputs, spec)
-  if n == 0:
-    return recorded, count
-  mean = batch_mean(inputs, spec, recorded.dtype, axis_name)
-  total = count + n
-  dtype = jnp.promote_types(recorded.dtype, count.dtype)
-  pooled = recorded.astype(dtype) + (
-      mean.astype(dtype) - recorded.astype(dtype)) * (n / total).astype(dtype)
-  return jnp.where(count > 0, pooled.astype(recorded.dtype), mean), total
+def zero_count(mean_shape: Shape, mean_dtype: Any,
+               stack_axes: Sequence[int] = ()) -> jax.Array:
+  """A new recorded count: ``mu``'s shape with each feature axis 1, in a
+  float (no wrap-around) of at least 32 bits."""
+  return jnp.zeros(tuple(d if a in tuple(stack_axes) else 1
+                         for a, d in enumerate(mean_shape)),
+                   jnp.promote_types(mean_dtype, jnp.float32))
 
 
 def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Array:
@@ -217,21 +196,22 @@ def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Ar
   return inputs.astype(dtype) - jnp.reshape(mean, shape).astype(dtype)
 
 
-def mean_correction(spec: LayerSpec, kernel: jax.Array, mean: jax.Array) -> jax.Array:
-  """What centering subtracts from the plain layer's output: ``W mu``."""
-  return bias_shift(spec, kernel, mean)
+# What centering subtracts from the plain layer's output, ``W mu`` (eq. 9).
+mean_correction = bias_shift
 
 
 def centered_output(
     spec: LayerSpec, layer_fn: Callable[[jax.Array], jax.Array],
     inputs: jax.Array, kernel: Callable[[], jax.Array], mean: jax.Array,
+    mask: Optional[jax.Array] = None,
 ) -> jax.Array:
   """``W (a - mu) + b~`` (eq. 8), given the plain layer ``layer_fn``; a
-  convolution subtracts :func:`mean_correction` (``kernel()`` is called
-  after ``layer_fn``, so that a lazily created kernel exists)."""
+  convolution subtracts :func:`mean_correction` with the (masked) kernel
+  (``kernel()`` is called after ``layer_fn``, so that a lazy one exists)."""
   if spec.kind == CONV:
     outputs = layer_fn(inputs)
-    correction = mean_correction(spec, kernel(), mean)
+    kernel = kernel() if mask is None else kernel() * mask
+    correction = mean_correction(spec, kernel, mean)
     return outputs - correction.astype(outputs.dtype)
   return layer_fn(subtract_mean(inputs, mean, spec))
 
@@ -241,6 +221,90 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
   wide = jnp.promote_types(mean.dtype, jnp.float32)
   return (decay * mean.astype(wide)
           + (1 - decay) * recorded.astype(wide)).astype(mean.dtype)
+
+
+class LayerState(NamedTuple):
+  """One centered layer's variables: what an adapter (``cbp_optax.nnx``,
+  ``cbp_optax.linen``) hands :func:`record` and :func:`refresh`, which
+  return the next ones. ``kernel`` (unmasked; ``mask`` for a convolution),
+  ``bias`` (``b~``) and ``mean`` (``mu``, eq. 8) may carry stack axes
+  (``stack_axes``: ``mean``'s, where known); ``count`` is the input
+  positions ``recorded`` pools (None: none kept); ``residual`` is a 16-bit
+  bias's float32 residual (:func:`needs_bias_residual`)."""
+
+  spec: LayerSpec
+  kernel: jax.Array
+  bias: jax.Array
+  mean: jax.Array
+  recorded: jax.Array
+  count: Optional[jax.Array] = None
+  mask: Optional[jax.Array] = None
+  stack_axes: Optional[tuple[int, ...]] = None
+  residual: Optional[jax.Array] = None
+
+
+def record(layer: LayerState, inputs: jax.Array, axis_name: Any, *,
+           framework: str, key: Any, instance: Any) -> LayerState:
+  """``layer`` after one training call on ``inputs``: the input mean since
+  the last transport, pooled by input positions (the last call's without a
+  count); ``framework``, ``key`` and ``instance`` name the layer to the
+  check of :class:`UntransportedWarning`."""
+  spec, recorded, count = layer.spec, layer.recorded, layer.count
+  if count is None:
+    return layer._replace(
+        recorded=batch_mean(inputs, spec, recorded.dtype, axis_name))
+  axes = feature_axes(spec, inputs.ndim)
+  n = math.prod(d for a, d in enumerate(inputs.shape) if a not in axes)
+  if n == 0:
+    return layer
+  mean = batch_mean(inputs, spec, recorded.dtype, axis_name)
+  dtype = jnp.promote_types(recorded.dtype, count.dtype)
+  pooled = recorded.astype(dtype) + (mean.astype(dtype) - recorded.astype(
+      dtype)) * (n / (count + n)).astype(dtype)
+  return layer._replace(
+      recorded=jnp.where(count > 0, pooled.astype(recorded.dtype), mean),
+      count=_untransported.check(count, count + n, n, framework, key,
+                                 layer.mean, layer.kernel, instance=instance))
+
+
+def refresh(layer: LayerState, decay: Any, recorded_only: bool = True,
+            remedy: Optional[str] = None) -> LayerState:
+  """``layer`` after the mean refresh (:func:`ema`) and bias transport
+  (Algorithm 1, steps 10-11; eq. 10), its count restarted; with
+  ``recorded_only``, a slice that recorded nothing keeps ``mu``.
+  ``remedy``: the adapter's words for ``AMBIGUOUS_STACK_REMEDY``."""
+  mean, new_mean = layer.mean, ema(layer.mean, layer.recorded, decay)
+  if recorded_only and layer.count is not None:
+    new_mean = jnp.where(layer.count > 0, new_mean, mean)
+  try:
+    moved = shift_bias(layer.spec, layer.kernel, layer.bias, mean, new_mean,
+                       mask=layer.mask, mean_stack_axes=layer.stack_axes,
+                       residual=layer.residual)
+  except ValueError as error:
+    if remedy is None or AMBIGUOUS_STACK_REMEDY not in str(error):
+      raise
+    raise ValueError(str(error).replace(AMBIGUOUS_STACK_REMEDY,
+                                        remedy)) from error
+  bias, residual = moved if layer.residual is not None else (moved, None)
+  count = None if layer.count is None else jnp.zeros_like(layer.count)
+  return layer._replace(bias=bias, mean=new_mean, count=count,
+                        residual=residual)
+
+
+def copy_shift(old: LayerState, new: LayerState) -> Callable[..., Any]:
+  """``shift(kernel, bias)``: :func:`refresh`'s transport (eq. 10) for a
+  copy of the parameters with its own kernel."""
+  return functools.partial(shift_bias, old.spec, mean=old.mean,
+                           new_mean=new.mean, mask=old.mask,
+                           mean_stack_axes=old.stack_axes)
+
+
+def kernel_dimension_numbers(layer: LayerState) -> Any:
+  """Muon's view of ``layer``'s kernel: contracted input axes reduce, stack
+  axes are batch axes."""
+  _, axes, _ = layer_axes(layer.spec, layer.kernel, layer.bias, layer.mean,
+                          layer.stack_axes)
+  return muon_dimension_numbers(layer.spec, axes)
 
 
 def transport(
@@ -291,23 +355,10 @@ def transport(
     steps 10-11.
   """
   _checks.check_mean_decay(decay)
-  return transport_layer(spec, kernel, bias, mean, recorded, decay, mask=mask,
-                         mean_stack_axes=mean_stack_axes, residual=residual)
-
-
-def transport_layer(
-    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
-    recorded: jax.Array, decay: Any, *, mask: Optional[jax.Array] = None,
-    mean_stack_axes: Optional[tuple[int, ...]] = None,
-    residual: Optional[jax.Array] = None,
-) -> tuple[jax.Array, ...]:
-  """:func:`transport` for a ``decay`` its caller validated already."""
-  new_mean = ema(mean, recorded, decay)
-  moved = shift_bias(spec, kernel, bias, mean, new_mean, mask=mask,
-                     mean_stack_axes=mean_stack_axes, residual=residual)
-  if residual is None:
-    return moved, new_mean
-  return moved[0], new_mean, moved[1]
+  new = refresh(LayerState(spec, kernel, bias, mean, recorded, mask=mask,
+                           stack_axes=mean_stack_axes, residual=residual),
+                decay)
+  return (new.bias, new.mean) + (() if residual is None else (new.residual,))
 
 
 def register_parameter_state(state_type: type, *fields: str) -> None:
@@ -358,6 +409,43 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
 
 
 UnclassifiedStateError = _opt_state.UnclassifiedStateError
+
+
+# Where centering a layer in place puts its parameters: one level down,
+# under this key (the wrapper's ``layer``).
+LAYER_KEY = 'layer'
+
+
+def centered_after_init(
+    tree: Any, state_tree: Any, *, center: str = 'centering',
+    remedy: str = 'Build the optimizer after centering the model.',
+) -> Optional[str]:
+  """Why ``tree`` no longer matches ``state_tree``, when centering did it.
+
+  Centering a layer in place moves its parameters one level down, under
+  :data:`LAYER_KEY` (``hidden/kernel`` becomes ``hidden/layer/kernel``), so
+  an optimizer state built before it holds the old paths (``state_tree``'s
+  paths may carry a prefix: an optax chain's state). Returns an error
+  message saying so, naming ``center`` as what moved them and ending with
+  ``remedy``, or None when the mismatch has another cause.
+  """
+  def names(t):
+    return [path_names(strip_variable_suffix(path))
+            for path, _ in jax.tree_util.tree_leaves_with_path(t)]
+
+  suffixes = {p[i:] for p in names(state_tree) for i in range(len(p))}
+  for path in names(tree):
+    if path in suffixes or LAYER_KEY not in path:
+      continue
+    i = path.index(LAYER_KEY)
+    old = path[:i] + path[i + 1:]
+    if old in suffixes:
+      return (
+          'the model was centered after the optimizer was built: '
+          f"{center} moved '{'/'.join(old)}' to '{'/'.join(path)}', "
+          f'and the optimizer state still has the old layout. {remedy}'
+      )
+  return None
 
 
 # How center names a model that holds parameters itself (its path is empty).

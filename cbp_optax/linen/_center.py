@@ -21,7 +21,6 @@ from cbp_optax.linen._wrapper import SUPPORTED
 from cbp_optax.linen._wrapper import centered_call
 from cbp_optax.linen._wrapper import is_entry
 from cbp_optax.linen._wrapper import check_layer
-from cbp_optax.linen._wrapper import layer_spec
 
 
 _MAPPED_REASON = ('inside nn.map_variables: it computes with transformed '
@@ -89,12 +88,9 @@ class CenteredModel(NamedTuple):
     if not found:  # no input at all: the layer's own error says so
       return next_fun(*args, **kwargs)
     return centered_call(
-        module, lambda x: next_fun(x, *rest, **kwargs),
-        lambda: module.get_variable('params', 'kernel'),
-        layer_spec(module, inputs), getattr(module, 'mask', None), inputs,
-        use_running_average=False,
-        mean_dtype=core.mean_dtype(self.mean_dtype, module.param_dtype),
-        axis_name=self.axis_name, bias_dtype=module.param_dtype)
+        module, module, lambda x: next_fun(x, *rest, **kwargs),
+        lambda: module.get_variable('params', 'kernel'), inputs, False,
+        self.mean_dtype, self.axis_name)
 
   def init(self, *args, **kwargs):
     """``module.init`` with the ``'centering'`` collection created."""

@@ -49,8 +49,8 @@ def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mappi
       'of the same model.')
 
 
-def _transport_layer(layer_params, entry, mean_decay, path, moves,
-                     recorded_only=True):
+def _layer_state(layer_params, entry):
+  """``(name, inner params, core.LayerState)`` of one centered layer."""
   box = entry[MEAN]
   if not isinstance(box, CenteringMean):
     raise ValueError(
@@ -58,48 +58,31 @@ def _transport_layer(layer_params, entry, mean_decay, path, moves,
         'collection from an older version, or unboxed with nn.meta.unbox): '
         'initialize the model again.')
   name, inner = _layer_params(layer_params)
-  mask, residual = entry.get(MASK), entry.get(RESIDUAL)
-  mean = core.ema(box.value, entry[RECORDED], mean_decay)
-  if recorded_only and COUNT in entry:
-    # Nothing recorded since the last transport: mu and the bias stay.
-    mean = jnp.where(entry[COUNT] > 0, mean, box.value)
-  moved = core.shift_bias(
-      box.spec, inner['kernel'], inner['bias'], box.value, mean, mask=mask,
-      mean_stack_axes=box.stack_axes, residual=residual)
-  if residual is None:
-    moved = (moved, mean)
-  else:
-    moved = (moved[0], mean, moved[1])
-  bias = moved[0]
-  layer_path = path if name is None else path + (name,)
-  moves.append(_opt_state.LayerMove(
-      path=layer_path, kernel_key=('kernel',), bias_key=('bias',),
+  return name, inner, core.LayerState(
+      box.spec, inner['kernel'], inner['bias'], box.value, entry[RECORDED],
+      entry.get(COUNT), entry.get(MASK), box.stack_axes, entry.get(RESIDUAL))
+
+
+def _move(path, name, inner, shift=None) -> _opt_state.LayerMove:
+  return _opt_state.LayerMove(
+      path=path if name is None else path + (name,),
+      kernel_key=('kernel',), bias_key=('bias',),
       bias_shape=tuple(jnp.shape(inner['bias'])), kernel=inner['kernel'],
-      kernel_trained=True,
-      shift=functools.partial(
-          core.shift_bias, box.spec, mean=box.value, new_mean=mean,
-          mask=mask, mean_stack_axes=box.stack_axes)))
-  inner = dict(inner, bias=bias)
-  new_params = inner if name is None else dict(layer_params, **{name: inner})
-  new_entry = _restart_recording(
-      dict(entry, **{MEAN: box.replace_boxed(mean)}))
-  if residual is not None:
-    new_entry[RESIDUAL] = moved[2]
-  return new_params, new_entry
-
-
-def _restart_recording(entry: Mapping[str, Any]) -> dict[str, Any]:
-  """A centering entry whose next training call records a fresh mean."""
-  if COUNT not in entry:
-    return dict(entry)
-  return dict(entry, **{COUNT: jnp.zeros_like(entry[COUNT])})
+      kernel_trained=True, shift=shift)
 
 
 def _transport_tree(params, centering, mean_decay, path=(), moves=None,
                     recorded_only=True):
   if is_entry(centering):
-    return _transport_layer(params, centering, mean_decay, path, moves,
-                            recorded_only)
+    name, inner, old = _layer_state(params, centering)
+    new = core.refresh(old, mean_decay, recorded_only)
+    moves.append(_move(path, name, inner, core.copy_shift(old, new)))
+    inner = dict(inner, bias=new.bias)
+    entry = dict(centering, **{MEAN: centering[MEAN].replace_boxed(new.mean)})
+    for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
+      if value is not None:
+        entry[key] = value
+    return inner if name is None else dict(params, **{name: inner}), entry
   new_params, new_centering = dict(params), dict(centering)
   for key, sub in centering.items():
     if key not in params:
@@ -126,22 +109,16 @@ def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
   if _lookahead(params):
     params = params.fast
   moves = []
-  boxes = flax.core.unfreeze(centering)
 
   def visit(params, entries, path):
     if is_entry(entries):
-      name, inner = _layer_params(params)
-      moves.append(_opt_state.LayerMove(
-          path=path if name is None else path + (name,),
-          kernel_key=('kernel',), bias_key=('bias',),
-          bias_shape=tuple(jnp.shape(inner['bias'])), kernel=inner['kernel'],
-          kernel_trained=True, shift=None))
+      moves.append(_move(path, *_layer_params(params)))
       return
     for key, sub in entries.items():
       if key in params:
         visit(params[key], sub, path + (key,))
 
-  visit(flax.core.unfreeze(params), boxes, ())
+  visit(flax.core.unfreeze(params), flax.core.unfreeze(centering), ())
   return moves
 
 
@@ -320,11 +297,9 @@ def _collections_table(params, centering) -> dict[tuple[str, ...], Any]:
     layer = unfrozen
     for key in move.path:
       layer = layer[key]
-    box = entry_at(centering, move.path)[MEAN]
-    _, axes, _ = core.layer_axes(box.spec, layer['kernel'], layer['bias'],
-                                 box.value, box.stack_axes)
+    _, _, state = _layer_state(layer, entry_at(centering, move.path))
     table[tuple(str(k) for k in move.path) + ('kernel',)] = (
-        core.muon_dimension_numbers(box.spec, axes))
+        core.kernel_dimension_numbers(state))
   for path, leaf in jax.tree_util.tree_leaves_with_path(unfrozen):
     names = path_names(path)
     if (str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2

@@ -10,20 +10,16 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from cbp_optax import _untransported
 from cbp_optax import centering as core
 from cbp_optax._paths import path_str
 
 
 COLLECTION = 'centering'
 
-MEAN, RECORDED, MASK = 'mean', 'batch_mean', 'kernel_mask'
-
-# How many input positions 'batch_mean' averages since the last transport.
-COUNT = 'batch_count'
-
-# A 16-bit bias's float32 transport residual (core.needs_bias_residual).
-RESIDUAL = 'bias_residual'
+# The entries of core.LayerState's mean, recorded, count and residual, and
+# a convolution's kernel mask.
+MEAN, RECORDED, COUNT = 'mean', 'batch_mean', 'batch_count'
+RESIDUAL, MASK = 'bias_residual', 'kernel_mask'
 
 # Inside the Centered wrapper the layer's parameters live under these names.
 DENSE, CONV = 'dense', 'conv'
@@ -105,12 +101,15 @@ def _no_collection_message(host: nn.Module) -> str:
 
 
 def centered_call(
-    host: nn.Module, layer_fn: Callable[[jax.Array], jax.Array],
-    kernel_of: Callable[[], jax.Array], spec: core.LayerSpec,
-    mask: Optional[jax.Array], inputs: jax.Array, *, use_running_average: bool,
-    mean_dtype: Any, axis_name: Any, bias_dtype: Any = None,
+    host: nn.Module, layer: nn.Module,
+    layer_fn: Callable[[jax.Array], jax.Array],
+    kernel_of: Callable[[], jax.Array], inputs: jax.Array,
+    use_running_average: bool, mean_dtype: Any, axis_name: Any,
 ) -> jax.Array:
-  """Eq. (8) with the statistics in ``host``'s ``'centering'`` collection."""
+  """Eq. (8) for ``layer`` (run as ``layer_fn``), with the statistics in
+  ``host``'s ``'centering'`` collection."""
+  spec, mask = layer_spec(layer, inputs), getattr(layer, 'mask', None)
+  mean_dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
   try:
     mean = host.variable(
         COLLECTION, MEAN,
@@ -122,37 +121,27 @@ def centered_call(
   # An older collection without a count records the last call only.
   count = None
   if host.is_initializing() or host.has_variable(COLLECTION, COUNT):
-    count = host.variable(COLLECTION, COUNT, jnp.zeros,
-                          core.count_shape(spec.mean_shape),
-                          core.count_dtype(mean_dtype))
+    count = host.variable(COLLECTION, COUNT, core.zero_count,
+                          spec.mean_shape, mean_dtype)
   if mask is not None:
     host.variable(COLLECTION, MASK, lambda: jnp.asarray(mask))
   # An older collection without a residual rounds its 16-bit bias.
-  if (bias_dtype is not None and core.needs_bias_residual(bias_dtype)
-      and (host.is_initializing()
-           or host.has_variable(COLLECTION, RESIDUAL))):
-    host.variable(COLLECTION, RESIDUAL, jnp.zeros, spec.bias_shape,
-                  jnp.float32)
-  if (
-      not use_running_average
-      and not host.is_initializing()
-      and host.is_mutable_collection(COLLECTION)
-  ):
-    if count is None:
-      recorded.value = core.batch_mean(inputs, spec, mean_dtype, axis_name)
-    else:
-      before = count.value
-      recorded.value, after = core.record_mean(
-          inputs, spec, recorded.value, before, axis_name)
-      count.value = _untransported.check(
-          before, after, core.input_count(inputs, spec), 'linen',
-          tuple(host.path), mean.value, kernel_of(), instance=host)
+  if core.needs_bias_residual(layer.param_dtype) and (
+      host.is_initializing() or host.has_variable(COLLECTION, RESIDUAL)):
+    host.variable(COLLECTION, RESIDUAL, jnp.zeros, spec.bias_shape, jnp.float32)
+  if (not use_running_average and not host.is_initializing()
+      and host.is_mutable_collection(COLLECTION)):
+    new = core.record(
+        core.LayerState(spec, kernel_of(), None, mean.value, recorded.value,
+                        None if count is None else count.value),
+        inputs, axis_name, framework='linen', key=tuple(host.path),
+        instance=host)
+    recorded.value = new.recorded
+    if count is not None:
+      count.value = new.count
 
-  def kernel():
-    value = kernel_of()
-    return value if mask is None else value * mask
-
-  return core.centered_output(spec, layer_fn, inputs, kernel, mean.value)
+  return core.centered_output(spec, layer_fn, inputs, kernel_of, mean.value,
+                              mask)
 
 
 class Centered(nn.Module):
@@ -219,12 +208,9 @@ class Centered(nn.Module):
     name = CONV if isinstance(layer, CONVS) else DENSE
     inner = layer.clone(parent=self, name=name)
     return centered_call(
-        self, lambda x: inner(x, *args, **kwargs),
-        lambda: inner.variables['params']['kernel'], layer_spec(layer, inputs),
-        getattr(layer, 'mask', None), inputs,
-        use_running_average=use_running_average,
-        mean_dtype=core.mean_dtype(self.mean_dtype, layer.param_dtype),
-        axis_name=self.axis_name, bias_dtype=layer.param_dtype)
+        self, layer, lambda x: inner(x, *args, **kwargs),
+        lambda: inner.variables['params']['kernel'], inputs,
+        use_running_average, self.mean_dtype, self.axis_name)
 
 
 def is_entry(tree: Any) -> bool:

@@ -16,7 +16,7 @@ from cbp_optax._equalize import check_recorded_bounds
 from cbp_optax._flax_state import FLAX
 from cbp_optax import _opt_state
 from cbp_optax import _step
-from cbp_optax import blocks
+from cbp_optax import centering as core
 from cbp_optax._step import StepOutput
 from cbp_optax._paths import path_str
 from cbp_optax.nnx._center import centered_layers
@@ -25,7 +25,7 @@ from cbp_optax.nnx._transport import transport_model
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import RecordedCount
 
-# The NNX words of blocks.centered_after_init's message.
+# The NNX words of centering.centered_after_init's message.
 _LATE_CENTERING = dict(
     center='cbp.nnx.center',
     remedy=('Build the optimizer (nnx.Optimizer / cbp.nnx.Optimizer) after '
@@ -65,8 +65,8 @@ class Optimizer(nnx.Optimizer):
     try:
       return super().update(model, grads, **kwargs)
     except (TypeError, ValueError) as error:
-      hint = blocks.centered_after_init(grads, nnx.state(self),
-                                        **_LATE_CENTERING)
+      hint = core.centered_after_init(grads, nnx.state(self),
+                                      **_LATE_CENTERING)
       if hint:
         raise ValueError(f'Optimizer.update: {hint}') from error
       raise
@@ -374,9 +374,9 @@ def train_step(
       new_values, out = jitted(*jitted_args)
     except (TypeError, ValueError) as error:
       model, optimizer = args[:2]
-      hint = blocks.centered_after_init(nnx.state(model, optimizer.wrt),
-                                        nnx.state(optimizer),
-                                        **_LATE_CENTERING)
+      hint = core.centered_after_init(nnx.state(model, optimizer.wrt),
+                                      nnx.state(optimizer),
+                                      **_LATE_CENTERING)
       if hint:
         raise ValueError(f'train_step: {hint}') from error
       raise

@@ -3,7 +3,6 @@ with the optimizer's parameter copies; ``eval_model``, ``muon_dimension_numbers`
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,8 +22,13 @@ from cbp_optax.nnx._center import centered_paths
 from cbp_optax.nnx._center import plain_spec
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
+from cbp_optax.nnx._wrapper import layer_state
 from cbp_optax.nnx._wrapper import transport_layer
 from cbp_optax.nnx._wrapper import SPEC_OF
+
+
+# Where a Centered layer holds the wrapped layer's kernel and bias.
+_KERNEL, _BIAS = (core.LAYER_KEY, 'kernel'), (core.LAYER_KEY, 'bias')
 
 
 def _is_variable(node: Any) -> bool:
@@ -46,16 +50,14 @@ def _layer_moves(
   shifts = shifts if shifts is not None else [None] * len(layers)
   moves = []
   for (path, layer), shift in zip(layers, shifts):
-    kernel_path = where.get(id(layer.layer.kernel),
-                            path + ('layer', 'kernel'))
+    kernel_path = where.get(id(layer.layer.kernel), path + _KERNEL)
     moves.append(_opt_state.LayerMove(
-        path=path, kernel_key=('layer', 'kernel'), bias_key=('layer', 'bias'),
+        path=path, kernel_key=_KERNEL, bias_key=_BIAS,
         bias_shape=tuple(layer.layer.bias.shape),
         kernel=layer.layer.kernel[...],
         kernel_trained=kernel_path in trained,
         shift=shift,
-        kernel_path=(None if kernel_path == path + ('layer', 'kernel')
-                     else kernel_path)))
+        kernel_path=None if kernel_path == path + _KERNEL else kernel_path))
   return moves
 
 
@@ -134,26 +136,17 @@ def transport_model(model: nnx.Module, mean_decay: Any,
                     opt_state: Any, recorded_only: bool = True) -> Any:
   """:func:`transport` for a validated ``mean_decay`` (fused steps keep no
   recorded count: ``recorded_only=False``)."""
-  if optimizer is None and opt_state is None:
-    for layer in centered_layers(model):
-      transport_layer(layer, mean_decay, recorded_only)
-    return None
   if optimizer is not None:
     check_optimizer_state(model, optimizer, 'transport')
-    trained = optimizer.wrt
-  else:
-    trained = nnx.Param
-    _opt_state.transport_state(opt_state, _layer_moves(model, trained),
+  elif opt_state is not None:
+    _opt_state.transport_state(opt_state, _layer_moves(model, nnx.Param),
                                what='opt_state', kind=FLAX,
                                params=nnx.state(model, nnx.Param))
-  shifts = []
-  for _, layer in centered_paths(model):
-    old = layer.mean[...]
-    transport_layer(layer, mean_decay, recorded_only)
-    shifts.append(functools.partial(
-        core.shift_bias, layer.spec, mean=old, new_mean=layer.mean[...],
-        mask=getattr(layer.layer, 'mask', None),
-        mean_stack_axes=layer.mean.get_metadata().get('stack_axes')))
+  shifts = [transport_layer(layer, mean_decay, recorded_only)
+            for layer in centered_layers(model)]
+  if optimizer is None and opt_state is None:
+    return None
+  trained = nnx.Param if optimizer is None else optimizer.wrt
   moves = _layer_moves(model, trained, shifts)
   # The model's own Variables in the state moved above: not twice.
   own = {id(v) for v in jax.tree.leaves(nnx.state(model), is_leaf=_is_variable)
@@ -261,14 +254,9 @@ def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
   for path, module in nnx.iter_modules(model):
     path = tuple(path)
     if isinstance(module, Centered):
-      layer = module.layer
-      kernel = layer.kernel[...]
-      _, axes, _ = core.layer_axes(
-          module.spec, kernel, layer.bias[...], module.mean[...],
-          module.mean.get_metadata().get('stack_axes'))
-      table[path_names(path + ('layer', 'kernel'))] = (
-          core.muon_dimension_numbers(module.spec, axes))
-    elif type(module) in SPEC_OF and path[-1:] != ('layer',):
+      table[path_names(path + _KERNEL)] = core.kernel_dimension_numbers(
+          layer_state(module))
+    elif type(module) in SPEC_OF and path[-1:] != _KERNEL[:1]:
       spec = plain_spec(module)
       axes = resolve_stack_axes(tuple(module.kernel.shape), spec.kernel_shape)
       if axes is not None:

@@ -207,9 +207,8 @@ class Centered(nnx.Module):
     self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
     self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
                                    stack_axes=stack_axes)
-    self.batch_count = RecordedCount(
-        jnp.zeros(core.count_shape(shape, stack_axes), core.count_dtype(dtype)),
-        stack_axes=stack_axes)
+    self.batch_count = RecordedCount(core.zero_count(shape, dtype, stack_axes),
+                                     stack_axes=stack_axes)
     if core.needs_bias_residual(layer.bias.dtype):
       self.bias_residual = TransportResidual(
           jnp.zeros(layer.bias.shape, jnp.float32))
@@ -225,13 +224,10 @@ class Centered(nnx.Module):
     if use_running_average is None:
       use_running_average = self.use_running_average
     if not use_running_average:
-      before = self.batch_count[...]
-      self.batch_mean[...], after = core.record_mean(
-          inputs, self.spec, self.batch_mean[...], before, self.axis_name)
-      self.batch_count[...] = _untransported.check(
-          before, after, core.input_count(inputs, self.spec), 'nnx',
-          getattr(self, 'untransported_key', id(self)), self.mean[...],
-          self.layer.kernel[...], instance=self)
+      new = core.record(layer_state(self), inputs, self.axis_name,
+                        framework='nnx', instance=self,
+                        key=getattr(self, 'untransported_key', id(self)))
+      self.batch_mean[...], self.batch_count[...] = new.recorded, new.count
     return core.centered_output(
         self.spec, lambda x: self.layer(x, *args, **kwargs), inputs,
         self._kernel, self.mean[...])
@@ -266,30 +262,25 @@ class Centered(nnx.Module):
     self.batch_count[...] = jnp.zeros_like(self.batch_count[...])
 
 
-def transport_layer(layer: Centered, mean_decay: Any,
-                    recorded_only: bool = True) -> None:
-  """:meth:`Centered.transport` for a validated ``mean_decay``; with
-  ``recorded_only``, a slice that recorded nothing keeps ``mu`` and bias."""
+def layer_state(layer: Centered) -> core.LayerState:
+  """``layer``'s variables, for the core."""
   residual = getattr(layer, 'bias_residual', None)
-  mean = layer.mean[...]
-  new_mean = core.ema(mean, layer.batch_mean[...], mean_decay)
-  if recorded_only:
-    new_mean = jnp.where(layer.batch_count[...] > 0, new_mean, mean)
-  try:
-    moved = core.shift_bias(
-        layer.spec, layer.layer.kernel[...], layer.layer.bias[...], mean,
-        new_mean, mask=getattr(layer.layer, 'mask', None),
-        mean_stack_axes=layer.mean.get_metadata().get('stack_axes'),
-        residual=None if residual is None else residual[...])
-  except ValueError as error:
-    if core.AMBIGUOUS_STACK_REMEDY not in str(error):
-      raise
-    raise ValueError(str(error).replace(core.AMBIGUOUS_STACK_REMEDY,
-                                        _STACK_REMEDY)) from error
-  if residual is None:
-    layer.layer.bias[...] = moved
-  else:
-    layer.layer.bias[...] = moved[0]
-    residual[...] = moved[1]
-  layer.mean[...] = new_mean
+  return core.LayerState(
+      layer.spec, layer.layer.kernel[...], layer.layer.bias[...],
+      layer.mean[...], layer.batch_mean[...], layer.batch_count[...],
+      getattr(layer.layer, 'mask', None),
+      layer.mean.get_metadata().get('stack_axes'),
+      None if residual is None else residual[...])
+
+
+def transport_layer(layer: Centered, mean_decay: Any,
+                    recorded_only: bool = True) -> Any:
+  """:meth:`Centered.transport` for a validated ``mean_decay``; returns
+  the shift of the optimizer's parameter copies (``core.copy_shift``)."""
+  old = layer_state(layer)
+  new = core.refresh(old, mean_decay, recorded_only, _STACK_REMEDY)
+  layer.layer.bias[...], layer.mean[...] = new.bias, new.mean
   layer.restart_recording()
+  if new.residual is not None:
+    layer.bias_residual[...] = new.residual
+  return core.copy_shift(old, new)
