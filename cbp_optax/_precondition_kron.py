@@ -307,25 +307,12 @@ def _carry(v, old_left, old_right, new_left, new_right):
   return jnp.einsum('bmi,bij,bnj->bmn', o_left, v, o_right).astype(v.dtype)
 
 
-def _check_arguments(b1, b2, damping, factor_decay, every, max_dim,
-                     stats_dtype, zero_moment) -> Any:
-  """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
-  factory = 'cbp.precondition_kron'
-  stats_dtype = diag.check_arguments(b1, b2, damping, stats_dtype,
-                                      zero_moment)
-  if factor_decay is not None:
-    _checks.check_decay('factor_decay', factor_decay, factory=factory)
-  # every may arrive traced (optax.inject_hyperparams); max_dim sets shapes
-  # and must be static.
-  for name, value in (('every', every), ('max_dim', max_dim)):
-    if name == 'every' and isinstance(value, jax.Array):
-      continue
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise (ValueError if type(value) is int else TypeError)(
-          f'{factory}: {name} must be an int >= 1, got {value!r}'
-          + ('; under optax.inject_hyperparams, name it in static_args.'
-             if name == 'max_dim' else '.'))
-  return stats_dtype
+# every may arrive traced (optax.inject_hyperparams); max_dim sets shapes.
+KRON_ARGUMENTS = dict(factor_decay=_checks.decay(optional=True),
+                      every=_checks.Count(1, traced=True),
+                      max_dim=_checks.Count(1))
+_SPEC = _checks.Spec('cbp.precondition_kron',
+                     dict(diag.ARGUMENTS, **KRON_ARGUMENTS))
 
 
 def precondition_kron(
@@ -402,8 +389,9 @@ def precondition_kron(
     §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1 and §8.2; Vyas et al.,
     SOAP, ICLR 2025.
   """
-  stats_dtype = _check_arguments(b1, b2, damping, factor_decay, every,
-                                 max_dim, stats_dtype, zero_moment)
+  _checks.check(_SPEC, b1=b1, b2=b2, damping=damping,
+                factor_decay=factor_decay, every=every, max_dim=max_dim,
+                stats_dtype=stats_dtype, zero_moment=zero_moment)
   rules = diag.Rules(b1, b2, damping, zero_moment)
   beta_f = b2 if factor_decay is None else factor_decay
   numbers = (default_dimension_numbers if dimension_numbers is None

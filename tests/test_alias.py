@@ -160,7 +160,7 @@ def test_function_arguments_that_arrive_as_values_are_refused_together(name):
       1e-2, weight_decay=0.1, mask=kernels_only, block_fn=block_fn,
       stacked=stacked)
   with pytest.raises(TypeError, match=(
-      rf"cbp.{MESSAGE_NAME[name]} got block_fn=Array\(0.*stacked=False, "
+      rf"cbp.{MESSAGE_NAME[name]}: got block_fn=Array\(0.*stacked=False, "
       rf"mask=False.*inject_hyperparams\(cbp.{MESSAGE_NAME[name]}, static_args=\('block_fn', "
       r"'stacked', 'mask'\)\)")):
     tx.init(two_layers()[0])

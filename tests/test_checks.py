@@ -517,7 +517,7 @@ def test_integer_mean_dtype_is_refused():
     (5.0, ValueError, r'mean_decay must lie in \[0.0, 1.0\), got 5.0'),
     (True, TypeError, 'mean_decay must be a number, got the bool'),
     (optax.constant_schedule(0.9), TypeError,
-     'cbp.cbp has no mean_decay.*mean_decay=schedule\\(step\\)'),
+     'No optax factory takes mean_decay.*mean_decay=schedule\\(step\\)'),
 ])
 def test_every_transport_path_validates_mean_decay(value, error, match):
   # Items 6 and 15: Centered.transport(nan) made the mean and bias NaN, 5.0
