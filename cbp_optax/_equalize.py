@@ -445,13 +445,15 @@ def equalize(
     )
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
+    # test_mismatched_tree_is_refused_clearly: energies of other blocks.
     _check_matches_state(layout, state)
+    # test_an_eager_update_refuses_another_configurations_state: the bounds.
     _check_recorded_bounds(state, min_scale, max_scale)
-    # The state is a flat vector: only its length can be checked against the
-    # gradients. The parameters, when given, are checked leaf for leaf; the
-    # transform keeps no record of the trees it was initialized on.
+    # test_equalize_refuses_other_leaves_with_the_same_block_count (the state
+    # is a flat vector: only the parameters show the leaves).
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     param_leaves = [None] * len(leaves)

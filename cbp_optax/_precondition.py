@@ -292,7 +292,9 @@ def precondition(
     )
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('precondition', updates)
+    # test_mismatched_tree_is_refused_clearly: moments of other leaves.
     check_matches_state(updates, state)
     count = state.count
     count_inc = optax.safe_increment(count)
@@ -302,8 +304,7 @@ def precondition(
     mu_correction = 1.0 - b1 ** count_inc
 
     g_leaves, treedef = jax.tree.flatten(updates)
-    # The parameters only give non-float gradients their dtype, but a tree
-    # that does not match is a mistake: refused, as equalize refuses it.
+    # test_params_that_do_not_match_the_gradients_are_refused.
     _checks.check_params_match('precondition', updates, params)
     p_leaves = ([None] * len(g_leaves) if params is None
                 else jax.tree.leaves(params))

@@ -146,10 +146,6 @@ def _axes(spec: MuonDimensionNumbers, ndim: int) -> tuple[tuple[int, ...], ...]:
   as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
   reduction = tuple(a % ndim for a in as_tuple(spec.reduction_axis))
   output = tuple(a % ndim for a in as_tuple(spec.output_axis))
-  if not reduction or not output or set(reduction) & set(output):
-    raise ValueError(
-        'precondition_kron: a dimension number needs disjoint, non-empty '
-        f'reduction and output axes, got {spec} for a rank-{ndim} leaf.')
   batch = tuple(a for a in range(ndim) if a not in reduction + output)
   return batch, reduction, output
 
@@ -205,6 +201,7 @@ def _specs(dimension_numbers: DimensionNumbers, params: Any) -> list:
   leaves = jax.tree.leaves(params)
   specs = jax.tree.leaves(
       found, is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+  # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
   if len(specs) != len(leaves):
     raise ValueError(
         'precondition_kron: dimension_numbers must give one '
@@ -405,6 +402,7 @@ def precondition_kron(
     found = [(k, _matrix(shape, s, max_dim))
              for k, shape, s in zip(paths, shapes, _specs(numbers, params))]
     keys = [k for k, view in found if view is not None]
+    # test_matrices_whose_joined_paths_collide_are_refused: one factor.
     if len(set(keys)) != len(keys):
       raise ValueError('precondition_kron: two matrix leaves have the same '
                        f'path once joined ({sorted(keys)}); rename one.')
@@ -427,8 +425,11 @@ def precondition_kron(
         factors=factors or _no_factors())
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('precondition_kron', updates)
+    # test_mismatched_tree_is_refused_clearly: moments of other leaves.
     diag.check_matches_state(updates, state)
+    # test_params_that_do_not_match_the_gradients_are_refused.
     _checks.check_params_match('precondition_kron', updates, params)
     count_inc = optax.safe_increment(state.count)
     first_step = state.count == 0
@@ -440,12 +441,6 @@ def precondition_kron(
     p_leaves = ([None] * len(g_leaves) if params is None
                 else jax.tree.leaves(params))
     found = views(updates)
-    stored = state.factors if isinstance(state.factors, dict) else {}
-    missing = sorted({k for k, view in found if view is not None}
-                     ^ set(stored))
-    if missing:
-      raise ValueError('precondition_kron: the matrices of the gradients and '
-                       f'of the state differ at {missing}.')
     steps, mus, nus, factors = [], [], [], {}
     for g, m, v, p, (key, view) in zip(
         g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),

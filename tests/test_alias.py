@@ -356,10 +356,12 @@ def test_equalize_stats_of_a_state_without_equalize_says_what_it_reads():
 # --- params at update ------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name', ['equalize', 'precondition', 'cbp'])
+@pytest.mark.parametrize('name', ['equalize', 'precondition', 'cbp',
+                                  'precondition_kron'])
 def test_params_that_do_not_match_the_gradients_are_refused(name):
   # precondition silently ignored them (equalize refused them).
   tx = {'equalize': cbp.equalize, 'precondition': cbp.precondition,
+        'precondition_kron': cbp.precondition_kron,
         'cbp': lambda: cbp.cbp(1e-2)}[name]()
   params, grads = two_layers()
   state = tx.init(params)

@@ -128,11 +128,11 @@ def test_non_float_stats_dtype_is_refused(name, dtype):
 # --- item 3: complex gradients -------------------------------------------------
 
 
-@pytest.mark.parametrize('name', sorted(FACTORIES))
+@pytest.mark.parametrize('name', sorted(FACTORIES) + ['precondition_kron'])
 def test_complex_gradients_are_refused(name):
   params, grads = params_and_grads()
   grads['b']['w'] = grads['b']['w'] * (1 + 1j)
-  tx = FACTORIES[name]()
+  tx = {**FACTORIES, 'precondition_kron': cbp.precondition_kron}[name]()
   with pytest.raises(TypeError, match=r"\['b'\]\['w'\] is complex"):
     tx.update(grads, tx.init(params), params)
 
