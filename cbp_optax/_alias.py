@@ -53,56 +53,22 @@ def _narrow_in_float32(
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-# Hyperparameters that take a number and no schedule (schedule them with
-# optax.inject_hyperparams).
-_NUMBERS = ('b1', 'b2', 'damping', 'decay', 'min_scale', 'max_scale',
-            'update_clip')
+def _spec(name: str, **more: Any) -> _checks.Spec:
+  """The checks of a CBP chain's arguments: M1's and M3's, the rate, the
+  decay and its mask, the clip, and ``more``."""
+  return _checks.Spec(name, dict(
+      learning_rate=_checks.nonnegative(schedule=True),
+      weight_decay=_checks.nonnegative(schedule=True, optional=True),
+      **equalize_lib.ARGUMENTS, mask=weight_decay_lib.Mask(),
+      **precondition_lib.ARGUMENTS,
+      update_clip=_checks.positive(optional=True), **more),
+      leading=('learning_rate',),
+      relations=(equalize_lib.SCALES_ORDERED,
+                 weight_decay_lib.MASK_NEEDS_DECAY))
 
 
-def _check_arguments(factory: str, arguments: dict[str, Any]) -> None:
-  """Refuses what ``optax.inject_hyperparams`` can make of an argument.
-
-  A schedule of a number-only hyperparameter is refused naming
-  ``inject_hyperparams(factory)``; a function argument not in its
-  ``static_args`` arrives as its value at the step count and is refused
-  naming ``static_args``. Range checks are left to the chain's transforms.
-
-  Raises:
-    TypeError: a schedule where none is supported, or a function argument
-      that arrived as a value.
-    ValueError: a ``mask`` without ``weight_decay``.
-  """
-  _checks.check_nonnegative('learning_rate', arguments['learning_rate'],
-                            schedule_ok=True, factory=factory)
-  weight_decay = arguments['weight_decay']
-  if weight_decay is not None:
-    _checks.check_nonnegative('weight_decay', weight_decay, schedule_ok=True,
-                              factory=factory)
-  for name in _NUMBERS:
-    if callable(arguments[name]):
-      _checks.check_scalar(name, arguments[name], factory=factory)
-  mask = arguments['mask']
-  mask_error = weight_decay_lib.mask_error(factory, mask)
-  arrived_as_value = {
-      'block_fn': _checks.is_injected_value(arguments['block_fn']),
-      'stacked': _checks.is_injected_value(arguments['stacked']),
-      'mask': mask_error is not None,
-      'stats_dtype': _checks.is_array(arguments['stats_dtype']),
-  }
-  injected = {k: arguments[k] for k, hit in arrived_as_value.items() if hit}
-  if len(injected) > 1:
-    # One call of inject_hyperparams made all of them: one remedy for all.
-    got = ', '.join(f'{k}={v!r}' for k, v in injected.items())
-    raise TypeError(
-        f'{factory} got {got}, where functions (and a dtype) were '
-        'expected. ' + _checks.static_args_remedy(factory, injected)
-    )
-  _checks.check_callable('block_fn', arguments['block_fn'], factory=factory)
-  _checks.check_callable('stacked', arguments['stacked'], factory=factory)
-  if mask_error is not None:
-    raise TypeError(mask_error)
-  _checks.check_stats_dtype(arguments['stats_dtype'], factory=factory)
-  weight_decay_lib.check_pair(factory, weight_decay, mask)
+_CBP = _spec('cbp.cbp')
+_CBP_KRON = _spec('cbp.cbp_kron', **precondition_kron_lib.KRON_ARGUMENTS)
 
 
 def _finish(transforms: list, update_clip, weight_decay, mask,
@@ -238,11 +204,12 @@ def cbp(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.4 (eq. 12) and Algorithm 1.
   """
-  factory = 'cbp.cbp'
-  _check_arguments(factory, locals())
-  precondition_lib.check_zero_moment(zero_moment, factory=factory)
-  if update_clip is not None:
-    _checks.check_positive('update_clip', update_clip, factory=factory)
+  _checks.check(
+      _CBP, learning_rate=learning_rate, b1=b1, b2=b2, damping=damping,
+      decay=decay, min_scale=min_scale, max_scale=max_scale,
+      weight_decay=weight_decay, mask=mask, block_fn=block_fn,
+      stacked=stacked, stats_dtype=stats_dtype, zero_moment=zero_moment,
+      update_clip=update_clip)
   transforms = [
       equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
                             stacked=stacked, stats_dtype=stats_dtype),
@@ -373,14 +340,12 @@ def cbp_kron(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     Algorithm 1, Lemma 1 and §8.2.
   """
-  factory = 'cbp.cbp_kron'
-  _check_arguments(factory, dict(
-      learning_rate=learning_rate, weight_decay=weight_decay, mask=mask,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype, b1=b1,
-      b2=b2, damping=damping, decay=decay, min_scale=min_scale,
-      max_scale=max_scale, update_clip=update_clip))
-  if update_clip is not None:
-    _checks.check_positive('update_clip', update_clip, factory=factory)
+  _checks.check(
+      _CBP_KRON, learning_rate=learning_rate, b1=b1, b2=b2, damping=damping,
+      decay=decay, min_scale=min_scale, max_scale=max_scale, every=every,
+      max_dim=max_dim, weight_decay=weight_decay, mask=mask,
+      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+      zero_moment=zero_moment, update_clip=update_clip)
   transforms = [
       equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
                             stacked=stacked, stats_dtype=stats_dtype),

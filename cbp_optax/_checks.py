@@ -1,14 +1,23 @@
-"""Construction-time validation of hyperparameters and input trees.
+"""Construction-time validation, declared once per factory.
 
-Concrete values are checked eagerly, with a message naming the argument;
-tracers (``optax.inject_hyperparams``) by their shape and dtype only.
+A factory lists what each argument accepts in a :class:`Spec` (a
+:class:`Interval`, :class:`Choice`, :class:`Function`, :class:`Count` or
+:class:`FloatDtype` per argument, and the :class:`Relation` s between them)
+and calls :func:`check` with the values. Concrete values are judged eagerly;
+tracers and arrays (``optax.inject_hyperparams``' values) by their shape and
+dtype. A message is ``"<spec name>: <argument> must ..., got ..."`` and at
+most one sentence of remedy; the spec's name is the caller's, so nothing
+here names a factory.
+
+The checks of the trees an ``update`` receives are at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,153 +41,6 @@ def concrete_float(value: Any) -> Optional[float]:
   return float(array)
 
 
-# The factories whose first argument is the learning rate.
-_WITH_LEARNING_RATE = ('cbp.cbp', 'cbp.cbp_robust', 'cbp.recommended')
-# What of theirs takes a schedule directly.
-_SCHEDULED = {'cbp.recommended': 'Only learning_rate takes a schedule '
-                                 'directly'}
-
-
-def _arguments(factory: str, *arguments: str) -> str:
-  """The argument list of an example call of ``factory``."""
-  if factory in _WITH_LEARNING_RATE:
-    arguments = ('learning_rate',) + arguments
-  return ', '.join(arguments + ('...',))
-
-
-def check_scalar(
-    name: str, value: Any, *, schedule_ok: bool = False,
-    factory: str = 'cbp.cbp',
-) -> Optional[float]:
-  """Refuses anything but one real number (or a tracer of one).
-
-  Args:
-    name: the argument's name, for the message.
-    value: a real number, a real scalar array or a tracer of one, or, when
-      ``schedule_ok``, a callable schedule.
-    schedule_ok: whether a callable (an optax schedule) is accepted.
-    factory: the public factory that takes ``name``, for the message.
-
-  Returns:
-    The value as a Python float when it is concrete, else None.
-
-  Raises:
-    TypeError: a bool, a string, a complex or integer-less non-number, or a
-      callable where no schedule is supported.
-    ValueError: an array that is not a scalar.
-  """
-  if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
-    if schedule_ok:
-      return None
-    direct = _SCHEDULED.get(factory) or (
-        'Only learning_rate and weight_decay take a schedule directly'
-        if factory in _WITH_LEARNING_RATE
-        else f'{factory} takes no schedule directly')
-    raise TypeError(
-        f'{name} must be a number, got the callable {value!r}. {direct}; to '
-        f'schedule {name}, wrap the factory: optax.inject_hyperparams('
-        f'{factory})({_arguments(factory, f"{name}=schedule")}), which '
-        'evaluates the schedule at every step and passes its value in.'
-    )
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f'{name} must be a number, got the bool {value!r}.')
-  if isinstance(value, numbers.Real):
-    number = float(value)
-  elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
-    dtype = value.dtype
-    if jnp.issubdtype(dtype, jnp.bool_) or not (
-        jnp.issubdtype(dtype, jnp.floating)
-        or jnp.issubdtype(dtype, jnp.integer)
-    ):
-      raise TypeError(
-          f'{name} must be a real number, got an array of dtype {dtype}.'
-      )
-    if np.shape(value) != ():
-      raise ValueError(
-          f'{name} must be a scalar, got an array of shape {np.shape(value)}; '
-          'a per-parameter hyperparameter would broadcast the parameters to '
-          'its shape.'
-      )
-    number = concrete_float(value)
-  else:
-    raise TypeError(
-        f'{name} must be a real number, got {type(value).__name__} '
-        f'{value!r}.'
-    )
-  if number is not None and not math.isfinite(number):
-    raise ValueError(f'{name} must be finite, got {value!r}.')
-  return number
-
-
-def check_in_range(
-    name: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    low_inclusive: bool = True,
-    high_inclusive: bool = False,
-    schedule_ok: bool = False,
-    factory: str = 'cbp.cbp',
-) -> None:
-  """Raises unless ``value`` is one real number in the given interval.
-
-  Raises:
-    TypeError: ``value`` is not a number (see :func:`check_scalar`).
-    ValueError: a non-scalar array, or a concrete value outside the interval
-      (NaN included).
-  """
-  if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
-    check_scalar(name, value, schedule_ok=schedule_ok, factory=factory)
-    return
-  if isinstance(value, numbers.Real) and not isinstance(value, bool):
-    number = float(value)  # NaN and infinities are judged by the interval
-  else:
-    number = check_scalar(name, value, factory=factory)
-  if number is None:
-    return
-  above = number >= low if low_inclusive else number > low
-  below = number <= high if high_inclusive else number < high
-  if not (above and below) or math.isnan(number):
-    interval = (
-        ('[' if low_inclusive else '(')
-        + f'{low}, {high}'
-        + (']' if high_inclusive else ')')
-    )
-    raise ValueError(f'{name} must lie in {interval}, got {value!r}.')
-
-
-def check_decay(name: str, value: Any, *, factory: str = 'cbp.cbp') -> None:
-  check_in_range(name, value, 0.0, 1.0, factory=factory)
-
-
-def check_mean_decay(value: Any) -> None:
-  """M2's mean EMA decay: one number in ``[0, 1)``, a tracer of one, no
-  schedule (no optax factory takes it, so inject_hyperparams cannot)."""
-  if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
-    raise TypeError(
-        f'mean_decay must be a number in [0, 1), got the callable {value!r}. '
-        'The centering means take one decay per transport; cbp.cbp has no '
-        'mean_decay, so optax.inject_hyperparams cannot schedule it. To '
-        'schedule it, run the transport yourself after the optimizer update '
-        'with this step\'s value, transport(..., '
-        'mean_decay=schedule(step)) of your framework\'s package; inside '
-        'jit a traced value is accepted.'
-    )
-  check_decay('mean_decay', value)
-
-
-def check_positive(name: str, value: Any, *, factory: str = 'cbp.cbp') -> None:
-  check_in_range(name, value, 0.0, math.inf, low_inclusive=False,
-                 factory=factory)
-
-
-def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False,
-                      factory: str = 'cbp.cbp') -> None:
-  check_in_range(name, value, 0.0, math.inf, schedule_ok=schedule_ok,
-                 factory=factory)
-
-
 def short_repr(value: Any, limit: int = 80) -> str:
   text = repr(value)
   return text if len(text) <= limit else text[:limit - 3] + '...'
@@ -196,53 +58,335 @@ def is_injected_value(value: Any) -> bool:
   return isinstance(value, (numbers.Number, np.generic)) or is_array(value)
 
 
-def static_args_remedy(factory: Optional[str], names: Any) -> str:
-  """Why a function argument arrived as a value, and the call that fixes it.
+def _is_function(value: Any) -> bool:
+  return callable(value) and not isinstance(value, (jax.Array, np.ndarray))
 
-  ``factory`` is the factory ``inject_hyperparams`` wrapped, or None where
-  it is not known (the call then names a placeholder).
+
+def describe(value: Any) -> str:
+  """``the str 'x'``: a value with its type, for a message."""
+  return f'the {type(value).__name__} {short_repr(value)}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One factory's arguments, as its checks need them.
+
+  Attributes:
+    name: how messages name the factory (the caller's public name), or ''.
+    constraints: what each checked argument accepts, in checking order.
+    leading: the positional arguments of an example call (``learning_rate``).
+    relations: conditions across arguments, checked after each argument.
   """
+  name: str
+  constraints: Mapping[str, Any]
+  leading: tuple[str, ...] = ()
+  relations: tuple[Relation, ...] = ()
+
+  def example(self, *arguments: str) -> str:
+    """The argument list of an example call: ``learning_rate, b1=..., ...``."""
+    return ', '.join(self.leading + arguments + ('...',))
+
+  def error(self, kind: type, message: str) -> Exception:
+    return kind(f'{self.name}: {message}' if self.name else message)
+
+
+def static_args_call(spec: Optional[Spec], names: Any) -> str:
+  """``optax.inject_hyperparams(<factory>, static_args=names)(...)``
+  (``spec`` None: the factory is not known)."""
   names = tuple(names)
-  them = 'it' if len(names) == 1 else 'them'
-  passed = tuple(f'{n}=...' for n in names)
-  call = (f'optax.inject_hyperparams({factory or "factory"}, '
-          f'static_args={names!r})({_arguments(factory or "", *passed)})')
-  if factory is None:
-    call += (', where factory is the one you wrapped (cbp.cbp, '
-             'cbp.cbp_robust, cbp.equalize, ...)')
-  return (
-      'optax.inject_hyperparams calls every function argument that is not '
-      'in its static_args as a schedule of the step count and passes the '
-      f'factory what the function returned. Name {them} there: {call}.'
-  )
+  spec = spec or Spec('', {})
+  example = spec.example(*(f'{n}=...' for n in names))
+  return (f'optax.inject_hyperparams({spec.name or "factory"}, '
+          f'static_args={names!r})({example})')
 
 
-def check_function(
-    name: str, value: Any, *, optional: bool = False,
-    factory: Optional[str] = None,
-) -> None:
-  """A callable argument, or None when ``optional``; with ``factory``, a
-  number or array (``inject_hyperparams``' value of a function) gets the
-  ``static_args`` remedy.
+def static_args_remedy(spec: Optional[Spec], names: Any) -> str:
+  """The sentence that fixes function arguments ``optax.inject_hyperparams``
+  called with the step count."""
+  them = 'it' if len(tuple(names)) == 1 else 'them'
+  return (f'optax.inject_hyperparams called {them} with the step count: name '
+          f'{them} in its static_args, {static_args_call(spec, names)}.')
+
+
+class Constraint:
+  """What one argument accepts; :meth:`judge` raises where it is not that."""
+
+  def judge(self, spec: Spec, name: str, value: Any) -> None:
+    raise NotImplementedError
+
+  def arrived_as_value(self, value: Any) -> bool:
+    """Whether ``value`` is a function argument ``inject_hyperparams``
+    replaced by its value at the step count."""
+    del value
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval(Constraint):
+  """One real number (or a tracer of one) in ``[low, high)``; ``closed``
+  says which ends belong: 'left', 'right', 'both' or 'neither'.
+
+  ``schedule``: a callable is accepted too (the factory takes a schedule);
+  ``optional``: None is accepted; ``no_schedule``: the remedy for a schedule
+  where ``inject_hyperparams`` cannot help.
+  """
+  low: float = -math.inf
+  high: float = math.inf
+  closed: str = 'left'
+  schedule: bool = False
+  optional: bool = False
+  no_schedule: str = ''
+
+  def judge(self, spec: Spec, name: str, value: Any) -> None:
+    if value is None and self.optional:
+      return
+    if _is_function(value):
+      if self.schedule:
+        return
+      raise spec.error(TypeError, f'{name} must be a number, got the callable '
+                       f'{short_repr(value)}. '
+                       + (self.no_schedule or _schedule_remedy(spec, name)))
+    if isinstance(value, (bool, np.bool_)):
+      raise spec.error(TypeError, f'{name} must be a number, got the bool '
+                       f'{value!r}.')
+    if isinstance(value, numbers.Real):
+      number = float(value)
+    elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
+      if not (jnp.issubdtype(value.dtype, jnp.floating)
+              or jnp.issubdtype(value.dtype, jnp.integer)):
+        raise spec.error(TypeError, f'{name} must be a real number, got an '
+                         f'array of dtype {value.dtype}.')
+      if np.shape(value) != ():
+        raise spec.error(ValueError, f'{name} must be a scalar, got an array '
+                         f'of shape {np.shape(value)}.')
+      number = concrete_float(value)
+    else:
+      raise spec.error(TypeError, f'{name} must be a real number, got '
+                       f'{type(value).__name__} {short_repr(value)}.')
+    if number is None:
+      return
+    left = self.closed in ('left', 'both')
+    right = self.closed in ('right', 'both')
+    low, high = float(self.low), float(self.high)
+    if not ((number >= low if left else number > low)
+            and (number <= high if right else number < high)):
+      interval = f'{"[" if left else "("}{low}, {high}{"]" if right else ")"}'
+      raise spec.error(ValueError,
+                       f'{name} must lie in {interval}, got {value!r}.')
+
+
+def _schedule_remedy(spec: Spec, name: str) -> str:
+  scheduled = [n for n, c in spec.constraints.items()
+               if getattr(c, 'schedule', False)]
+  if not scheduled:
+    which = f'{spec.name or "It"} takes no schedule directly'
+  else:
+    which = (f'Only {" and ".join(scheduled)} '
+             f'{"takes" if len(scheduled) == 1 else "take"} a schedule directly')
+  return (f'{which}; schedule {name} with optax.inject_hyperparams('
+          f'{spec.name or "factory"})({spec.example(f"{name}=schedule")}).')
+
+
+def positive(**kwargs: Any) -> Interval:
+  return Interval(0.0, math.inf, closed='neither', **kwargs)
+
+
+def nonnegative(**kwargs: Any) -> Interval:
+  return Interval(0.0, math.inf, **kwargs)
+
+
+def decay(**kwargs: Any) -> Interval:
+  """An EMA decay in ``[0, 1)``."""
+  return Interval(0.0, 1.0, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice(Constraint):
+  """One of ``options`` (strings): any other string is a ValueError, any
+  other type a TypeError."""
+  options: tuple[str, ...]
+
+  def judge(self, spec: Spec, name: str, value: Any) -> None:
+    if isinstance(value, str) and value in self.options:
+      return
+    got = repr(value) if isinstance(value, str) else describe(value)
+    raise spec.error(ValueError if isinstance(value, str) else TypeError,
+                     f'{name} must be one of {self.options!r}, got {got}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Function(Constraint):
+  """A callable (or None, when ``optional``)."""
+  optional: bool = True
+
+  def judge(self, spec: Spec, name: str, value: Any) -> None:
+    if callable(value) or (self.optional and value is None):
+      return
+    message = (f'{name} must be a function{" or None" if self.optional else ""}'
+               f', got {describe(value)}.')
+    if self.arrived_as_value(value):
+      message += ' ' + static_args_remedy(spec, (name,))
+    raise spec.error(TypeError, message)
+
+  def arrived_as_value(self, value: Any) -> bool:
+    return not callable(value) and is_injected_value(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Count(Constraint):
+  """An int ``>= minimum`` (None too, when ``optional``). ``traced``: an
+  array passes (a count ``inject_hyperparams`` may schedule); else an array
+  is a function or count that should have been in ``static_args``."""
+  minimum: int = 1
+  optional: bool = False
+  traced: bool = False
+
+  def judge(self, spec: Spec, name: str, value: Any) -> None:
+    if (value is None and self.optional) or (self.traced and is_array(value)):
+      return
+    is_int = (isinstance(value, (numbers.Integral, np.integer))
+              and not isinstance(value, (bool, np.bool_)))
+    if is_int and value >= self.minimum:
+      return
+    message = (f'{name} must be an int >= {self.minimum}'
+               f'{" or None" if self.optional else ""}, got {value!r}.')
+    if self.arrived_as_value(value):
+      message += ' ' + static_args_remedy(spec, (name,))
+    raise spec.error(ValueError if is_int else TypeError, message)
+
+  def arrived_as_value(self, value: Any) -> bool:
+    return not self.traced and is_array(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatDtype(Constraint):
+  """A real floating-point dtype, or None. An array is a dtype such as
+  ``jnp.float32`` (callable) that ``inject_hyperparams`` called."""
+  why: str = ''
+
+  def judge(self, spec: Spec, name: str, value: Any) -> None:
+    if value is None:
+      return
+    if is_array(value):
+      raise spec.error(TypeError, (
+          f'{name} must be a dtype, got the array {short_repr(value)}, what '
+          'optax.inject_hyperparams makes of a callable dtype (jnp.float32).'
+          f" Pass a string ({name}='float32'), or name it in static_args: "
+          f'{static_args_call(spec, (name,))}.'))
+    float_dtype(name, value, self.why, spec=spec)
+
+  def arrived_as_value(self, value: Any) -> bool:
+    return is_array(value)
+
+
+# The optimizers' statistics dtype.
+STATS_DTYPE = FloatDtype(': the statistics are square roots and ratios of '
+                         'squared gradients')
+
+
+@dataclasses.dataclass(frozen=True)
+class Relation:
+  """A condition across arguments: ``holds(values)`` must be true, else a
+  ValueError with ``message`` formatted with the values."""
+  holds: Callable[[Mapping[str, Any]], bool]
+  message: str
+
+
+def ordered(low: str, high: str) -> Relation:
+  """``values[low] <= values[high]`` where both are concrete."""
+  def holds(values):
+    a, b = concrete_float(values[low]), concrete_float(values[high])
+    return a is None or b is None or a <= b
+  return Relation(holds, f'{high} must be >= {low}, got {high}={{{high}!r}} '
+                  f'< {low}={{{low}!r}}.')
+
+
+def needs(name: str, other: str, why: str) -> Relation:
+  """``name`` given (not None) only with ``other`` given."""
+  return Relation(
+      lambda v: v[name] is None or v[other] is not None,
+      f'{why}, but {other} is None. Pass {other}=..., or leave {name} out.')
+
+
+def check(spec: Spec, **values: Any) -> None:
+  """Refuses any of ``values`` its constraint in ``spec`` does not accept.
+
+  Function arguments that ``optax.inject_hyperparams`` replaced by values
+  are refused together, with one call that fixes them all.
 
   Raises:
-    TypeError: ``value`` is not callable (nor None, when ``optional``).
+    TypeError: a value of the wrong type.
+    ValueError: a value of the right type outside what is accepted (out of
+      range, an array that is no scalar, an unknown option), or a relation
+      that does not hold.
   """
-  if callable(value) or (optional and value is None):
-    return
-  what = 'a function or None' if optional else 'a function'
-  message = (f'{name} must be {what}, got the {type(value).__name__} '
-             f'{short_repr(value)}.')
-  if factory is not None and is_injected_value(value):
-    message += ' ' + static_args_remedy(factory, (name,))
-  raise TypeError(message)
+  constraints = [(n, c) for n, c in spec.constraints.items() if n in values]
+  injected = {n: values[n] for n, c in constraints
+              if c.arrived_as_value(values[n])}
+  if len(injected) > 1:
+    got = ', '.join(f'{n}={short_repr(v)}' for n, v in injected.items())
+    raise spec.error(TypeError, f'got {got} where functions or a dtype were '
+                     'expected; ' + static_args_remedy(spec, injected))
+  for name, constraint in constraints:
+    constraint.judge(spec, name, values[name])
+  for relation in spec.relations:
+    if not relation.holds(values):
+      raise spec.error(ValueError, relation.message.format(**values))
 
 
-def check_callable(
-    name: str, value: Any, *, factory: Optional[str] = None
-) -> None:
-  """An optional callable: :func:`check_function` with ``optional=True``."""
-  check_function(name, value, optional=True, factory=factory)
+def float_dtype(name: str, value: Any, why: str = '',
+                spec: Optional[Spec] = None) -> jnp.dtype:
+  """``value`` as a real floating-point dtype, or a ``TypeError`` naming
+  ``name`` (and ending with ``why``)."""
+  spec = spec or Spec('', {})
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise spec.error(TypeError, f'{name} must be a real floating-point dtype,'
+                     f' got {short_repr(value)}.') from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise spec.error(TypeError, f'{name} must be a real floating-point dtype '
+                     f'(float32, float64, bfloat16...), got {dtype}{why}.')
+  return dtype
+
+
+# --- one-argument checks, for callers without a Spec ----------------------------
+
+
+def _check_one(constraint: Constraint, name: str, value: Any) -> None:
+  check(Spec('', {name: constraint}), **{name: value})
+
+
+def check_positive(name: str, value: Any) -> None:
+  _check_one(positive(), name, value)
+
+
+def check_nonnegative(name: str, value: Any) -> None:
+  _check_one(nonnegative(), name, value)
+
+
+def check_bool(name: str, value: Any) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f'{name} must be True or False, got {value!r}.')
+
+
+def check_function(name: str, value: Any, *, optional: bool = False) -> None:
+  _check_one(Function(optional=optional), name, value)
+
+
+def check_callable(name: str, value: Any) -> None:
+  _check_one(Function(), name, value)
+
+
+_MEAN_DECAY = decay(no_schedule=(
+    'No optax factory takes mean_decay, so optax.inject_hyperparams cannot '
+    'schedule it: pass each step\'s value to the transport, '
+    'transport(..., mean_decay=schedule(step)).'))
+
+
+def check_mean_decay(value: Any) -> None:
+  """M2's mean EMA decay (eq. 8): one number in ``[0, 1)`` or a tracer."""
+  _check_one(_MEAN_DECAY, 'mean_decay', value)
 
 
 def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
@@ -250,9 +394,11 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
   step count, from ``optax.inject_hyperparams`` taking it for a schedule."""
   return TypeError(
       f'{function} takes (path, leaf) but was called with one argument, '
-      f'{short_repr(value)}, as {argument}. '
-      + static_args_remedy(None, (argument,))
-  )
+      f'{short_repr(value)}, as {argument}; '
+      + static_args_remedy(None, (argument,)))
+
+
+# --- the trees an update receives -----------------------------------------------
 
 
 def check_params_match(name: str, updates: Any, params: Any) -> None:
@@ -281,45 +427,6 @@ def check_params_match(name: str, updates: Any, params: Any) -> None:
       f'({detail}). update(updates, state, params) takes the parameters the '
       'updates apply to, leaf for leaf.'
   )
-
-
-def check_bool(name: str, value: Any) -> None:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f'{name} must be True or False, got {value!r}.')
-
-
-def check_stats_dtype(
-    value: Any, *, factory: str = 'cbp.cbp'
-) -> Optional[jnp.dtype]:
-  """``stats_dtype`` as a dtype; None stays None; only real floats pass."""
-  if value is None:
-    return None
-  if is_array(value):
-    # jnp.float32 is callable: inject_hyperparams took it for a schedule.
-    raise TypeError(
-        f'stats_dtype must be a floating-point dtype, got the array '
-        f'{short_repr(value)}. Pass it as a string (stats_dtype=\'float32\', '
-        '\'float64\', \'bfloat16\'), '
-        'which optax.inject_hyperparams leaves alone, or: '
-        + static_args_remedy(factory, ('stats_dtype',))
-    )
-  return float_dtype('stats_dtype', value, ': the statistics are square '
-                     'roots and ratios of squared gradients.')
-
-
-def float_dtype(name: str, value: Any, why: str = '.') -> jnp.dtype:
-  """``value`` as a real floating-point dtype, or a ``TypeError`` that names
-  ``name`` and ends with ``why``."""
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError as e:
-    raise TypeError(
-        f'{name} must be a floating-point dtype, got {value!r}.') from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f'{name} must be a real floating-point dtype (float32, float64, '
-        f'bfloat16...), got {dtype}{why}')
-  return dtype
 
 
 def check_float_leaves(name: str, tree: Any) -> None:

@@ -336,20 +336,14 @@ def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
     return  # anything else, the step itself reports
 
 
-def _check_scales(
-    min_scale: Any, max_scale: Any, *, factory: str = 'cbp.equalize'
-) -> None:
-  """M1's clip interval: two positive numbers, ``min_scale <= max_scale``."""
-  _checks.check_positive('min_scale', min_scale, factory=factory)
-  _checks.check_positive('max_scale', max_scale, factory=factory)
-  low, high = _checks.concrete_float(min_scale), _checks.concrete_float(
-      max_scale
-  )
-  if low is not None and high is not None and high < low:
-    raise ValueError(
-        f'max_scale must be >= min_scale, got max_scale={max_scale!r} < '
-        f'min_scale={min_scale!r}.'
-    )
+# M1's hyperparameters (eqs. 5-6) and function arguments.
+ARGUMENTS = dict(decay=_checks.decay(), min_scale=_checks.positive(),
+                 max_scale=_checks.positive(), block_fn=_checks.Function(),
+                 stacked=_checks.Function())
+SCALES_ORDERED = _checks.ordered('min_scale', 'max_scale')
+_SPEC = _checks.Spec('cbp.equalize', dict(
+    ARGUMENTS, stats_dtype=_checks.STATS_DTYPE),
+    relations=(SCALES_ORDERED,))
 
 
 def equalize(
@@ -435,12 +429,8 @@ def equalize(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
-  factory = 'cbp.equalize'
-  _checks.check_decay('decay', decay, factory=factory)
-  _check_scales(min_scale, max_scale, factory=factory)
-  _checks.check_callable('block_fn', block_fn, factory=factory)
-  _checks.check_callable('stacked', stacked, factory=factory)
-  stats_dtype = _checks.check_stats_dtype(stats_dtype, factory=factory)
+  _checks.check(_SPEC, decay=decay, min_scale=min_scale, max_scale=max_scale,
+                block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype)
 
   def init_fn(params):
     _checks.check_float_leaves('equalize', params)
@@ -455,13 +445,15 @@ def equalize(
     )
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
+    # test_mismatched_tree_is_refused_clearly: energies of other blocks.
     _check_matches_state(layout, state)
+    # test_an_eager_update_refuses_another_configurations_state: the bounds.
     _check_recorded_bounds(state, min_scale, max_scale)
-    # The state is a flat vector: only its length can be checked against the
-    # gradients. The parameters, when given, are checked leaf for leaf; the
-    # transform keeps no record of the trees it was initialized on.
+    # test_equalize_refuses_other_leaves_with_the_same_block_count (the state
+    # is a flat vector: only the parameters show the leaves).
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     param_leaves = [None] * len(leaves)

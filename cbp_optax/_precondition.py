@@ -119,14 +119,12 @@ def check_matches_state(updates: Any, state: PreconditionState) -> None:
 ZERO_MOMENT_RULES = ('damped', 'identity', 'normalized')
 
 
-def check_zero_moment(zero_moment: Any, *, factory: str) -> None:
-  """Refuses a ``zero_moment`` that is not one of :data:`ZERO_MOMENT_RULES`."""
-  is_str = isinstance(zero_moment, str)
-  if not is_str or zero_moment not in ZERO_MOMENT_RULES:
-    what = '' if is_str else f'the {type(zero_moment).__name__} '
-    raise (ValueError if is_str else TypeError)(
-        f'{factory}: zero_moment must be one of {ZERO_MOMENT_RULES!r}, got '
-        f'{what}{zero_moment!r}.')
+# M3's hyperparameters (eqs. 11-12).
+ARGUMENTS = dict(b1=_checks.decay(), b2=_checks.decay(),
+                 damping=_checks.positive(),
+                 zero_moment=_checks.Choice(ZERO_MOMENT_RULES),
+                 stats_dtype=_checks.STATS_DTYPE)
+_SPEC = _checks.Spec('cbp.precondition', ARGUMENTS)
 
 
 class Rules(NamedTuple):
@@ -185,16 +183,6 @@ def leaf_update(rules: Rules, first_step, mu_correction, nu_correction,
       b2 * v + jnp.square(jnp.sqrt(1.0 - b2) * g_stats), largest), v_new)
   return (saturating_cast(step, out_dtype), m_new.astype(m.dtype),
           v_new.astype(v.dtype))
-
-
-def check_arguments(b1, b2, damping, stats_dtype, zero_moment) -> Any:
-  """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
-  factory = 'cbp.precondition'
-  _checks.check_decay('b1', b1, factory=factory)
-  _checks.check_decay('b2', b2, factory=factory)
-  _checks.check_positive('damping', damping, factory=factory)
-  check_zero_moment(zero_moment, factory=factory)
-  return _checks.check_stats_dtype(stats_dtype, factory=factory)
 
 
 def precondition(
@@ -291,7 +279,8 @@ def precondition(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  stats_dtype = check_arguments(b1, b2, damping, stats_dtype, zero_moment)
+  _checks.check(_SPEC, b1=b1, b2=b2, damping=damping, zero_moment=zero_moment,
+                stats_dtype=stats_dtype)
   rules = Rules(b1, b2, damping, zero_moment)
 
   def init_fn(params):
@@ -303,7 +292,9 @@ def precondition(
     )
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('precondition', updates)
+    # test_mismatched_tree_is_refused_clearly: moments of other leaves.
     check_matches_state(updates, state)
     count = state.count
     count_inc = optax.safe_increment(count)
@@ -313,8 +304,7 @@ def precondition(
     mu_correction = 1.0 - b1 ** count_inc
 
     g_leaves, treedef = jax.tree.flatten(updates)
-    # The parameters only give non-float gradients their dtype, but a tree
-    # that does not match is a mistake: refused, as equalize refuses it.
+    # test_params_that_do_not_match_the_gradients_are_refused.
     _checks.check_params_match('precondition', updates, params)
     p_leaves = ([None] * len(g_leaves) if params is None
                 else jax.tree.leaves(params))

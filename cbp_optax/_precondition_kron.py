@@ -146,10 +146,6 @@ def _axes(spec: MuonDimensionNumbers, ndim: int) -> tuple[tuple[int, ...], ...]:
   as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
   reduction = tuple(a % ndim for a in as_tuple(spec.reduction_axis))
   output = tuple(a % ndim for a in as_tuple(spec.output_axis))
-  if not reduction or not output or set(reduction) & set(output):
-    raise ValueError(
-        'precondition_kron: a dimension number needs disjoint, non-empty '
-        f'reduction and output axes, got {spec} for a rank-{ndim} leaf.')
   batch = tuple(a for a in range(ndim) if a not in reduction + output)
   return batch, reduction, output
 
@@ -205,6 +201,7 @@ def _specs(dimension_numbers: DimensionNumbers, params: Any) -> list:
   leaves = jax.tree.leaves(params)
   specs = jax.tree.leaves(
       found, is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+  # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
   if len(specs) != len(leaves):
     raise ValueError(
         'precondition_kron: dimension_numbers must give one '
@@ -307,25 +304,12 @@ def _carry(v, old_left, old_right, new_left, new_right):
   return jnp.einsum('bmi,bij,bnj->bmn', o_left, v, o_right).astype(v.dtype)
 
 
-def _check_arguments(b1, b2, damping, factor_decay, every, max_dim,
-                     stats_dtype, zero_moment) -> Any:
-  """Refuses bad hyperparameters at construction; returns ``stats_dtype``."""
-  factory = 'cbp.precondition_kron'
-  stats_dtype = diag.check_arguments(b1, b2, damping, stats_dtype,
-                                      zero_moment)
-  if factor_decay is not None:
-    _checks.check_decay('factor_decay', factor_decay, factory=factory)
-  # every may arrive traced (optax.inject_hyperparams); max_dim sets shapes
-  # and must be static.
-  for name, value in (('every', every), ('max_dim', max_dim)):
-    if name == 'every' and isinstance(value, jax.Array):
-      continue
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise (ValueError if type(value) is int else TypeError)(
-          f'{factory}: {name} must be an int >= 1, got {value!r}'
-          + ('; under optax.inject_hyperparams, name it in static_args.'
-             if name == 'max_dim' else '.'))
-  return stats_dtype
+# every may arrive traced (optax.inject_hyperparams); max_dim sets shapes.
+KRON_ARGUMENTS = dict(factor_decay=_checks.decay(optional=True),
+                      every=_checks.Count(1, traced=True),
+                      max_dim=_checks.Count(1))
+_SPEC = _checks.Spec('cbp.precondition_kron',
+                     dict(diag.ARGUMENTS, **KRON_ARGUMENTS))
 
 
 def precondition_kron(
@@ -402,8 +386,9 @@ def precondition_kron(
     §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1 and §8.2; Vyas et al.,
     SOAP, ICLR 2025.
   """
-  stats_dtype = _check_arguments(b1, b2, damping, factor_decay, every,
-                                 max_dim, stats_dtype, zero_moment)
+  _checks.check(_SPEC, b1=b1, b2=b2, damping=damping,
+                factor_decay=factor_decay, every=every, max_dim=max_dim,
+                stats_dtype=stats_dtype, zero_moment=zero_moment)
   rules = diag.Rules(b1, b2, damping, zero_moment)
   beta_f = b2 if factor_decay is None else factor_decay
   numbers = (default_dimension_numbers if dimension_numbers is None
@@ -417,6 +402,7 @@ def precondition_kron(
     found = [(k, _matrix(shape, s, max_dim))
              for k, shape, s in zip(paths, shapes, _specs(numbers, params))]
     keys = [k for k, view in found if view is not None]
+    # test_matrices_whose_joined_paths_collide_are_refused: one factor.
     if len(set(keys)) != len(keys):
       raise ValueError('precondition_kron: two matrix leaves have the same '
                        f'path once joined ({sorted(keys)}); rename one.')
@@ -439,8 +425,11 @@ def precondition_kron(
         factors=factors or _no_factors())
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('precondition_kron', updates)
+    # test_mismatched_tree_is_refused_clearly: moments of other leaves.
     diag.check_matches_state(updates, state)
+    # test_params_that_do_not_match_the_gradients_are_refused.
     _checks.check_params_match('precondition_kron', updates, params)
     count_inc = optax.safe_increment(state.count)
     first_step = state.count == 0
@@ -452,12 +441,6 @@ def precondition_kron(
     p_leaves = ([None] * len(g_leaves) if params is None
                 else jax.tree.leaves(params))
     found = views(updates)
-    stored = state.factors if isinstance(state.factors, dict) else {}
-    missing = sorted({k for k, view in found if view is not None}
-                     ^ set(stored))
-    if missing:
-      raise ValueError('precondition_kron: the matrices of the gradients and '
-                       f'of the state differ at {missing}.')
     steps, mus, nus, factors = [], [], [], {}
     for g, m, v, p, (key, view) in zip(
         g_leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),

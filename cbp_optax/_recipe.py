@@ -7,11 +7,9 @@ References:
   preconditioner).
 """
 
-import numbers
 from typing import Any, Callable, Optional, Union
 
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from cbp_optax import _checks
@@ -27,19 +25,17 @@ _ZERO_MOMENT = 'normalized'
 _CLIP = 3.0
 
 
-def _check_steps(value: Any) -> int:
-  if value is None:
-    return 0
-  if isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
-      value, bool):
-    if value < 0:
-      raise ValueError(f'warmup_steps must be >= 0, got {value!r}.')
-    return int(value)
-  message = f'warmup_steps must be an int >= 0 or None, got {value!r}.'
-  if _checks.is_array(value):
-    message += ' ' + _checks.static_args_remedy('cbp.recommended',
-                                                 ('warmup_steps',))
-  raise TypeError(message)
+_SPEC = _checks.Spec('cbp.recommended', dict(
+    learning_rate=_checks.nonnegative(schedule=True),
+    warmup_steps=_checks.Count(0, optional=True),
+    b1=_checks.Interval(0.0, 1.0, closed='neither'),
+    weight_decay=_checks.nonnegative(optional=True),
+    mask=weight_decay_lib.Mask(), state_dtype=_checks.FloatDtype()),
+    leading=('learning_rate',),
+    relations=(weight_decay_lib.MASK_NEEDS_DECAY, _checks.Relation(
+        lambda v: not (callable(v['learning_rate']) and v['warmup_steps']),
+        'warmup_steps={warmup_steps} with a learning-rate schedule; put the '
+        'warm-up in the schedule, or pass the peak rate as a number.')))
 
 
 def recommended(
@@ -134,35 +130,12 @@ def recommended(
     Reparameterization of the Backward Pass with Convergence Guarantees,
     §4.2, eqs. (8)-(10), and §4.4, eqs. (11)-(12).
   """
-  factory = 'cbp.recommended'
-  _checks.check_nonnegative('learning_rate', learning_rate, schedule_ok=True,
-                            factory=factory)
-  warmup_steps = _check_steps(warmup_steps)
-  _checks.check_in_range('b1', b1, 0.0, 1.0, low_inclusive=False,
-                         factory=factory)
-  if weight_decay is not None:
-    _checks.check_nonnegative('weight_decay', weight_decay, factory=factory)
-  mask_error = weight_decay_lib.mask_error(factory, mask)
-  if mask_error is not None:
-    raise TypeError(mask_error)
-  weight_decay_lib.check_pair(factory, weight_decay, mask)
-  if state_dtype is not None:
-    if _checks.is_array(state_dtype):  # inject_hyperparams called the dtype
-      raise TypeError(
-          f'state_dtype must be a dtype, got {state_dtype!r}. '
-          + _checks.static_args_remedy(factory, ('state_dtype',)))
-    _checks.float_dtype('state_dtype', state_dtype)
-  if callable(learning_rate):
-    if warmup_steps:
-      raise ValueError(
-          f'{factory}: warmup_steps={warmup_steps} with a learning-rate '
-          'schedule; put the warm-up in the schedule, or pass the peak rate '
-          'as a number.')
-    rate = learning_rate
-  elif warmup_steps:
+  _checks.check(_SPEC, learning_rate=learning_rate, warmup_steps=warmup_steps,
+                b1=b1, weight_decay=weight_decay, mask=mask,
+                state_dtype=state_dtype)
+  rate = learning_rate
+  if warmup_steps and not callable(learning_rate):
     rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
-  else:
-    rate = learning_rate
   base = optax.chain(
       precondition_lib.precondition(b1=0.0, b2=_B2, damping=_DAMPING,
                                     zero_moment=_ZERO_MOMENT),

@@ -9,7 +9,7 @@ as in ``optax.add_decayed_weights``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import optax
@@ -37,36 +37,31 @@ def matrices(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def mask_error(factory: str, value: Any) -> Optional[str]:
-  """What is wrong with a ``mask`` that is one leaf (a bool, a number, an
-  array, e.g. a mask function ``inject_hyperparams`` called with the step
-  count), or None for a tree or a function."""
-  if value is None or callable(value):
-    return None
-  leaves = jax.tree.leaves(value)
-  if len(leaves) != 1 or leaves[0] is not value:
-    return None
-  return (
-      f'mask must be a tree of booleans shaped like the parameters or a '
-      f'function of the parameters returning one, got the '
-      f'{type(value).__name__} {_checks.short_repr(value)}. Leave mask out '
-      f'to decay {DEFAULT}; pass weight_decay=None to decay nothing. If a '
-      'function was passed: '
-      + _checks.static_args_remedy(factory, ('mask',))
-  )
+class Mask(_checks.Constraint):
+  """A tree of bools or a function of the parameters, as in
+  ``optax.add_decayed_weights``, or None; not one leaf (a bool, a number,
+  an array: what a mask function that ``inject_hyperparams`` called with
+  the step count returns)."""
+
+  def arrived_as_value(self, value: Any) -> bool:
+    if value is None or callable(value):
+      return False
+    leaves = jax.tree.leaves(value)
+    return len(leaves) == 1 and leaves[0] is value
+
+  def judge(self, spec: _checks.Spec, name: str, value: Any) -> None:
+    if self.arrived_as_value(value):
+      raise spec.error(TypeError, (
+          f'{name} must be a tree of booleans shaped like the parameters or a'
+          f' function of them, got {_checks.describe(value)}. Leave {name} out to'
+          f' decay {DEFAULT}, or pass weight_decay=None to decay nothing; if '
+          'a function was passed, ' + _checks.static_args_remedy(spec, (name,))))
 
 
-def check_pair(factory: str, weight_decay: Any, mask: Any) -> None:
-  """Refuses a ``mask`` without ``weight_decay``.
-
-  Raises:
-    ValueError: ``mask`` given with ``weight_decay=None``.
-  """
-  if mask is not None and weight_decay is None:
-    raise ValueError(
-        f'{factory}: mask selects the parameters that weight_decay applies '
-        'to, but weight_decay is None (no decay). Pass weight_decay=..., or '
-        'leave mask out.')
+# mask only with a weight decay: without one it would be silently unused.
+MASK_NEEDS_DECAY = _checks.needs(
+    'mask', 'weight_decay',
+    'mask selects the parameters that weight_decay applies to')
 
 
 def decayed_weights(weight_decay: Any, mask: Any

@@ -158,7 +158,7 @@ def test_function_arguments_that_arrive_as_values_are_refused_together(name):
       1e-2, weight_decay=0.1, mask=kernels_only, block_fn=block_fn,
       stacked=stacked)
   with pytest.raises(TypeError, match=(
-      rf"cbp.{MESSAGE_NAME[name]} got block_fn=Array\(0.*stacked=False, "
+      rf"cbp.{MESSAGE_NAME[name]}: got block_fn=Array\(0.*stacked=False, "
       rf"mask=False.*inject_hyperparams\(cbp.{MESSAGE_NAME[name]}, static_args=\('block_fn', "
       r"'stacked', 'mask'\)\)")):
     tx.init(two_layers()[0])
@@ -354,10 +354,12 @@ def test_equalize_stats_of_a_state_without_equalize_says_what_it_reads():
 # --- params at update ------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name', ['equalize', 'precondition', 'cbp'])
+@pytest.mark.parametrize('name', ['equalize', 'precondition', 'cbp',
+                                  'precondition_kron'])
 def test_params_that_do_not_match_the_gradients_are_refused(name):
   # precondition silently ignored them (equalize refused them).
   tx = {'equalize': cbp.equalize, 'precondition': cbp.precondition,
+        'precondition_kron': cbp.precondition_kron,
         'cbp': lambda: cbp.cbp(1e-2)}[name]()
   params, grads = two_layers()
   state = tx.init(params)

@@ -202,6 +202,14 @@ def test_dimension_numbers_must_cover_every_leaf():
     tx.init({'a': jnp.zeros((2, 2)), 'b': jnp.zeros(2)})
 
 
+def test_matrices_whose_joined_paths_collide_are_refused():
+  # 'a/b' and ['a']['b'] join to one key of the factors: both matrices would
+  # silently share (and overwrite) one pair of Kronecker factors.
+  tx = cbp.precondition_kron()
+  with pytest.raises(ValueError, match='same path once joined'):
+    tx.init({'a/b': jnp.zeros((3, 2)), 'a': {'b': jnp.zeros((3, 2))}})
+
+
 def test_vmapped_over_seeds_equals_one_run_per_seed():
   # The suite trains seeds as one vmapped program: each seed's update is
   # the one it gets alone (bases included, the refresh under vmap).

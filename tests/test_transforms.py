@@ -237,9 +237,10 @@ def test_single_scalar_parameter():
   assert cbp.block_names(jnp.array(1.0)) == ('',)
 
 
-@pytest.mark.parametrize('name', sorted(ALL_TRANSFORMS))
+@pytest.mark.parametrize('name',
+                         sorted(ALL_TRANSFORMS) + ['precondition_kron'])
 def test_mismatched_tree_is_refused_clearly(name):
-  tx = ALL_TRANSFORMS[name]()
+  tx = {**ALL_TRANSFORMS, 'precondition_kron': cbp.precondition_kron}[name]()
   state = tx.init(make_params())
   wrong = {'Dense_0': make_params()['Dense_0']}
   with pytest.raises(ValueError, match='initialized'):
