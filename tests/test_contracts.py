@@ -30,6 +30,7 @@ from typing import Callable
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
