@@ -113,13 +113,11 @@ def test_damped_zero_moment_is_algorithm_1_exactly():
     chex.assert_trees_all_equal(plain_u, explicit_u)
 
 
-def test_normalized_first_step_keeps_lemma_1_bounds():
-  # b1 = 0: the update is P_t g_t, so P_t = update / g coordinatewise, at
-  # every step including the first, and with coordinates revived late. With
-  # relative damping: experiments/tests/test_configurations.py.
+def assert_lemma_1_bounds(tx, damping, relative_damping=0.0):
+  """``1 / ((1 + relative_damping) G + damping) <= P_t <= 1 / damping`` at
+  every step of ``tx`` (b1 = 0: ``P_t = update / g`` coordinatewise),
+  including the first and with coordinates revived late."""
   rng = np.random.default_rng(2)
-  damping = 1e-3
-  tx = cbp.precondition(b1=0.0, damping=damping, zero_moment='normalized')
   state = tx.init({'w': jnp.zeros(50)})
   bound = 0.0
   for t in range(30):
@@ -130,8 +128,16 @@ def test_normalized_first_step_keeps_lemma_1_bounds():
     nonzero = g != 0
     p = np.asarray(updates['w'])[nonzero] / g[nonzero]
     assert np.all(p <= 1 / damping * (1 + 1e-5))
-    lower = 1 / (bound + damping)
+    lower = 1 / ((1 + relative_damping) * bound + damping)
     assert np.all(p >= lower * (1 - 1e-5)), (t, p.min(), lower)
+
+
+def test_normalized_first_step_keeps_lemma_1_bounds():
+  # With relative damping: experiments/tests/test_configurations.py.
+  damping = 1e-3
+  assert_lemma_1_bounds(
+      cbp.precondition(b1=0.0, damping=damping, zero_moment='normalized'),
+      damping)
 
 
 @pytest.mark.parametrize('bad, error', [

@@ -11,6 +11,7 @@ from flax import nnx
 
 import cbp_optax as cbp
 from cbp_optax_experiments import recalibrate
+from tests.test_center import KeywordCalls
 
 SIZES = (8, 8, 5)  # unequal: batches are weighted by their size
 EPS = 1e-5
@@ -399,16 +400,6 @@ def test_non_finite_statistics_are_refused():
 
 
 # --- center's item 12: keyword calls of intercepted Linen layers --------------
-
-
-class KeywordCalls(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(3, param_dtype=jnp.float64)(inputs=x)
-    x = nn.DenseGeneral(3, param_dtype=jnp.float64)(inputs=x)
-    x = nn.Conv(2, (1,), param_dtype=jnp.float64)(inputs=x[:, None, :])
-    return nn.BatchNorm(use_running_average=True)(x=x)
 
 
 def test_linen_layers_called_with_keyword_inputs_are_recalibrated():
