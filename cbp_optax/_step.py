@@ -229,16 +229,19 @@ def staged(tree: Any) -> bool:
   """True when called while an outer ``jit`` (or another transform) traces.
 
   A tracer leaf says so; so does the current trace, which also covers an
-  outer ``jit`` whose arguments are all closed over.
+  outer ``jit`` whose arguments are all closed over: JAX's opaque trace state
+  (the one Flax NNX keys its variables on) differs from the eager one.
   """
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
     return True
-  # No public JAX API says whether a transform is tracing (jax-ml/jax#18544);
-  # jax.extend's top trace, compared with the eager one seen at import.
-  return not isinstance(jax.extend.core.find_top_trace(()), _EAGER_TRACE)
+  return _trace_state() != _EAGER_STATE
 
 
-_EAGER_TRACE = type(jax.extend.core.find_top_trace(()))
+def _trace_state() -> Any:
+  return jax.extend.core.get_opaque_trace_state(convention='cbp_optax')
+
+
+_EAGER_STATE = _trace_state()
 
 
 def jit_step(
