@@ -24,7 +24,6 @@ from jax import lax
 
 from cbp_optax import _checks
 from cbp_optax import _opt_state
-from cbp_optax import _untransported
 from cbp_optax._paths import path_names
 from cbp_optax._layer_spec import CONV
 from cbp_optax._layer_spec import LayerSpec
@@ -243,12 +242,11 @@ class LayerState(NamedTuple):
   residual: Optional[jax.Array] = None
 
 
-def record(layer: LayerState, inputs: jax.Array, axis_name: Any, *,
-           framework: str, key: Any, instance: Any) -> LayerState:
+def record(layer: LayerState, inputs: jax.Array,
+           axis_name: Any) -> LayerState:
   """``layer`` after one training call on ``inputs``: the input mean since
   the last transport, pooled by input positions (the last call's without a
-  count); ``framework``, ``key`` and ``instance`` name the layer to the
-  check of :class:`UntransportedWarning`."""
+  count)."""
   spec, recorded, count = layer.spec, layer.recorded, layer.count
   if count is None:
     return layer._replace(
@@ -263,8 +261,7 @@ def record(layer: LayerState, inputs: jax.Array, axis_name: Any, *,
       dtype)) * (n / (count + n)).astype(dtype)
   return layer._replace(
       recorded=jnp.where(count > 0, pooled.astype(recorded.dtype), mean),
-      count=_untransported.check(count, count + n, n, framework, key,
-                                 layer.mean, layer.kernel, instance=instance))
+      count=count + n)
 
 
 def refresh(layer: LayerState, decay: Any, recorded_only: bool = True,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
+from cbp_optax import _untransported
 from cbp_optax import centering as core
 from cbp_optax._paths import path_str
 
@@ -134,10 +135,10 @@ def centered_call(
     new = core.record(
         core.LayerState(spec, kernel_of(), None, mean.value, recorded.value,
                         None if count is None else count.value),
-        inputs, axis_name, framework='linen', key=tuple(host.path),
-        instance=host)
+        inputs, axis_name)
     recorded.value = new.recorded
     if count is not None:
+      _untransported.check('linen', count.value, new.count, mean.value)
       count.value = new.count
 
   return core.centered_output(spec, layer_fn, inputs, kernel_of, mean.value,
@@ -154,8 +155,9 @@ class Centered(nn.Module):
   Parameters live under ``<Centered>/dense`` or ``/conv`` (:func:`center`
   centers a model without editing it). ``mu`` (``'centering'/'mean'``)
   starts at zero; with ``'centering'`` mutable in training, the forward pass
-  records the batch mean (as ``cbp_optax.nnx.Centered``, warning with
-  :class:`cbp_optax.centering.UntransportedWarning`) for :func:`transport`.
+  records the batch mean (as ``cbp_optax.nnx.Centered``; eager calls warn
+  with :class:`cbp_optax.centering.UntransportedWarning`) for
+  :func:`transport`.
 
   Attributes:
     layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``),

@@ -39,7 +39,7 @@ class _StackTracked(nnx.BatchStat):
         a - 1 if a > axis_index else a for a in axes if a != axis_index))
 
 
-class CenteringMean(_StackTracked):
+class CenteringMean(_untransported.MarksTransport, _StackTracked):
   """The EMA ``mu`` a centered layer subtracts from its input (eq. 8)."""
 
 
@@ -47,7 +47,7 @@ class RecordedMean(_StackTracked):
   """The mean of the training inputs since the last :func:`transport`."""
 
 
-class RecordedCount(_StackTracked):
+class RecordedCount(_untransported.CountWrites, _StackTracked):
   """Input positions :class:`RecordedMean` averages: ``mu``'s shape with
   feature axes 1, so each call weighs by the positions it saw."""
 
@@ -201,14 +201,15 @@ class Centered(nnx.Module):
     dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
     self.layer = layer
     self.spec = spec
-    self.untransported_key = _untransported.LayerKey()
     self.use_running_average = use_running_average
     self.axis_name = axis_name
-    self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes)
+    key = _untransported.LayerKey()
+    self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes,
+                              untransported=key)
     self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
                                    stack_axes=stack_axes)
     self.batch_count = RecordedCount(core.zero_count(shape, dtype, stack_axes),
-                                     stack_axes=stack_axes)
+                                     stack_axes=stack_axes, untransported=key)
     if core.needs_bias_residual(layer.bias.dtype):
       self.bias_residual = TransportResidual(
           jnp.zeros(layer.bias.shape, jnp.float32))
@@ -224,9 +225,7 @@ class Centered(nnx.Module):
     if use_running_average is None:
       use_running_average = self.use_running_average
     if not use_running_average:
-      new = core.record(layer_state(self), inputs, self.axis_name,
-                        framework='nnx', instance=self,
-                        key=getattr(self, 'untransported_key', id(self)))
+      new = core.record(layer_state(self), inputs, self.axis_name)
       self.batch_mean[...], self.batch_count[...] = new.recorded, new.count
     return core.centered_output(
         self.spec, lambda x: self.layer(x, *args, **kwargs), inputs,
