@@ -11,14 +11,6 @@ from flax import nnx
 from cbp_optax import _opt_state
 
 
-def _is_variable(node: Any) -> bool:
-  return isinstance(node, nnx.Variable)
-
-
-def _unbox(variable: nnx.Variable) -> Any:
-  return variable.get_value()
-
-
 def _store(variable: nnx.Variable, value: Any) -> None:
   variable[...] = value
 
@@ -37,5 +29,6 @@ def _rebuild(tree: Any, key: Any, child: Any) -> Any:
 
 
 FLAX = _opt_state.TreeKind(
-    is_box=_is_variable, unbox=_unbox, store=_store,
+    is_box=lambda node: isinstance(node, nnx.Variable),
+    unbox=nnx.Variable.get_value, store=_store,
     mappings=(nnx.State, flax.core.FrozenDict), rebuild=_rebuild)
