@@ -1,9 +1,6 @@
 """optax's state classes, audited against its sources for the bias transport
-(§4.2, eq. 10): the fields holding a parameter copy, the refused classes, and
-the wrappers' fields that hold an inner state. Keyed on the classes; those
-optax does not export are the types of states built abstractly."""
-
-from __future__ import annotations
+(§4.2, eq. 10): those holding a copy of the parameters, and where; those
+refused; the wrappers' fields holding an inner state."""
 
 import functools
 
@@ -16,22 +13,16 @@ import optax.experimental
 WRAPPER_FIELDS = frozenset({
     'adv_state', 'base_optimizer_state', 'fast_state', 'hyperparams_states',
     'inner_opt_state', 'inner_state', 'inner_states', 'measure_states',
-    'opt_state',
-})
-
-
-def _built(init, *args) -> type:
-  """The class of ``init(*args)``'s state (traced abstractly, no compute)."""
-  return type(jax.eval_shape(init, *args))
+    'opt_state'})
 
 
 @functools.cache
 def optax_states() -> tuple[dict[type, tuple[str, ...]], dict[type, str]]:
   """``(fields, refused)``: each audited class's fields holding a copy of
-  the parameters (``()``: gradient statistics only), and each refused
-  class's reason."""
+  the parameters (``()``: statistics only); each refused class's reason."""
   o, c, agg = optax, optax.contrib, optax.experimental.aggregating
   p = {'w': jax.ShapeDtypeStruct((2,), jnp.float32)}
+  built = lambda init, *a: type(jax.eval_shape(init, *a))  # no compute
   fields = dict.fromkeys((
       o.AddNoiseState, o.ApplyIfFiniteState, o.ConditionallyMaskState,
       o.ConditionallyTransformState, o.EmaState, o.EmptyState,
@@ -53,17 +44,16 @@ def optax_states() -> tuple[dict[type, tuple[str, ...]], dict[type, str]]:
       agg.AccumulateAvgUpdatesState, agg.PerElementMeanAndSumSqDiffGradsState,
       agg.PerElementMeanAndVarianceEMAState,
       # Not exported by optax: the classes of states built abstractly.
-      _built(o.scale_by_optimistic_gradient().init, p),
-      _built(o.scale_by_rms(bias_correction=True).init, p),
-      _built(o.scale_by_stddev(bias_correction=True).init, p),
-      _built(o.WrappedSchedule(abs).init),
-      type(jax.eval_shape(o.scale_by_backtracking_linesearch(2).init,
-                          p).info),
+      built(o.scale_by_optimistic_gradient().init, p),
+      built(o.scale_by_rms(bias_correction=True).init, p),
+      built(o.scale_by_stddev(bias_correction=True).init, p),
+      built(o.WrappedSchedule(abs).init),
+      type(jax.eval_shape(o.scale_by_backtracking_linesearch(2).init, p).info),
   ), ())
   fields.update({
       c.ScheduleFreeState: ('z',), c.SAMState: ('cache',),
       c.DoGState: ('init_params',), c.DoWGState: ('init_params',),
-      _built(o.scale_by_distance_over_gradients().init, p): ('init_params',),
+      built(o.scale_by_distance_over_gradients().init, p): ('init_params',),
       c.MadgradState: ('x0',), c.MechanicState: ('x0',),
       c.ProdigyState: ('params0',), c.COCOBState: ('init_particles',),
       o.LookaheadParams: ('fast', 'slow'),
