@@ -38,6 +38,11 @@ from cbp_optax._precondition import PreconditionState
 from cbp_optax._precondition_kron import KronPreconditionState
 from cbp_optax._precondition_kron import precondition_kron
 
+# The package's own states hold gradient statistics only.
+centering.register_parameter_state(EqualizeState)
+centering.register_parameter_state(PreconditionState)
+centering.register_parameter_state(KronPreconditionState)
+
 __version__ = '0.1.0'
 
 __all__ = (

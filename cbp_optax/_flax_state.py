@@ -1,26 +1,12 @@
 """Flax's trees as the transport's optimizer-state walks see them: NNX
 ``Variable`` boxes, ``nnx.State`` and ``FrozenDict`` mappings (adapters only)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import flax
 from flax import nnx
 
 from cbp_optax import _opt_state
-
-
-def _is_variable(node: Any) -> bool:
-  return isinstance(node, nnx.Variable)
-
-
-def _unbox(variable: nnx.Variable) -> Any:
-  return variable.get_value()
-
-
-def _store(variable: nnx.Variable, value: Any) -> None:
-  variable[...] = value
 
 
 def _rebuild(tree: Any, key: Any, child: Any) -> Any:
@@ -37,5 +23,7 @@ def _rebuild(tree: Any, key: Any, child: Any) -> Any:
 
 
 FLAX = _opt_state.TreeKind(
-    is_box=_is_variable, unbox=_unbox, store=_store,
+    is_box=lambda node: isinstance(node, nnx.Variable),
+    unbox=nnx.Variable.get_value,
+    store=lambda variable, value: variable.set_value(value, index=...),
     mappings=(nnx.State, flax.core.FrozenDict), rebuild=_rebuild)

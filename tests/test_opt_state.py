@@ -54,18 +54,17 @@ def optax_state_classes():
 def test_opt_state_every_optax_state_class_is_classified():
   classes = optax_state_classes()
   assert 'TraceState' in classes and 'ScaleByAdamState' in classes
+  _, refused = _opt_state.optax_states()
   unclassified = sorted(
       name for name, cls in classes.items()
-      if _opt_state.parameter_fields(cls) is None
-      and name not in _opt_state.OPTAX_REFUSED)
+      if _opt_state.parameter_fields(cls) is None and cls not in refused)
   assert not unclassified, unclassified
 
 
 def test_opt_state_parameter_fields_name_real_fields():
-  classes = optax_state_classes()
-  for name, fields in _opt_state.OPTAX_PARAMETER_FIELDS.items():
-    if name in classes and hasattr(classes[name], '_fields'):
-      assert set(fields) <= set(classes[name]._fields), name
+  fields, _ = _opt_state.optax_states()
+  for cls, names in fields.items():
+    assert set(names) <= set(cls._fields), cls
 
 
 MOMENTUM = [

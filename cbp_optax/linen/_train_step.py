@@ -16,7 +16,6 @@ from cbp_optax import _checks
 from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax._equalize import check_recorded_bounds
-from cbp_optax._flax_state import FLAX
 from cbp_optax._step import StepOutput
 from cbp_optax.linen._transport import check_opt_state
 from cbp_optax.linen._transport import transport_collections
@@ -219,7 +218,7 @@ def train_step(
     _check_state_first(args)
     state = args[0]
     def classify():
-      _opt_state.check_fusable(state.opt_state, 'train_step', FLAX)
+      _opt_state.check_fusable(state.opt_state, 'train_step')
       check_recorded_bounds(state.tx, state.opt_state, state.params)
       if state.centering:
         check_opt_state(state.params, state.centering, state.opt_state)

@@ -13,7 +13,6 @@ from flax import nnx
 
 from cbp_optax import _checks
 from cbp_optax._equalize import check_recorded_bounds
-from cbp_optax._flax_state import FLAX
 from cbp_optax import _opt_state
 from cbp_optax import _step
 from cbp_optax import centering as core
@@ -160,7 +159,7 @@ def _flat_arguments(args: Sequence[Any], donate: bool,
   model, optimizer, *args = args
   _check_step_arguments(model, optimizer)
   def classify():
-    _opt_state.check_fusable(optimizer.opt_state, 'train_step', FLAX)
+    _opt_state.check_fusable(optimizer.opt_state, 'train_step')
     check_optimizer_state(model, optimizer, 'train_step')
     check_recorded_bounds(optimizer.tx, nnx.as_pure(optimizer.opt_state),
                           nnx.as_pure(nnx.state(model, optimizer.wrt)))
