@@ -25,20 +25,17 @@ def _narrow_in_float32(
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    dtypes = [jnp.result_type(g) for g in jax.tree.leaves(updates)]
-    if not any(precondition_lib.is_narrow(d) for d in dtypes):
+    leaves, treedef = jax.tree.flatten(updates)
+    narrow = [precondition_lib.is_narrow(jnp.result_type(g)) for g in leaves]
+    if not any(narrow):
       return inner.update(updates, state, params, **extra_args)
-    wide = jax.tree.map(
-        lambda g: jnp.asarray(g, jnp.float32)
-        if precondition_lib.is_narrow(jnp.result_type(g)) else g,
-        updates,
-    )
+    wide = treedef.unflatten([jnp.asarray(g, jnp.float32) if n else g
+                              for g, n in zip(leaves, narrow)])
     new_updates, new_state = inner.update(wide, state, params, **extra_args)
-    leaves, treedef = jax.tree.flatten(new_updates)
-    return treedef.unflatten([
-        precondition_lib.saturating_cast(u, d) if precondition_lib.is_narrow(d)
-        else u for u, d in zip(leaves, dtypes)
-    ]), new_state
+    new_leaves, new_def = jax.tree.flatten(new_updates)
+    return new_def.unflatten([
+        precondition_lib.saturating_cast(u, jnp.result_type(g)) if n else u
+        for u, g, n in zip(new_leaves, leaves, narrow)]), new_state
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 

@@ -11,6 +11,7 @@ at the end.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Callable, Mapping, Optional
@@ -166,17 +167,10 @@ def _schedule_remedy(spec: Spec, name: str) -> str:
           f'{spec.name or "factory"})({spec.example(f"{name}=schedule")}).')
 
 
-def positive(**kwargs: Any) -> Interval:
-  return Interval(0.0, math.inf, closed='neither', **kwargs)
-
-
-def nonnegative(**kwargs: Any) -> Interval:
-  return Interval(0.0, math.inf, **kwargs)
-
-
-def decay(**kwargs: Any) -> Interval:
-  """An EMA decay in ``[0, 1)``."""
-  return Interval(0.0, 1.0, **kwargs)
+# (0, inf), [0, inf) and an EMA decay's [0, 1).
+positive = functools.partial(Interval, 0.0, math.inf, closed='neither')
+nonnegative = functools.partial(Interval, 0.0, math.inf)
+decay = functools.partial(Interval, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,12 +325,13 @@ def _check_one(constraint: Constraint, name: str, value: Any) -> None:
   check(Spec('', {name: constraint}), **{name: value})
 
 
-def check_positive(name: str, value: Any) -> None:
-  _check_one(positive(), name, value)
-
-
-def check_nonnegative(name: str, value: Any) -> None:
-  _check_one(nonnegative(), name, value)
+check_positive = functools.partial(_check_one, positive())
+check_nonnegative = functools.partial(_check_one, nonnegative())
+# M2's mean EMA decay (eq. 8): one number in [0, 1), or a tracer.
+check_mean_decay = functools.partial(_check_one, decay(no_schedule=(
+    'No optax factory takes mean_decay, so optax.inject_hyperparams cannot '
+    'schedule it: pass each step\'s value to the transport, '
+    'transport(..., mean_decay=schedule(step)).')), 'mean_decay')
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -346,17 +341,6 @@ def check_bool(name: str, value: Any) -> None:
 
 def check_function(name: str, value: Any, *, optional: bool = False) -> None:
   _check_one(Function(optional=optional), name, value)
-
-
-_MEAN_DECAY = decay(no_schedule=(
-    'No optax factory takes mean_decay, so optax.inject_hyperparams cannot '
-    'schedule it: pass each step\'s value to the transport, '
-    'transport(..., mean_decay=schedule(step)).'))
-
-
-def check_mean_decay(value: Any) -> None:
-  """M2's mean EMA decay (eq. 8): one number in ``[0, 1)`` or a tracer."""
-  _check_one(_MEAN_DECAY, 'mean_decay', value)
 
 
 def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:

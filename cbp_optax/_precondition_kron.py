@@ -152,12 +152,6 @@ def _key(path) -> str:
   return '/'.join(n for n in path_names(path) if n != 'value')
 
 
-def _no_factors() -> chex.Array:
-  """``factors`` without a matrix: an empty array, a leaf (a prefix of any
-  structure, for ``optax.tree_map_params``)."""
-  return jnp.zeros((0,), jnp.float32)
-
-
 def _eye(batch: int, size: int, dtype) -> chex.Array:
   return jnp.broadcast_to(jnp.eye(size, dtype=dtype), (batch, size, size))
 
@@ -338,7 +332,9 @@ def precondition_kron(
         count=jnp.zeros([], jnp.int32),
         mu=diag.zeros_like_tree(params, stats_dtype),
         nu=diag.zeros_like_tree(params, stats_dtype),
-        factors=factors or _no_factors())
+        # Without a matrix, a leaf: a prefix of any structure (for
+        # optax.tree_map_params, which initializes on a leafless placeholder).
+        factors=factors or jnp.zeros((0,), jnp.float32))
 
   def update_fn(updates, state, params=None):
     count_inc, terms, p_leaves = diag.begin_update(

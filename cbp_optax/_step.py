@@ -34,8 +34,6 @@ class StepOutput(NamedTuple):
     ...   y = model(x)
     ...   return jnp.mean(y ** 2), {'mean_output': jnp.mean(y)}
     >>> out = cbp.nnx.train_step(loss_fn)(model, optimizer, jnp.ones((4, 2)))
-    >>> out._fields
-    ('loss', 'aux', 'skipped')
     >>> sorted(out.aux), out.skipped.dtype
     (['mean_output'], dtype('bool'))
   """
