@@ -1,19 +1,11 @@
 """cbp_optax: Conditioned Backpropagation for JAX, Optax and Flax.
 
-Optimizer side (optax transforms):
-
-* :func:`equalize` - M1, layerwise gradient-norm equalization (eqs. 5-7).
-* :func:`precondition` - M3, damped lagged diagonal preconditioning (eqs. 11-12).
-* :func:`precondition_kron` - M3 in the eigenbasis of each matrix's Kronecker
-  factors (§8.2).
-* :func:`cbp` - the two chained with a learning rate (Algorithm 1, steps 3-9).
-* :func:`cbp_kron` - :func:`cbp_robust` with the Kronecker-factored M3.
-* :func:`recommended` - the recommended recipe's optimizer (schedule-free CBP
-  M3) for a model centered with M2, chosen on the workload suite's dev split.
-
-Model side (M2 centering and the fused train step): ``cbp_optax.nnx`` and
-``cbp_optax.linen``, imported on first use; they need Flax
-(``pip install "cbp-optax[flax]"``). ``import cbp_optax`` imports no Flax.
+Optimizer side (optax transforms): :func:`equalize` (M1, eqs. 5-7),
+:func:`precondition` (M3, eqs. 11-12), :func:`precondition_kron` (M3 in
+Kronecker-factored eigenbases, §8.2), :func:`cbp`, :func:`cbp_robust` and
+:func:`cbp_kron` (chained with a learning rate, Algorithm 1) and
+:func:`recommended`. Model side (M2 centering, the fused train step):
+``cbp_optax.nnx`` and ``cbp_optax.linen``, imported on first use (Flax).
 """
 
 import importlib

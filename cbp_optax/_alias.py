@@ -1,10 +1,4 @@
-"""``cbp()``: the optimizer side of Conditioned Backpropagation as one optax chain.
-
-References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.4, eq. (12), and Algorithm 1.
-"""
+"""The optimizer side of Conditioned Backpropagation as one optax chain."""
 
 # No `from __future__ import annotations`: optax's contract tests read
 # `learning_rate`'s annotation (optax.ScalarOrSchedule) with inspect.
@@ -26,36 +20,28 @@ from cbp_optax import _weight_decay as weight_decay_lib
 def _narrow_in_float32(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
-  """Runs ``inner`` on float32 copies of float16 gradients.
-
-  The update is cast back to each gradient's dtype after the learning rate,
-  saturating (:func:`saturating_cast`); trees without float16 leaves go
-  through ``inner`` untouched, bit for bit.
-  """
+  """Runs ``inner`` on float32 copies of float16 gradients, casting the
+  update back (saturating); other trees go through untouched."""
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    dtypes = [jnp.result_type(g) for g in jax.tree.leaves(updates)]
-    if not any(precondition_lib.is_narrow(d) for d in dtypes):
+    leaves, treedef = jax.tree.flatten(updates)
+    narrow = [precondition_lib.is_narrow(jnp.result_type(g)) for g in leaves]
+    if not any(narrow):
       return inner.update(updates, state, params, **extra_args)
-    wide = jax.tree.map(
-        lambda g: jnp.asarray(g, jnp.float32)
-        if precondition_lib.is_narrow(jnp.result_type(g)) else g,
-        updates,
-    )
+    wide = treedef.unflatten([jnp.asarray(g, jnp.float32) if n else g
+                              for g, n in zip(leaves, narrow)])
     new_updates, new_state = inner.update(wide, state, params, **extra_args)
-    leaves, treedef = jax.tree.flatten(new_updates)
-    return treedef.unflatten([
-        precondition_lib.saturating_cast(u, d) if precondition_lib.is_narrow(d)
-        else u for u, d in zip(leaves, dtypes)
-    ]), new_state
+    new_leaves, new_def = jax.tree.flatten(new_updates)
+    return new_def.unflatten([
+        precondition_lib.saturating_cast(u, jnp.result_type(g)) if n else u
+        for u, g, n in zip(new_leaves, leaves, narrow)]), new_state
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _spec(name: str, **more: Any) -> _checks.Spec:
-  """The checks of a CBP chain's arguments: M1's and M3's, the rate, the
-  decay and its mask, the clip, and ``more``."""
+  """The checks of a CBP chain's arguments."""
   return _checks.Spec(name, dict(
       learning_rate=_checks.nonnegative(schedule=True),
       weight_decay=_checks.nonnegative(schedule=True, optional=True),
@@ -73,8 +59,7 @@ _CBP_KRON = _spec('cbp.cbp_kron', **precondition_kron_lib.KRON_ARGUMENTS)
 
 def _finish(transforms: list, update_clip, weight_decay, mask,
             learning_rate) -> optax.GradientTransformationExtraArgs:
-  """The chain after M1 and M3, shared by :func:`cbp` and :func:`cbp_kron`:
-  the optional clip, the optional decay and the learning rate."""
+  """M1 and M3's chain, then the optional clip and decay, and the rate."""
   if update_clip is not None:
     transforms.append(optax.clip(update_clip))
   transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
@@ -103,28 +88,18 @@ def cbp(
 
   The chain :func:`equalize` -> :func:`precondition` -> optional
   ``optax.clip`` -> optional decoupled weight decay ->
-  ``optax.scale_by_learning_rate``, i.e. the update
-  :math:`-\eta P_t \hat m_t` of eq. (12) with :math:`m` built from
-  :math:`S_t g_t`. Centering (M2) is a reparameterization of the model, not an
-  optimizer step: wrap the layers with ``cbp_optax.nnx.Centered`` or
-  ``cbp_optax.linen.Centered`` and train with the fused step of those modules.
+  ``optax.scale_by_learning_rate``: the update :math:`-\eta P_t \hat m_t`
+  of eq. (12) with :math:`m` built from :math:`S_t g_t`. Centering (M2) is a
+  reparameterization of the model (``cbp_optax.nnx.center``,
+  ``cbp_optax.linen.center``), not an optimizer step.
 
-  Choosing the learning rate: because of the lag of Algorithm 1, a
-  coordinate whose gradient was exactly zero until now is scaled by up to
-  :math:`1/\zeta` the first time it is non-zero, so Adam's learning rate can
-  be far too large (on Rosenbrock from the origin, :math:`\eta = 0.1` sends
-  the second coordinate to about 421). Start around :math:`10^{-3}` to :math:`3 \cdot 10^{-3}`,
-  or see :func:`precondition` for the remedies.
-
-  Hyperparameters: every argument but ``learning_rate`` and ``weight_decay``
-  is a number; schedule the others with
-  ``optax.inject_hyperparams(cbp.cbp)(learning_rate=..., b1=schedule)``, and
-  name ``block_fn``, ``stacked``, ``mask`` (and a callable dtype such as
-  ``jnp.float32``) in its ``static_args``: one that arrives as a value is
-  refused with the call that fixes it.
-
-  Dtypes: updates have the gradients' dtype; float16 gradients run through
-  the chain as float32 and only the final update is cast back, saturating.
+  Adam's learning rate can be far too large: a coordinate whose gradient was
+  zero so far is scaled by up to :math:`1/\zeta` the first time it is not
+  (on Rosenbrock from the origin, :math:`\eta = 0.1` sends the second
+  coordinate to about 421). Start around :math:`10^{-3}`, or see
+  :func:`precondition` for the remedies. Schedule a hyperparameter other than
+  ``learning_rate`` and ``weight_decay`` with ``optax.inject_hyperparams``,
+  naming ``block_fn``, ``stacked`` and ``mask`` in its ``static_args``.
 
   Args:
     learning_rate: :math:`\eta \ge 0`, a float or an optax schedule.
@@ -135,41 +110,37 @@ def cbp(
     decay: block-energy EMA decay :math:`\rho` of M1 (eq. 5), in [0, 1).
     min_scale: :math:`s_{\min} > 0` of eq. (6).
     max_scale: :math:`s_{\max} \ge s_{\min}` of eq. (6).
-    weight_decay: decoupled (AdamW-style) weight decay :math:`\ge 0` (a
-      number or a schedule), before the learning rate; ``None`` leaves it
-      out of the chain (0 keeps it in, so the state's structure is fixed).
+    weight_decay: decoupled weight decay :math:`\ge 0` (a number or a
+      schedule), before the learning rate; None leaves it out of the chain.
     mask: which parameters the weight decay applies to, as in
-      ``optax.add_decayed_weights``; only with ``weight_decay``. A single
-      bool is refused. None: every leaf of rank >= 2 but those named
-      ``bias``, ``scale`` or ``embedding`` (the matrices of any pytree; not
-      vectors, stacked biases and norm scales, or embedding tables).
+      ``optax.add_decayed_weights``; only with ``weight_decay``. None: every
+      leaf of rank >= 2 but those named ``bias``, ``scale`` or
+      ``embedding``.
     block_fn: grouping of leaves into M1 blocks, see :func:`equalize`.
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
       float32, float64 for float64 parameters).
     zero_moment: ``'damped'`` (Algorithm 1), ``'identity'`` or
       ``'normalized'``; see :func:`precondition`.
-    update_clip: opt-in :math:`c > 0` (not part of Algorithm 1):
-      ``optax.clip(c)`` after :func:`precondition`, so each coordinate of
-      :math:`P_t \hat m_t` lies in :math:`[-c, c]`; Lemma 1's lower bound
-      becomes :math:`\min(1/(G + \zeta), c / G)`.
+    update_clip: opt-in :math:`c > 0` (not Algorithm 1): ``optax.clip(c)``
+      after :func:`precondition`; Lemma 1's lower bound becomes
+      :math:`\min(1/(G + \zeta), c / G)`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is the chain's:
     ``(EqualizeState, PreconditionState, [clip state,] [weight decay
-    state,] learning-rate state)``.
+    state,] learning-rate state)``. Updates have the gradients' dtype
+    (float16 gradients run through the chain as float32).
 
   Raises:
     TypeError: a hyperparameter of the wrong type, a non-float
       ``stats_dtype``, or a function argument that is not a function.
-    ValueError: a non-scalar hyperparameter, a concrete value that is not
-      finite or out of range, an unknown ``zero_moment``, or a ``mask``
-      without ``weight_decay``.
+    ValueError: a non-scalar or out-of-range hyperparameter, an unknown
+      ``zero_moment``, or a ``mask`` without ``weight_decay``.
 
   Examples:
-    The first step applies :math:`s_l = 1` and :math:`P_1 = I`, so the update
-    is :math:`-\eta g`; from the second step on, :math:`P_t` divides by the
-    stored second moment (here :math:`|g| + \zeta`):
+    Step 1 applies :math:`s_l = 1` and :math:`P_1 = I`, so the update is
+    :math:`-\eta g`; step 2 divides by :math:`|g| + \zeta`:
 
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
@@ -190,14 +161,6 @@ def cbp(
      [-0.0998 -0.0998]]
     >>> updates['dense']['kernel'].dtype
     dtype('float32')
-
-    float16 gradients give float16 updates (computed in float32):
-
-    >>> half = {'w': jnp.ones(3, jnp.float16)}
-    >>> tx = cbp.cbp(1e-3)
-    >>> updates, _ = tx.update(half, tx.init(half), half)
-    >>> updates['w'].dtype
-    dtype('float16')
 
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
@@ -225,30 +188,21 @@ cbp_robust = functools.partial(
 cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from Algorithm 1.
 
   ``functools.partial(cbp, damping=1e-8, min_scale=1.0, max_scale=1.0,
-  zero_moment='normalized', update_clip=3.0)``: every argument is
-  :func:`cbp`'s, and each of the four can be passed back (with Algorithm
-  1's values it is :func:`cbp`). The step is Adam-sized, so start from a
-  tuned AdamW learning rate.
+  zero_moment='normalized', update_clip=3.0)``; each can be passed back.
+  The step is Adam-sized: start from a tuned AdamW learning rate.
 
   * ``damping=1e-8``: eq. (11)'s :math:`\zeta` is Adam's :math:`\epsilon`.
-  * ``zero_moment='normalized'``: where the stored second moment is zero,
-    :math:`P` uses the current :math:`\tilde g_t^2`, so step 1 moves each
-    coordinate by about :math:`\eta`.
-  * ``update_clip=3.0``: ``optax.clip(3.0)`` after :func:`precondition`,
-    since the lagged :math:`\hat v_{t-1}` does not bound a growing gradient.
-  * ``min_scale=max_scale=1.0``: :math:`S_t = I`; the block energies are
-    still kept for :func:`cbp_optax.equalize_stats`.
+  * ``zero_moment='normalized'``: step 1 moves each coordinate by about
+    :math:`\eta`.
+  * ``update_clip=3.0``: the lagged :math:`\hat v_{t-1}` does not bound a
+    growing gradient.
+  * ``min_scale=max_scale=1.0``: :math:`S_t = I` (the block energies are
+    still kept).
 
-  Lemma 1's bounds hold (the clip makes the lower one
-  :math:`\min(1/(G + \zeta), 3/G)`); the docs page "Why cbp_robust departs
-  from Algorithm 1" gives the measurements.
-
-  Its state is ``(EqualizeState, PreconditionState, EmptyState (the clip),
-  [weight decay state,] EmptyState (the learning rate))``.
+  Lemma 1's bounds hold, the lower one :math:`\min(1/(G + \zeta), 3/G)`.
 
   Examples:
-    Step 1 moves each coordinate by about the learning rate, whatever the
-    gradient's scale:
+    Step 1 moves each coordinate by about the learning rate:
 
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
@@ -260,27 +214,10 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     >>> print(updates['a'].round(4), updates['b'].round(4))
     [-0.01  0.01] [-0.01 -0.01]
 
-    A coordinate whose gradient grew 1000-fold moves by three times the
-    learning rate (the clip), not by 1.9 (Algorithm 1's lagged step):
-
-    >>> grads = {'a': jnp.array([3e4, -1e4]), 'b': jnp.array([1e-1, 2e-4])}
-    >>> updates, state = tx.update(grads, state, params)
-    >>> print(updates['a'].round(4), updates['b'].round(4))
-    [-0.01  0.01] [-0.03 -0.01]
-
-    A partial keeps working under ``optax.inject_hyperparams``:
-
-    >>> import optax
-    >>> tx = optax.inject_hyperparams(cbp.cbp_robust)(1e-2)
-    >>> state = tx.init(params)
-    >>> float(state.hyperparams['min_scale']), float(state.hyperparams['max_scale'])
-    (1.0, 1.0)
-
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
     Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (11), Lemma 1, Theorem 3 and Algorithm 1 (what this configuration
-    departs from).
+    eq. (11), Lemma 1, Theorem 3 and Algorithm 1.
   """
 
 # doctest does not look inside a functools.partial: run its examples.
@@ -311,16 +248,9 @@ def cbp_kron(
 
   The chain :func:`equalize` -> :func:`precondition_kron` -> optional
   ``optax.clip`` -> optional decoupled weight decay ->
-  ``optax.scale_by_learning_rate``: every matrix's update is M3's in the
-  eigenbasis of its Kronecker factors, every other leaf's is M3's, and the
-  defaults are :func:`cbp_robust`'s departures (:math:`S = I`, Adam's
-  :math:`\epsilon` as :math:`\zeta`, the normalized zero moment, the clip at
-  3). Train it on the centered model (M2), as :func:`cbp`.
-
+  ``optax.scale_by_learning_rate``, with :func:`cbp_robust`'s defaults.
   Every argument is :func:`cbp`'s, but ``every``, ``max_dim`` and
-  ``dimension_numbers``, which are :func:`precondition_kron`'s (name
-  ``max_dim`` and ``dimension_numbers`` in ``static_args`` under
-  ``optax.inject_hyperparams``).
+  ``dimension_numbers``, which are :func:`precondition_kron`'s.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

@@ -1,6 +1,5 @@
-"""The bias transport's arithmetic, ``b~ += W (mu_new - mu_old)`` (eq. 10),
-for dense, convolutional and stacked layers, with the float32 residual of
-a 16-bit bias (framework-free; re-exported by :mod:`cbp_optax.centering`).
+"""The bias transport's arithmetic, ``b~ += W (mu_new - mu_old)`` (eq. 10)
+(re-exported by :mod:`cbp_optax.centering`).
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def _dense_shift(kernel: jax.Array, delta: jax.Array) -> jax.Array:
 
 
 def _conv_shift(kernel: jax.Array, delta: jax.Array, groups: int) -> jax.Array:
-  # An unpadded convolution of a constant image `delta` gives, at every output
-  # position, the kernel summed over its window and contracted with `delta`
-  # within each feature group.
+  # A constant image `delta` gives the window-summed kernel contracted with
+  # `delta` within each feature group.
   in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
   window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
   grouped_kernel = jnp.reshape(
@@ -44,11 +42,8 @@ def _conv_shift(kernel: jax.Array, delta: jax.Array, groups: int) -> jax.Array:
 
 
 def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Array:
-  """``W delta``: how the layer's output moves when its input moves by ``delta``.
-
-  For one (unstacked) layer. The transport adds it for ``delta = mu_new -
-  mu_old`` (eq. 10); :func:`mean_correction` is it for ``delta = mu``.
-  """
+  """``W delta``: how one (unstacked) layer's output moves when its input
+  moves by ``delta``."""
   if spec.kind == CONV:
     if spec.transpose_kernel:  # (*window, C_out, C_in): the same window sum
       kernel = jnp.swapaxes(kernel, -1, -2)
@@ -57,20 +52,14 @@ def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Arra
 
 
 def needs_bias_residual(dtype: Any) -> bool:
-  """Whether a bias of ``dtype`` keeps a float32 transport residual.
-
-  A 16-bit bias rounds at every transport; the residual carries what the
-  stored bias lacks into the next one (compensated summation).
-  """
+  """Whether a bias of ``dtype`` keeps a float32 transport residual (a
+  16-bit bias: compensated summation)."""
   return jnp.finfo(dtype).bits < 32
 
 
 def _stored(x: jax.Array, wide: Any) -> jax.Array:
-  """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds.
-
-  XLA may keep a 16-bit result in excess precision; ``reduce_precision``
-  pins the stored value, so the roundings do not add up over transports.
-  """
+  """``x`` in the wider dtype ``wide``, at exactly the value ``x`` holds
+  (XLA may keep a 16-bit result in excess precision)."""
   narrow = jnp.finfo(x.dtype)
   x = x.astype(wide)
   if narrow.bits >= jnp.finfo(wide).bits:
@@ -111,9 +100,8 @@ def shift_bias(
 ) -> Any:
   """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
 
-  For one layer or one stack (each slice by its own kernel). :func:`transport`
-  is the mean's EMA followed by this; an optimizer's copy of the parameters
-  moves by this with its own kernel.
+  For one layer or one stack (each slice by its own kernel); an optimizer's
+  copy of the parameters moves by this with its own kernel.
 
   Args:
     spec: the layer, unstacked.

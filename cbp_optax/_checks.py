@@ -1,20 +1,17 @@
 """Construction-time validation, declared once per factory.
 
-A factory lists what each argument accepts in a :class:`Spec` (a
-:class:`Interval`, :class:`Choice`, :class:`Function`, :class:`Count` or
-:class:`FloatDtype` per argument, and the :class:`Relation` s between them)
-and calls :func:`check` with the values. Concrete values are judged eagerly;
-tracers and arrays (``optax.inject_hyperparams``' values) by their shape and
-dtype. A message is ``"<spec name>: <argument> must ..., got ..."`` and at
-most one sentence of remedy; the spec's name is the caller's, so nothing
-here names a factory.
-
-The checks of the trees an ``update`` receives are at the end.
+A factory lists what each argument accepts in a :class:`Spec` and calls
+:func:`check` with the values: concrete values are judged by value, tracers
+and arrays (``optax.inject_hyperparams``' values) by shape and dtype. A
+message reads ``"<spec name>: <argument> must ..., got ..."``, with at most
+one sentence of remedy. The checks of the trees an ``update`` receives are
+at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Callable, Mapping, Optional
@@ -26,17 +23,14 @@ import numpy as np
 
 def concrete_float(value: Any) -> Optional[float]:
   """Returns ``value`` as a Python float, or None when it is not concrete."""
-  if callable(value) or isinstance(value, jax.core.Tracer):
-    return None
-  if isinstance(value, (bool, np.bool_)):
+  if callable(value) or isinstance(value, (jax.core.Tracer, bool, np.bool_)):
     return None
   try:
     array = np.asarray(value)
   except Exception:  # pylint: disable=broad-except
     return None
-  if array.shape != () or not np.issubdtype(array.dtype, np.number):
-    return None
-  if np.issubdtype(array.dtype, np.complexfloating):
+  if array.shape != () or not (np.issubdtype(array.dtype, np.integer)
+                               or np.issubdtype(array.dtype, np.floating)):
     return None
   return float(array)
 
@@ -51,17 +45,6 @@ def is_array(value: Any) -> bool:
   return isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
-def is_injected_value(value: Any) -> bool:
-  """Whether ``value`` is what ``optax.inject_hyperparams`` passes a factory
-  for a function it took for a schedule: the function's value at the step
-  count, a number or an array (a tracer under ``jit``)."""
-  return isinstance(value, (numbers.Number, np.generic)) or is_array(value)
-
-
-def _is_function(value: Any) -> bool:
-  return callable(value) and not isinstance(value, (jax.Array, np.ndarray))
-
-
 def describe(value: Any) -> str:
   """``the str 'x'``: a value with its type, for a message."""
   return f'the {type(value).__name__} {short_repr(value)}'
@@ -72,10 +55,10 @@ class Spec:
   """One factory's arguments, as its checks need them.
 
   Attributes:
-    name: how messages name the factory (the caller's public name), or ''.
+    name: how messages name the factory (its public name), or ''.
     constraints: what each checked argument accepts, in checking order.
-    leading: the positional arguments of an example call (``learning_rate``).
-    relations: conditions across arguments, checked after each argument.
+    leading: the positional arguments of an example call.
+    relations: conditions across arguments, checked last.
   """
   name: str
   constraints: Mapping[str, Any]
@@ -91,8 +74,7 @@ class Spec:
 
 
 def static_args_call(spec: Optional[Spec], names: Any) -> str:
-  """``optax.inject_hyperparams(<factory>, static_args=names)(...)``
-  (``spec`` None: the factory is not known)."""
+  """``optax.inject_hyperparams(<factory>, static_args=names)(...)``."""
   names = tuple(names)
   spec = spec or Spec('', {})
   example = spec.example(*(f'{n}=...' for n in names))
@@ -101,8 +83,7 @@ def static_args_call(spec: Optional[Spec], names: Any) -> str:
 
 
 def static_args_remedy(spec: Optional[Spec], names: Any) -> str:
-  """The sentence that fixes function arguments ``optax.inject_hyperparams``
-  called with the step count."""
+  """The fix for function arguments ``inject_hyperparams`` called."""
   them = 'it' if len(tuple(names)) == 1 else 'them'
   return (f'optax.inject_hyperparams called {them} with the step count: name '
           f'{them} in its static_args, {static_args_call(spec, names)}.')
@@ -115,20 +96,19 @@ class Constraint:
     raise NotImplementedError
 
   def arrived_as_value(self, value: Any) -> bool:
-    """Whether ``value`` is a function argument ``inject_hyperparams``
-    replaced by its value at the step count."""
+    """Whether ``inject_hyperparams`` replaced this function argument by its
+    value at the step count."""
     del value
     return False
 
 
 @dataclasses.dataclass(frozen=True)
 class Interval(Constraint):
-  """One real number (or a tracer of one) in ``[low, high)``; ``closed``
-  says which ends belong: 'left', 'right', 'both' or 'neither'.
+  """A real number (or a tracer of one) between ``low`` and ``high``.
 
-  ``schedule``: a callable is accepted too (the factory takes a schedule);
-  ``optional``: None is accepted; ``no_schedule``: the remedy for a schedule
-  where ``inject_hyperparams`` cannot help.
+  ``closed``: which ends belong ('left', 'right', 'both', 'neither');
+  ``schedule``: a callable is accepted; ``optional``: None is accepted;
+  ``no_schedule``: the remedy for a schedule ``inject_hyperparams`` can't fix.
   """
   low: float = -math.inf
   high: float = math.inf
@@ -140,7 +120,7 @@ class Interval(Constraint):
   def judge(self, spec: Spec, name: str, value: Any) -> None:
     if value is None and self.optional:
       return
-    if _is_function(value):
+    if callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
       if self.schedule:
         return
       raise spec.error(TypeError, f'{name} must be a number, got the callable '
@@ -187,23 +167,15 @@ def _schedule_remedy(spec: Spec, name: str) -> str:
           f'{spec.name or "factory"})({spec.example(f"{name}=schedule")}).')
 
 
-def positive(**kwargs: Any) -> Interval:
-  return Interval(0.0, math.inf, closed='neither', **kwargs)
-
-
-def nonnegative(**kwargs: Any) -> Interval:
-  return Interval(0.0, math.inf, **kwargs)
-
-
-def decay(**kwargs: Any) -> Interval:
-  """An EMA decay in ``[0, 1)``."""
-  return Interval(0.0, 1.0, **kwargs)
+# (0, inf), [0, inf) and an EMA decay's [0, 1).
+positive = functools.partial(Interval, 0.0, math.inf, closed='neither')
+nonnegative = functools.partial(Interval, 0.0, math.inf)
+decay = functools.partial(Interval, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice(Constraint):
-  """One of ``options`` (strings): any other string is a ValueError, any
-  other type a TypeError."""
+  """One of the strings ``options``."""
   options: tuple[str, ...]
 
   def judge(self, spec: Spec, name: str, value: Any) -> None:
@@ -229,14 +201,14 @@ class Function(Constraint):
     raise spec.error(TypeError, message)
 
   def arrived_as_value(self, value: Any) -> bool:
-    return not callable(value) and is_injected_value(value)
+    return not callable(value) and (
+        isinstance(value, (numbers.Number, np.generic)) or is_array(value))
 
 
 @dataclasses.dataclass(frozen=True)
 class Count(Constraint):
-  """An int ``>= minimum`` (None too, when ``optional``). ``traced``: an
-  array passes (a count ``inject_hyperparams`` may schedule); else an array
-  is a function or count that should have been in ``static_args``."""
+  """An int ``>= minimum`` (or None, when ``optional``). ``traced``: an array
+  (a count ``inject_hyperparams`` schedules) passes too."""
   minimum: int = 1
   optional: bool = False
   traced: bool = False
@@ -260,8 +232,8 @@ class Count(Constraint):
 
 @dataclasses.dataclass(frozen=True)
 class FloatDtype(Constraint):
-  """A real floating-point dtype, or None. An array is a dtype such as
-  ``jnp.float32`` (callable) that ``inject_hyperparams`` called."""
+  """A real floating-point dtype, or None (an array is a callable dtype
+  ``inject_hyperparams`` called)."""
   why: str = ''
 
   def judge(self, spec: Spec, name: str, value: Any) -> None:
@@ -269,9 +241,8 @@ class FloatDtype(Constraint):
       return
     if is_array(value):
       raise spec.error(TypeError, (
-          f'{name} must be a dtype, got the array {short_repr(value)}, what '
-          'optax.inject_hyperparams makes of a callable dtype (jnp.float32).'
-          f" Pass a string ({name}='float32'), or name it in static_args: "
+          f'{name} must be a dtype, got the array {short_repr(value)}. Pass a '
+          f"string ({name}='float32'), or name it in static_args: "
           f'{static_args_call(spec, (name,))}.'))
     float_dtype(name, value, self.why, spec=spec)
 
@@ -286,8 +257,7 @@ STATS_DTYPE = FloatDtype(': the statistics are square roots and ratios of '
 
 @dataclasses.dataclass(frozen=True)
 class Relation:
-  """A condition across arguments: ``holds(values)`` must be true, else a
-  ValueError with ``message`` formatted with the values."""
+  """``holds(values)``, else a ValueError: ``message`` with the values."""
   holds: Callable[[Mapping[str, Any]], bool]
   message: str
 
@@ -312,13 +282,12 @@ def check(spec: Spec, **values: Any) -> None:
   """Refuses any of ``values`` its constraint in ``spec`` does not accept.
 
   Function arguments that ``optax.inject_hyperparams`` replaced by values
-  are refused together, with one call that fixes them all.
+  are refused together, with the one call that fixes them all.
 
   Raises:
     TypeError: a value of the wrong type.
-    ValueError: a value of the right type outside what is accepted (out of
-      range, an array that is no scalar, an unknown option), or a relation
-      that does not hold.
+    ValueError: a value out of range, a non-scalar array, an unknown option,
+      or a relation that does not hold.
   """
   constraints = [(n, c) for n, c in spec.constraints.items() if n in values]
   injected = {n: values[n] for n, c in constraints
@@ -336,8 +305,7 @@ def check(spec: Spec, **values: Any) -> None:
 
 def float_dtype(name: str, value: Any, why: str = '',
                 spec: Optional[Spec] = None) -> jnp.dtype:
-  """``value`` as a real floating-point dtype, or a ``TypeError`` naming
-  ``name`` (and ending with ``why``)."""
+  """``value`` as a real floating-point dtype, or a ``TypeError``."""
   spec = spec or Spec('', {})
   try:
     dtype = jnp.dtype(value)
@@ -357,12 +325,13 @@ def _check_one(constraint: Constraint, name: str, value: Any) -> None:
   check(Spec('', {name: constraint}), **{name: value})
 
 
-def check_positive(name: str, value: Any) -> None:
-  _check_one(positive(), name, value)
-
-
-def check_nonnegative(name: str, value: Any) -> None:
-  _check_one(nonnegative(), name, value)
+check_positive = functools.partial(_check_one, positive())
+check_nonnegative = functools.partial(_check_one, nonnegative())
+# M2's mean EMA decay (eq. 8): one number in [0, 1), or a tracer.
+check_mean_decay = functools.partial(_check_one, decay(no_schedule=(
+    'No optax factory takes mean_decay, so optax.inject_hyperparams cannot '
+    'schedule it: pass each step\'s value to the transport, '
+    'transport(..., mean_decay=schedule(step)).')), 'mean_decay')
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -374,24 +343,8 @@ def check_function(name: str, value: Any, *, optional: bool = False) -> None:
   _check_one(Function(optional=optional), name, value)
 
 
-def check_callable(name: str, value: Any) -> None:
-  _check_one(Function(), name, value)
-
-
-_MEAN_DECAY = decay(no_schedule=(
-    'No optax factory takes mean_decay, so optax.inject_hyperparams cannot '
-    'schedule it: pass each step\'s value to the transport, '
-    'transport(..., mean_decay=schedule(step)).'))
-
-
-def check_mean_decay(value: Any) -> None:
-  """M2's mean EMA decay (eq. 8): one number in ``[0, 1)`` or a tracer."""
-  _check_one(_MEAN_DECAY, 'mean_decay', value)
-
-
 def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
-  """The error of a ``(path, leaf)`` preset called with one argument: the
-  step count, from ``optax.inject_hyperparams`` taking it for a schedule."""
+  """A ``(path, leaf)`` function called with the step count alone."""
   return TypeError(
       f'{function} takes (path, leaf) but was called with one argument, '
       f'{short_repr(value)}, as {argument}; '
@@ -403,7 +356,7 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
 
 def check_params_match(name: str, updates: Any, params: Any) -> None:
   """Refuses ``params`` (when given) without the leaves and shapes of
-  ``updates``, in leaf order: they are what the updates apply to."""
+  ``updates``, in leaf order."""
   if params is None:
     return
   paths_and_leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
@@ -414,46 +367,33 @@ def check_params_match(name: str, updates: Any, params: Any) -> None:
   if len(got) != len(expected):
     detail = f'{len(got)} gradient leaves, {len(expected)} parameters'
   else:
-    lines = [
-        f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
-        f'parameter {e}'
-        for (path, _), g, e in zip(paths_and_leaves, got, expected) if g != e
-    ]
-    if len(lines) > 5:
-      lines = lines[:5] + [f'... and {len(lines) - 5} more']
-    detail = '; '.join(lines)
-  raise ValueError(
-      f'{name}: the gradients do not match the parameters passed to update '
-      f'({detail}). update(updates, state, params) takes the parameters the '
-      'updates apply to, leaf for leaf.'
-  )
+    lines = [f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
+             f'parameter {e}'
+             for (path, _), g, e in zip(paths_and_leaves, got, expected)
+             if g != e]
+    detail = '; '.join(lines[:5]) + ('; ...' if len(lines) > 5 else '')
+  raise ValueError(f'{name}: the gradients do not match the parameters '
+                   f'passed to update ({detail}).')
 
 
 def check_float_leaves(name: str, tree: Any) -> None:
   """Refuses non-floating leaves, which a scaled update would truncate."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = jax.numpy.result_type(leaf)
-    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    if not jnp.issubdtype(dtype := jnp.result_type(leaf), jnp.floating):
       raise ValueError(
-          f'{name}: parameter {jax.tree_util.keystr(path)} has dtype {dtype}; '
-          'CBP updates real floating-point parameters only. Keep integer, '
-          'boolean or complex leaves out of the optimizer with optax.masked '
-          'or optax.partition.'
-      )
+          f'{name}: parameter {jax.tree_util.keystr(path)} has dtype {dtype};'
+          ' CBP updates real floating-point parameters only (keep the others'
+          ' out with optax.masked or optax.partition).')
 
 
 def check_real_gradients(name: str, tree: Any) -> None:
   """Refuses complex gradients: CBP would silently drop the imaginary part."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = jax.numpy.result_type(leaf)
-    if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+    if jnp.issubdtype(dtype := jnp.result_type(leaf), jnp.complexfloating):
       raise TypeError(
           f'{name}: gradient {jax.tree_util.keystr(path)} is complex '
-          f'({dtype}) but CBP optimizes real parameters; the imaginary part '
-          'would be dropped. Differentiate a real loss of real parameters '
-          '(for a complex model, split each parameter into real and '
-          'imaginary float leaves).'
-      )
+          f'({dtype}); CBP optimizes real parameters and would drop the '
+          'imaginary part.')
 
 
 def output_dtype(grad: Any, param: Any = None) -> jnp.dtype:

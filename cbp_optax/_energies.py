@@ -1,10 +1,4 @@
-"""M1's block energies (eq. 5) from the gradients, without overflow.
-
-References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.1, eq. (5), and Algorithm 1, step 5.
-"""
+"""M1's block energies (eq. 5) from the gradients, without overflow."""
 
 from __future__ import annotations
 
@@ -23,11 +17,8 @@ def block_energies(
     dtype: Any,
     unscaled: Sequence[bool],
 ) -> chex.Array:
-  """Squared Frobenius norm of every block, ``||g_l||_F^2``, shape (L,).
-
-  ``unscaled[k]``: group ``k``'s leaves leave M1 unmultiplied (its scale is
-  one at every step, :func:`_group_scales`).
-  """
+  """``||g_l||_F^2`` of every block, shape (L,); ``unscaled[k]``: group
+  ``k``'s leaves leave M1 unmultiplied."""
   per_group = []
   for leaf_ids, stack, barrier in zip(
       layout.groups, layout.group_stacks, unscaled):
@@ -35,11 +26,8 @@ def block_energies(
     for i in leaf_ids:
       leaf = jnp.asarray(leaves[i])
       if barrier:
-        # Behind a barrier, the square of an unmultiplied gradient is not
-        # merged with the second moment's (eq. 11) of the same gradient:
-        # merged, XLA writes the squared gradient out and reads it back (a
-        # parameter-sized buffer per step). A multiplied leaf's square is
-        # another value and gets none: barriers cost compile time.
+        # Keeps XLA from merging this square with M3's (eq. 11) of the same
+        # gradient, which writes a parameter-sized buffer out and back.
         leaf = jax.lax.optimization_barrier(leaf)
       leaf = leaf.astype(dtype)
       axes = tuple(range(1, leaf.ndim)) if stack is not None else None
@@ -57,13 +45,9 @@ def _rescued_energies(
     weight: chex.Numeric,
 ) -> tuple[chex.Array, chex.Array]:
   """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the
-  leaves in no block, without overflowing.
-
-  Each is formed as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
-  max |g|`` and saturates at the dtype's largest finite value, so that a
-  finite gradient whose squared norm is beyond the dtype's range still gives
-  a finite energy; a non-finite gradient gives a non-finite one.
-  """
+  leaves in no block, as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
+  max |g|``, saturating at the dtype's largest value: finite for a finite
+  gradient."""
   largest = jnp.finfo(dtype).max
   root = jnp.sqrt(jnp.asarray(weight, dtype))
 
@@ -97,14 +81,10 @@ def new_energies(
     decay: chex.Numeric,
     unscaled: Sequence[bool],
 ) -> tuple[chex.Array, chex.Array]:
-  """The refreshed EMAs of eq. (5) and the unblocked energy.
-
-  ``decay * q_l + (1 - decay) ||g_l||_F^2`` as Algorithm 1 writes it; where
-  that overflows for a finite gradient (a norm beyond the dtype's range), it
-  is formed without the overflow (:func:`_rescued_energies`), at most the
-  dtype's largest value: a finite gradient never leaves a non-finite energy,
-  whose scales (eq. 6) would be NaN at every later step.
-  """
+  """The refreshed EMAs of eq. (5), ``decay * q_l + (1 - decay)
+  ||g_l||_F^2``, and the unblocked energy; where that overflows for a finite
+  gradient, :func:`_rescued_energies` (a non-finite energy would make every
+  later scale of eq. (6) NaN)."""
   dtype = energy.dtype
   energies = block_energies(layout, leaves, dtype, unscaled=unscaled)
   plain = decay * energy + (1 - decay) * energies
@@ -115,8 +95,7 @@ def new_energies(
     weighted, rest = _rescued_energies(layout, leaves, dtype, 1 - decay)
     largest = jnp.finfo(dtype).max
     rescued = jnp.minimum(decay * energy + weighted, largest)
-    # Finite gradients and a finite stored energy only (NaN compares false):
-    # anything else keeps Algorithm 1's non-finite value.
+    # Finite gradients and stored energy only (NaN compares false).
     overflowed = jnp.isinf(plain) & (energy <= largest) & (weighted <= largest)
     rest_overflowed = jnp.isinf(unblocked) & (rest <= largest)
     return (jnp.where(overflowed, rescued, plain).astype(dtype),

@@ -1,28 +1,4 @@
-"""M1: layerwise gradient-norm equalization (paper §4.1, eqs. 5-7).
-
-Each parameter block ``l`` (by default one layer: the leaves that share a parent
-path) keeps an EMA ``q_l`` of its squared Frobenius gradient norm, eq. (5). The
-update at step ``t`` multiplies block ``l`` by
-
-    s_l = clip(c / sqrt(q_l), min_scale, max_scale),  c = sqrt(mean_j q_j),
-
-eq. (6), formed from the energies stored at the end of step ``t - 1`` (``s_l = 1``
-at ``t = 1``); only then are the energies refreshed with the current, raw block
-gradients (Algorithm 1, steps 3-5).
-
-The state is one flat vector of block energies and a few scalars, so its
-structure and dtype never depend on the parameter tree: it survives
-``optax.masked``, ``MultiSteps``, ``apply_if_finite``, ``tree_map_params`` and
-sharding unchanged. The block that each entry belongs to is recovered from the
-parameter tree by :func:`block_names`; the state keeps the clip bounds of
-eq. (6), so :func:`equalize_stats` reads energies and scales by name from the
-state and the parameters alone.
-
-References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.1, eqs. (5)-(7), and Algorithm 1, steps 3-5.
-"""
+"""M1: layerwise gradient-norm equalization (§4.1, eqs. 5-7; Algorithm 1)."""
 
 from __future__ import annotations
 
@@ -42,38 +18,29 @@ from cbp_optax.blocks import BlockFn
 from cbp_optax.blocks import BlockLayout
 from cbp_optax.blocks import StackedFn
 
+
 class EqualizeState(NamedTuple):
   r"""State of :func:`equalize`.
 
   One flat vector and four scalars whatever the parameter tree, so it
-  survives ``optax.masked``, ``MultiSteps``, ``apply_if_finite`` and sharding,
-  and keeps one structure, shape and dtype across steps.
+  survives ``optax.masked``, ``MultiSteps``, ``apply_if_finite`` and sharding.
 
   Attributes:
     count: the number of updates taken, an int32 scalar.
     energy: the EMAs :math:`q_l` of eq. (5), one per block, in the order of
       :func:`cbp_optax.block_names`.
-    min_scale: :math:`s_{\min}` of eq. (6), the one of the latest update (at
-      init, the transform's), a scalar of the energies' dtype.
+    min_scale: :math:`s_{\min}` of eq. (6) of the latest update (at init,
+      the transform's).
     max_scale: :math:`s_{\max}` of eq. (6), likewise.
-    unblocked: :math:`\sum_k \|g_k\|_F^2` over the gradient leaves in no
-      block at the latest update (0 at init, and when every leaf is in a
-      block): with ``energy``, a finite value witnesses finite gradients.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import cbp_optax as cbp
-    >>> params = {'a': {'w': jnp.ones(3)}, 'b': {'w': jnp.ones(2)}}
-    >>> state = cbp.equalize().init(params)
-    >>> state.energy, float(state.min_scale), float(state.max_scale)
-    (Array([0., 0.], dtype=float32), 0.1..., 4.0)
+    unblocked: :math:`\sum_k \|g_k\|_F^2` over the leaves in no block at
+      the latest update; with ``energy``, finite for finite gradients.
   """
 
-  count: chex.Array  # shape=(), dtype=jnp.int32.
-  energy: chex.Array  # shape=(num_blocks,): the EMAs q_l of eq. (5).
-  min_scale: chex.Array  # shape=(): s_min of eq. (6).
-  max_scale: chex.Array  # shape=(): s_max of eq. (6).
-  unblocked: chex.Array  # shape=(): squared norm of the leaves in no block.
+  count: chex.Array
+  energy: chex.Array
+  min_scale: chex.Array
+  max_scale: chex.Array
+  unblocked: chex.Array
 
 
 class BlockStats(NamedTuple):
@@ -84,8 +51,8 @@ class BlockStats(NamedTuple):
     scale: the :math:`s_l` of eq. (6) that the next step applies.
   """
 
-  energy: chex.Array  # q_l, eq. (5).
-  scale: chex.Array  # s_l the next step applies, eq. (6).
+  energy: chex.Array
+  scale: chex.Array
 
 
 def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
@@ -100,10 +67,19 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
   return dtype
 
 
-def _equalizing_scales(
-    energy: chex.Array, min_scale: chex.Numeric, max_scale: chex.Numeric
+def block_scales(
+    energy: chex.Array,
+    count: chex.Array,
+    min_scale: chex.Numeric,
+    max_scale: chex.Numeric,
 ) -> chex.Array:
-  """``clip(c / sqrt(q_l), min_scale, max_scale)`` of eq. (6), for every block."""
+  """The scales ``s_l = clip(c / sqrt(q_l), s_min, s_max)`` of eq. (6) from
+  stored energies; ones at the first step.
+
+  A zero energy (a frozen or unused block) has an infinite ratio and gets
+  ``max_scale``; when every energy is zero the ratio is one. Either way the
+  scale is finite, so a zero gradient gives a zero update.
+  """
   if energy.shape[0] == 0:
     return energy
   target = jnp.sqrt(jnp.mean(energy))
@@ -123,27 +99,9 @@ def _equalizing_scales(
   )
   low = jnp.asarray(min_scale, energy.dtype)
   high = jnp.asarray(max_scale, energy.dtype)
-  # clip(x, a, a) = a for every x, also where an energy is infinite (an
-  # infinite gradient: ratio inf / inf = NaN): a degenerate clip fixes the
-  # scale. A
-  # proper interval keeps jnp.clip's result, NaN included (Algorithm 1).
-  return jnp.where(low == high, low, jnp.clip(ratio, low, high))
-
-
-def block_scales(
-    energy: chex.Array,
-    count: chex.Array,
-    min_scale: chex.Numeric,
-    max_scale: chex.Numeric,
-) -> chex.Array:
-  """The scales ``s_l`` of eq. (6) from stored energies; ones at the first step.
-
-  A block with zero energy (frozen, unused, or never reached) has an infinite
-  ratio ``c / sqrt(q_l)`` and gets ``max_scale``; when every energy is zero
-  there is no target scale and the ratio is taken as one. Either way the scale
-  stays finite, so a zero gradient gives a zero update.
-  """
-  scales = _equalizing_scales(energy, min_scale, max_scale)
+  # clip(x, a, a) = a also where the ratio is inf / inf = NaN (an infinite
+  # energy); a proper interval keeps jnp.clip's NaN (Algorithm 1).
+  scales = jnp.where(low == high, low, jnp.clip(ratio, low, high))
   return jnp.where(count > 0, scales, jnp.ones_like(scales))
 
 
@@ -154,21 +112,13 @@ def _group_scales(
     min_scale: chex.Numeric,
     max_scale: chex.Numeric,
 ) -> tuple[Optional[chex.Array], ...]:
-  """:func:`block_scales`, split into one array per group of leaves.
+  """:func:`block_scales`, bit for bit, as one array per group of leaves.
 
-  The split is for compile time. XLA compiles every distinct kernel on its
-  own, and identical kernels once. A slice of
-  the scale vector fused into a per-leaf kernel makes that kernel distinct
-  (it embeds the slice offset); so does a slice of its own. Here each group's
-  scale becomes its own small buffer, so the parameter-sized kernels that
-  read it are identical for same-shaped leaves, and the buffers come out of
-  a few multi-output reductions (:func:`_split`) rather than one distinct
-  slice kernel per block. The values are the scales, bit for bit.
-
-  Equal concrete bounds (``cbp_robust``'s ``min_scale=max_scale=1``) clip
-  every block to the same scale (``_equalizing_scales``), so all groups share
-  one scalar and nothing is split; a scale that is one at every step is None
-  (the leaves are left unmultiplied, which is exact).
+  For compile time: a slice of the scale vector fused into a per-leaf kernel
+  makes that kernel distinct; a buffer per group, from a few multi-output
+  reductions (:func:`_split`), keeps same-shaped leaves' kernels identical.
+  Equal concrete bounds give every group one shared scale, and None where
+  it is one at every step (the leaves are left unmultiplied, exactly).
   """
   if not layout.groups:
     return ()
@@ -184,9 +134,8 @@ def _group_scales(
   return _split(scales, layout.group_starts, layout.group_stacks)
 
 
-# Groups per multi-output reduction of _split: each reduction is one kernel
-# (distinct: it embeds its offsets); its compile time per output grows with
-# its number of outputs past a few dozen.
+# Groups per multi-output reduction of _split (its compile time per output
+# grows past a few dozen outputs).
 _SPLIT_CHUNK = 32
 
 
@@ -197,12 +146,9 @@ def _split(
 ) -> tuple[chex.Array, ...]:
   """``vector[start]`` (or ``vector[start:start + stack]``) for each group.
 
-  Written as variadic ``lax.reduce`` calls over up to :data:`_SPLIT_CHUNK`
-  groups of one stack size each: ``vector`` is paired with ``-0.0`` (a
-  ``(n, 2)`` array), and output ``k`` adds up the rows of its slice. ``x +
-  (-0.0)`` is ``x`` for every float (signed zeros, infinities and NaN
-  included), so each output is its slice exactly; XLA compiles a reduction
-  with many outputs as one kernel, where as many slices are as many kernels.
+  As variadic ``lax.reduce`` calls over ``(vector, -0.0)`` pairs: ``x +
+  (-0.0)`` is ``x`` for every float, so each output is its slice exactly,
+  and a reduction with many outputs compiles as one kernel.
   """
   out: list[Optional[chex.Array]] = [None] * len(starts)
   by_stack: dict[Optional[int], list[int]] = {}
@@ -259,28 +205,15 @@ def _scale_leaves(
   ]
 
 
-def _check_matches_state(layout: BlockLayout, state: EqualizeState) -> None:
-  expected = state.energy.shape[0]
-  if len(layout.names) != expected:
-    raise ValueError(
-        f'equalize: the gradient tree has {len(layout.names)} blocks but the '
-        f'state was initialized for {expected}. The updates must have the '
-        'structure of the parameters given to init (same leaves, same block '
-        'grouping).'
-    )
-
-
 class RecordedBoundsError(ValueError):
   """A state whose recorded M1 bounds (eq. 6) are not the transform's."""
 
 
 def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
                            max_scale: Any) -> None:
-  """Refuses a concrete state that recorded other bounds than the numbers
-  the transform was built with: a state of another configuration (a
-  ``cbp_robust`` checkpoint restored into ``cbp.cbp``), whose bounds the
-  update would silently replace. Arrays (``inject_hyperparams``' values,
-  which may be scheduled or set by hand) are not checked."""
+  """Refuses a concrete state whose recorded bounds are not the transform's
+  numbers (a state of another configuration, which the update would
+  silently change); array bounds (``inject_hyperparams``) are not checked."""
   for name, recorded, own in (('min_scale', state.min_scale, min_scale),
                               ('max_scale', state.max_scale, max_scale)):
     if (not isinstance(own, (numbers.Real, np.generic))
@@ -292,19 +225,16 @@ def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
     if float(recorded) != float(np.asarray(value, recorded.dtype)):
       raise RecordedBoundsError(
           f'equalize: the optimizer state records {name}='
-          f'{float(recorded):g} but this transform has {name}={value:g}: '
-          'the state was made by another configuration (a checkpoint of '
-          'cbp.cbp_robust restored into cbp.cbp, or the reverse). Restore '
-          'it into the optimizer that saved it; to change the bounds on '
-          'purpose, set them in the state (state._replace(min_scale=..., '
-          'max_scale=...)).')
+          f'{float(recorded):g} but this transform has {name}={value:g}; '
+          'restore a state into the configuration that saved it, or set the '
+          'bounds with state._replace(min_scale=..., max_scale=...).')
 
 
 def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
                           params: Any) -> None:
-  """Before a fused step compiles: ``tx.update`` traced abstractly with each
-  concrete :class:`EqualizeState`'s bounds kept concrete, so that an M1
-  inside any chain refuses bounds it did not record.
+  """Traces ``tx.update`` abstractly with each concrete
+  :class:`EqualizeState`'s bounds kept concrete, so that an M1 anywhere in
+  the chain refuses bounds it did not record (before a fused step compiles).
 
   Raises:
     RecordedBoundsError: a recorded bound differs from the transform's.
@@ -336,7 +266,6 @@ def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
     return  # anything else, the step itself reports
 
 
-# M1's hyperparameters (eqs. 5-6) and function arguments.
 ARGUMENTS = dict(decay=_checks.decay(), min_scale=_checks.positive(),
                  max_scale=_checks.positive(), block_fn=_checks.Function(),
                  stacked=_checks.Function())
@@ -361,51 +290,39 @@ def equalize(
   :math:`s_l = \mathrm{clip}(c / \sqrt{q_l}, s_{\min}, s_{\max})` with
   :math:`c = (\frac{1}{L}\sum_j q_j)^{1/2}` (eq. 6), where :math:`q_l` is an EMA
   of :math:`\|g^{(l)}\|_F^2` (eq. 5). The scales of step :math:`t` use the
-  energies stored at the end of step :math:`t-1` (:math:`s_l = 1` at
-  :math:`t = 1`); the energies are refreshed with the raw block gradients only
-  afterwards (Algorithm 1, steps 3-5), so the scaling is a function of the past.
+  energies stored at step :math:`t-1` (:math:`s_l = 1` at :math:`t = 1`);
+  the energies are refreshed with the raw gradients afterwards (Algorithm 1,
+  steps 3-5).
 
   Args:
     decay: EMA decay :math:`\rho` of the block energies, in [0, 1).
     min_scale: lower clip :math:`s_{\min} > 0`.
     max_scale: upper clip :math:`s_{\max} \ge s_{\min}`.
     block_fn: ``block_fn(path, leaf) -> hashable`` groups leaves into blocks
-      (leaves with equal keys share a block; a leaf whose key is ``None``,
-      or of size zero, is in no block and passes through unscaled). The
-      default, :func:`cbp_optax.layer_blocks`, groups the leaves that share a parent
-      path, i.e. one block per layer (``Dense_0``'s kernel and bias form block
-      ``Dense_0``); NNX ``.value`` path suffixes are ignored. Presets:
-      :func:`cbp_optax.leaf_blocks` (one block per tensor),
-      :func:`cbp_optax.kernel_blocks` (weight matrices only) and
-      :func:`cbp_optax.no_blocks` (M1 off); the last two are not
-      Algorithm 1's grouping.
-    stacked: ``stacked(path, leaf) -> bool`` declares leaves that carry a
-      leading layer axis (``nn.scan`` / ``nnx.vmap`` layer stacks); each slice
-      along that axis becomes its own block, as one block per layer intends.
-    stats_dtype: a real floating dtype for the energies; defaults to
-      float32, or float64 when a parameter is float64.
+      (see :func:`cbp_optax.blocks.block_layout`). Default:
+      :func:`cbp_optax.layer_blocks`, one block per layer; presets
+      :func:`cbp_optax.leaf_blocks`, :func:`cbp_optax.kernel_blocks` and
+      :func:`cbp_optax.no_blocks` (M1 off).
+    stacked: ``stacked(path, leaf) -> bool`` declares leaves with a leading
+      layer axis (layer stacks); each slice is a block of its own.
+    stats_dtype: a real floating dtype for the energies; default float32, or
+      float64 when a parameter is float64.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is :class:`EqualizeState`.
-    Updates keep the gradients' dtype (a non-float gradient gets its
-    parameter's dtype).
+    Updates keep the gradients' dtype.
 
   Raises:
-    TypeError: a hyperparameter that is not a real number (a bool, a string,
-      a schedule: schedule ``decay``, ``min_scale`` or ``max_scale`` with
-      ``optax.inject_hyperparams``), or a non-float ``stats_dtype``; at
-      update, complex gradients.
-    ValueError: a non-scalar hyperparameter or a concrete value out of range;
-      at update, gradients with another number of blocks than the state, or
-      whose leaves or shapes differ from the ``params`` given to ``update``
-      (without them only the number of blocks is checked: pass them, as
-      :func:`cbp_optax.cbp` does).
+    TypeError: a hyperparameter that is not a real number, or a non-float
+      ``stats_dtype``; at update, complex gradients.
+    ValueError: a non-scalar or out-of-range hyperparameter; at update,
+      gradients with another number of blocks than the state, or that do
+      not match the ``params`` given to ``update``.
 
   Examples:
-    Two layers whose gradient energies differ by almost four orders of
-    magnitude. Step 1 applies :math:`s_l = 1`; step 2 boosts the weak block
-    up to ``max_scale`` and damps the strong one (``decay=0`` makes
-    :math:`q_l` the last energy, for a short example):
+    Step 1 applies :math:`s_l = 1`; step 2 boosts the weak block up to
+    ``max_scale`` and damps the strong one (``decay=0``: :math:`q_l` is the
+    last energy):
 
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
@@ -449,29 +366,28 @@ def equalize(
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
     # test_mismatched_tree_is_refused_clearly: energies of other blocks.
-    _check_matches_state(layout, state)
+    if len(layout.names) != state.energy.shape[0]:
+      raise ValueError(
+          f'equalize: the gradients have {len(layout.names)} blocks but the '
+          f'state was initialized for {state.energy.shape[0]}.')
     # test_an_eager_update_refuses_another_configurations_state: the bounds.
     _check_recorded_bounds(state, min_scale, max_scale)
     # test_equalize_refuses_other_leaves_with_the_same_block_count (the state
     # is a flat vector: only the parameters show the leaves).
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
-    param_leaves = [None] * len(leaves)
-    if params is not None:
-      param_leaves = jax.tree.leaves(params)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
-    out_dtypes = [
-        _checks.output_dtype(g, p) for g, p in zip(leaves, param_leaves)
-    ]
-    scales = _group_scales(
-        layout, state.energy, state.count, min_scale, max_scale
-    )
+    param_leaves = ([None] * len(leaves) if params is None
+                    else jax.tree.leaves(params))
+    out_dtypes = [_checks.output_dtype(g, p)
+                  for g, p in zip(leaves, param_leaves)]
+    dtype = state.energy.dtype
+    scales = _group_scales(layout, state.energy, state.count, min_scale,
+                           max_scale)
     energy, unblocked = new_energies(
         layout, leaves, state.energy, decay,
         unscaled=[scale is None for scale in scales])
-    scaled = _scale_leaves(layout, leaves, scales, out_dtypes,
-                           state.energy.dtype)
-    dtype = state.energy.dtype
+    scaled = _scale_leaves(layout, leaves, scales, out_dtypes, dtype)
     new_state = EqualizeState(
         count=optax.safe_increment(state.count),
         energy=energy.astype(dtype),

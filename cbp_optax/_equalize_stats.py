@@ -1,9 +1,4 @@
-"""Reading M1's state: the block energies and the scales the next step applies.
-
-:func:`equalize_stats` reports, per block, the energy :math:`q_l` of eq. (5)
-and the scale :math:`s_l` of eq. (6) that :func:`cbp_optax.equalize` will
-apply at its next update, from an optimizer state anywhere it is nested.
-"""
+"""Reading M1's state: each block's energy (eq. 5) and next scale (eq. 6)."""
 
 from __future__ import annotations
 
@@ -34,41 +29,36 @@ def find_equalize_state(opt_state: Any) -> EqualizeState:
   """The single :class:`EqualizeState` nested anywhere inside ``opt_state``.
 
   Raises:
-    ValueError: ``opt_state`` holds none (not the state of a CBP optimizer)
-      or several (say which, by passing that sub-state).
+    ValueError: ``opt_state`` holds none, or several.
   """
   found = _nodes(opt_state, EqualizeState)
   if len(found) == 1:
     return found[0]
   if not found:
     raise ValueError(
-        'Expected exactly one EqualizeState inside the optimizer state, '
-        f'found none in the {type(opt_state).__name__} given: pass the state '
-        'of cbp.cbp, cbp.cbp_robust or cbp.equalize (or of any optax wrapper '
-        'of one), before the parameters.'
-    )
+        'Expected exactly one EqualizeState inside the optimizer state, found '
+        f'none in the {type(opt_state).__name__} given: pass the state of '
+        'cbp.cbp, cbp.cbp_robust or cbp.equalize (or of a wrapper of one).')
   raise ValueError(
       f'Expected exactly one EqualizeState inside the optimizer state, found '
-      f'{len(found)}; pass the sub-state of the equalize transform you mean '
-      "(optax.multi_transform: opt_state.inner_states['label'])."
-  )
+      f'{len(found)}; pass the sub-state you mean '
+      "(optax.multi_transform: opt_state.inner_states['label']).")
 
 
 _INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
 
 
 def _injected_bounds(opt_state: Any, state: EqualizeState) -> dict[str, Any]:
-  """The clip bounds that the innermost ``optax.inject_hyperparams`` state
-  around ``state`` holds for its next step (unscheduled ones: they may have
-  been set by hand since the latest update), by name."""
+  """The unscheduled clip bounds of the innermost ``inject_hyperparams``
+  state around ``state`` (the next step's, also when set by hand)."""
   for node in _nodes(opt_state, _INJECTED):
     inner = _injected_bounds(node.inner_state, state)
     if inner:
       return inner
     if any(s is state for s in _nodes(node.inner_state, EqualizeState)):
       scheduled = set(getattr(node, 'hyperparams_states', None) or ())
-      # `x[...]` reads NNX optimizer-state Variables and arrays alike; a
-      # number set by hand (hyperparams['max_scale'] = 2.0) has none.
+      # `x[...]` reads NNX Variables and arrays alike; a number set by
+      # hand (hyperparams['max_scale'] = 2.0) has no __getitem__.
       return {
           name: jnp.asarray(value[...] if hasattr(value, '__getitem__')
                             else value)
@@ -86,19 +76,14 @@ def equalize_stats(
 ) -> dict[str, BlockStats]:
   """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
 
-  The scales are those of eq. (6) from the stored energies and the clip
-  bounds the state records, those of the latest update; under
-  ``optax.inject_hyperparams``, an unscheduled bound is read from its
-  hyperparameters (the value the next step applies, also when set by hand),
-  and a scheduled one is the latest update's (the next step's may differ). The
-  block names come from ``params`` and the grouping, which must be the
-  optimizer's: pass ``block_fn`` and ``stacked`` when it was built with them
-  (a different number of blocks is detected, a different grouping of as many
-  blocks is not).
+  The scales are eq. (6)'s from the stored energies and the clip bounds the
+  state records (the latest update's); under ``optax.inject_hyperparams`` an
+  unscheduled bound is read from its hyperparameters. The block names come
+  from ``params`` and the grouping, which must be the optimizer's.
 
   Args:
-    opt_state: the state of :func:`equalize`, or any optimizer state (a chain,
-      ``cbp.cbp``, ``inject_hyperparams``, ``MultiSteps``...) holding one.
+    opt_state: the state of :func:`equalize`, or any optimizer state holding
+      one (a chain, ``inject_hyperparams``, ``MultiSteps``...).
     params: the parameters (or the subtree) the transform was initialized on.
     block_fn: the grouping the transform uses.
     stacked: the layer-stack declaration the transform uses.
@@ -107,8 +92,8 @@ def equalize_stats(
     ``{block name: BlockStats(energy, scale)}`` in state order.
 
   Raises:
-    ValueError: ``params`` (with this ``block_fn`` and ``stacked``) with
-      another number of blocks than the state.
+    ValueError: ``opt_state`` holds no single :class:`EqualizeState`, or
+      ``params`` have another number of blocks than the state.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -122,14 +107,6 @@ def equalize_stats(
     ...   print(name, round(float(block.energy), 3), round(float(block.scale), 3))
     a 0.03 4.0
     b 200.0 0.707
-
-    ``cbp_robust`` holds M1 at one:
-
-    >>> tx = cbp.cbp_robust(1e-3, decay=0.0)
-    >>> state = tx.init(params)
-    >>> _, state = tx.update(grads, state, params)
-    >>> [float(block.scale) for block in cbp.equalize_stats(state, params).values()]
-    [1.0, 1.0]
 
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
@@ -150,9 +127,7 @@ def equalize_stats(
         f'equalize_stats: params have {len(layout.names)} blocks (with '
         f'block_fn={block_fn!r}, stacked={stacked!r}) but the optimizer state '
         f'holds the energies of {energy.shape[0]}. Pass the block_fn= and '
-        'stacked= the optimizer was built with, and the parameters (or, '
-        'under optax.masked, the subtree) it was initialized on.'
-    )
+        'stacked= the optimizer was built with.')
   scales = block_scales(energy, count, min_scale, max_scale)
   return {
       name: BlockStats(energy=energy[i], scale=scales[i])

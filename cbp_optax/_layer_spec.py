@@ -1,7 +1,5 @@
-"""What M2 needs to know about one linear layer: :class:`LayerSpec` and the
-dense and convolutional specs (framework-free; re-exported by
-:mod:`cbp_optax.centering`).
-"""
+"""What M2 needs to know about one linear layer (re-exported by
+:mod:`cbp_optax.centering`)."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ DENSE, CONV = 'dense', 'conv'
 
 
 class LayerSpec(NamedTuple):
-  """What centering needs to know about one (unstacked) linear layer.
-
-  Hashable, so it can be static metadata of a module or a variable.
+  """What centering needs to know about one (unstacked) linear layer;
+  hashable, so it can be static metadata.
 
   Attributes:
     kind: ``'dense'`` or ``'conv'``.
@@ -25,8 +22,7 @@ class LayerSpec(NamedTuple):
     kernel_shape: the kernel's shape.
     bias_shape: the bias's shape.
     feature_group_count: the convolution's feature groups (1 for dense).
-    transpose_kernel: a transposed convolution's kernel is
-      ``(*window, C_out, C_in)`` (Flax's ``transpose_kernel=True``).
+    transpose_kernel: the kernel is ``(*window, C_out, C_in)``.
   """
 
   kind: str
@@ -50,7 +46,7 @@ def dense_spec(
     in_shape: Sequence[int],
     out_shape: Sequence[int],
 ) -> LayerSpec:
-  """The spec of a dense layer contracting ``axis`` (``in_shape`` in kernel order)."""
+  """A dense layer contracting ``axis`` (``in_shape`` in kernel order)."""
   axis = (axis,) if isinstance(axis, int) else tuple(axis)
   in_shape, out_shape = tuple(in_shape), tuple(out_shape)
   return LayerSpec(DENSE, axis, in_shape, in_shape + out_shape, out_shape)
@@ -63,9 +59,8 @@ def conv_spec(
     feature_group_count: int,
     transpose_kernel: bool = False,
 ) -> LayerSpec:
-  """The spec of a convolution with a ``(*window, C_in/G, C_out)`` kernel,
-  or a stride-1 transposed one (``(*window, C_out, C_in)`` if
-  ``transpose_kernel``): both are centered as the plain layer minus ``W mu``."""
+  """A convolution with a ``(*window, C_in/G, C_out)`` kernel, or a stride-1
+  transposed one (``(*window, C_out, C_in)``)."""
   channels = (in_features // feature_group_count, out_features)
   kernel_shape = tuple(kernel_size) + (
       channels[::-1] if transpose_kernel else channels)

@@ -1,10 +1,5 @@
-"""Paths in parameter and state trees, as the messages and tables name them.
-
-One spelling for every module: a key-path entry by its name (a dict key, an
-attribute, an index), a path as those names joined by slashes
-(``'Dense_0/kernel'``). Keys may be JAX key-path entries or the raw keys
-of a Flax path.
-"""
+"""Paths in parameter and state trees: entries by name (a dict key, an
+attribute, an index), joined by slashes (``'Dense_0/kernel'``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Layer stacks: where a stacked layer's stack axes are, and the layer axes
-Muon's dimension numbers need (framework-free; re-exported by
-:mod:`cbp_optax.centering`).
+"""Layer stacks: where a stacked layer's stack axes are, and Muon's
+dimension numbers of its kernel (re-exported by :mod:`cbp_optax.centering`).
 """
 
 from __future__ import annotations
@@ -20,12 +19,8 @@ from cbp_optax._layer_spec import Shape
 def stack_axes_placements(
     shape: Shape, unstacked_shape: Shape
 ) -> list[tuple[int, ...]]:
-  """Every placement of stack axes that makes ``shape`` ``unstacked_shape``.
-
-  In lexicographic order (leading axes first). More than one means the
-  shapes alone cannot tell where the stack axes are (a stack whose length
-  equals a feature size).
-  """
+  """Every placement of stack axes that makes ``shape`` ``unstacked_shape``,
+  leading axes first (several: a stack as long as a feature size)."""
   shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
   extra = len(shape) - len(unstacked_shape)
   if extra < 0:
@@ -45,14 +40,10 @@ def resolve_stack_axes(
     not_found: Optional[Callable[[], str]] = None,
     ambiguous: Optional[Callable[[list[tuple[int, ...]]], str]] = None,
 ) -> Optional[tuple[int, ...]]:
-  """Which axes of ``shape`` are stack axes around ``unstacked_shape``.
-
-  ``preferred`` when it is a placement that fits; otherwise the only one,
-  or the first in lexicographic order (leading axes first, as ``nnx.vmap``
-  and ``nn.scan`` place them). No placement: ``ValueError(not_found())``
-  when given, else None; several: ``ValueError(ambiguous(placements))``
-  when given.
-  """
+  """Which axes of ``shape`` are stack axes around ``unstacked_shape``:
+  ``preferred`` if it fits, else the first placement. No placement:
+  ``ValueError(not_found())`` (None without it); several:
+  ``ValueError(ambiguous(placements))`` when given."""
   placements = stack_axes_placements(shape, unstacked_shape)
   if preferred is not None and tuple(preferred) in placements:
     return tuple(preferred)
@@ -84,9 +75,7 @@ def stack_axes_of(
           'parameters and centering statistics of the same model.'),
       ambiguous=lambda placements: (
           f'transport: the {name} has shape {tuple(array.shape)}, which is '
-          f'{unstacked} with stack axes at any of {placements}: the shapes '
-          'cannot tell which (a stack as long as a feature size), and a wrong '
-          'guess would move each bias by another slice\'s kernel. '
+          f'{unstacked} with stack axes at any of {placements}. '
           + AMBIGUOUS_STACK_REMEDY))
 
 
@@ -118,11 +107,8 @@ def layer_axes(
 def muon_dimension_numbers(
     spec: LayerSpec, kernel_stack_axes: Sequence[int] = ()
 ) -> Any:
-  """How ``optax.contrib.muon`` should see this layer's kernel as a matrix.
-
-  Reduction axes: the kernel's input axes (a convolution's window and input
-  channels, wherever ``transpose_kernel`` puts them); output axes: its
-  feature axes; stack axes are batch axes.
+  """How ``optax.contrib.muon`` should see this layer's kernel as a matrix:
+  its input axes reduce, its feature axes are outputs, stack axes batch.
 
   Args:
     spec: the layer, unstacked.
@@ -149,17 +135,8 @@ def place_kernel_dims(
     reduction: Sequence[int], output: Sequence[int], ndim: int,
     stack_axes: Sequence[int] = (),
 ) -> Any:
-  """A kernel's ``MuonDimensionNumbers`` from its own axes' roles.
-
-  Args:
-    reduction: the reduction axes among the kernel's ``ndim`` own axes.
-    output: its output axes (own axes in neither are batch axes).
-    ndim: how many own axes the kernel has.
-    stack_axes: where stack axes (batch axes) sit in the stacked kernel.
-
-  Returns:
-    An ``optax.contrib.MuonDimensionNumbers`` on the stacked kernel.
-  """
+  """The stacked kernel's ``MuonDimensionNumbers`` from the ``reduction``
+  and ``output`` axes among its ``ndim`` own axes."""
   stack = sorted(stack_axes)
   own = [a for a in range(ndim + len(stack)) if a not in stack]
   return optax.contrib.MuonDimensionNumbers(
@@ -170,12 +147,8 @@ def place_kernel_dims(
 def einsum_kernel_dims(
     einsum_str: Optional[str],
 ) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
-  """(reduction, output) axes of an einsum's kernel, its second operand.
-
-  Kernel axes summed away are reduction axes, those only the output has are
-  output axes, those the input and output share are batch axes. None for no
-  equation, an ellipsis in the kernel, or a kernel that is no matrix.
-  """
+  """(reduction, output) axes of an einsum's kernel (its second operand):
+  summed away, or only in the output. None where it is no matrix."""
   if not einsum_str or '->' not in einsum_str or ',' not in einsum_str:
     return None
   operands, out = einsum_str.replace(' ', '').split('->')

@@ -21,13 +21,10 @@ class StepOutput(NamedTuple):
     loss: the loss of the batch, computed before the update.
     aux: whatever else the loss function returned (metrics), or None.
     skipped: True when the loss, a gradient or a recorded batch mean was not
-      finite (under ``cbp.cbp``: a block energy M1 would store was not); the
-      step then left parameters, optimizer state and centering means as they
-      were (but for the skip count).
+      finite; the step then left parameters, optimizer state and centering
+      means as they were (but for the skip count).
 
   Examples:
-    A loss function returning ``(loss, aux)`` gets its ``aux`` back:
-
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp
@@ -37,8 +34,6 @@ class StepOutput(NamedTuple):
     ...   y = model(x)
     ...   return jnp.mean(y ** 2), {'mean_output': jnp.mean(y)}
     >>> out = cbp.nnx.train_step(loss_fn)(model, optimizer, jnp.ones((4, 2)))
-    >>> out._fields
-    ('loss', 'aux', 'skipped')
     >>> sorted(out.aux), out.skipped.dtype
     (['mean_output'], dtype('bool'))
   """
@@ -52,19 +47,16 @@ def split_loss(output: Any) -> tuple[jax.Array, Any]:
   """A loss function may return ``loss`` or ``(loss, aux)``."""
   if isinstance(output, tuple):
     if len(output) != 2:
-      raise ValueError(
-          'The loss function must return a scalar loss or a (loss, aux) pair, '
-          f'got a tuple of {len(output)}.'
-      )
+      raise ValueError('The loss function must return a scalar loss or a '
+                       f'(loss, aux) pair, got a tuple of {len(output)}.')
     return output
   return output, None
 
 
 def check_scalar_loss(loss: jax.Array) -> None:
   if jnp.shape(loss) != ():
-    raise ValueError(
-        f'The loss function must return a scalar, got shape {jnp.shape(loss)}.'
-    )
+    raise ValueError('The loss function must return a scalar, got shape '
+                     f'{jnp.shape(loss)}.')
 
 
 def all_finite(*trees: Any) -> jax.Array:
@@ -96,14 +88,10 @@ def gradients_finite(
 ) -> Optional[Callable[[Any, Any], jax.Array]]:
   r"""``conditioned_update``'s ``grads_finite(grads, applied)`` for a state.
 
-  ``opt_state`` is the state before the step; ``opt_state_of(applied)``
-  finds the new one in what ``apply_step`` produced. For a transform whose
-  first step is M1 on the raw gradients (``cbp.cbp``, ``cbp.equalize``, a
-  chain beginning with it), the answer is read from the block energies
-  :math:`q_l` M1 just stored (eq. 5): a non-finite gradient entry makes one
-  non-finite, as does a state that was not finite to begin with (a finite
-  block norm beyond the dtype's range is stored saturated, finite). For any other state this returns None, and the
-  fused step checks every entry.
+  For a transform whose first step is M1 on the raw gradients, the answer
+  is read from the energies :math:`q_l` (eq. 5) M1 just stored, found by
+  ``opt_state_of(applied)``: a non-finite gradient makes one non-finite.
+  For any other state, None (the fused step checks every entry).
   """
   if _raw_equalize_state(opt_state) is None:
     return None
@@ -120,10 +108,8 @@ def gradients_finite(
 def update_with_loss(update: Callable[..., Any],
                      tx: optax.GradientTransformation, loss: jax.Array) -> Any:
   """``update()``, or ``update(value=loss)`` where that raises a TypeError
-  for a transform taking extra arguments (optax's protocol): polyak_sgd,
-  momo and reduce_on_plateau require the loss. Every other runs as the
-  user's, without ``value=`` (``optax.contrib.sam`` refuses one, even in a
-  chain)."""
+  for a transform taking extra arguments (polyak_sgd, momo and
+  reduce_on_plateau require the loss; ``optax.contrib.sam`` refuses it)."""
   try:
     return update()
   except TypeError:
@@ -143,16 +129,12 @@ def conditioned_update(
 ) -> tuple[Any, StepOutput]:
   """The skeleton both fused steps share (Algorithm 1, steps 1-11).
 
-  Differentiates ``loss_of(params) -> (loss, (aux, changed))``, where
-  ``changed`` is the non-parameter state the forward pass wrote (recorded
-  means without their counts, batch statistics), checks that the loss,
-  ``changed`` and the gradients are finite (entry by entry, or through
-  ``grads_finite(grads, applied)``: :func:`gradients_finite`), and keeps
-  ``apply_step(*operands, grads, (changed, loss))`` (update, then
-  transport; the loss for an optimizer that takes it as ``value=``) or
-  ``skip_step(...)`` through ``select``: both are computed and selected
-  leaf by leaf, which XLA fuses into the update, where a ``lax.cond`` would
-  copy every state buffer it passes through inside an undonated outer jit.
+  Differentiates ``loss_of(params) -> (loss, (aux, changed))`` (``changed``:
+  the non-parameter state the forward pass wrote), checks that the loss,
+  ``changed`` and the gradients are finite (entry by entry, or by
+  ``grads_finite``), and keeps ``apply_step(*operands, grads, (changed,
+  loss))`` or ``skip_step(...)`` through ``select`` (leaf by leaf, which XLA
+  fuses, where a ``lax.cond`` would copy every state buffer).
 
   Returns:
     ``(select's result, StepOutput)``.
@@ -164,17 +146,17 @@ def conditioned_update(
     ok = all_finite(loss, grads, changed)
     result = select(ok, apply_step, skip_step, *operands, grads,
                     (changed, loss))
-    return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
-  inputs_ok = all_finite(loss, changed)
-  decided = []
+  else:
+    inputs_ok, decided = all_finite(loss, changed), []
 
-  def ok_of(applied):
-    decided.append(jnp.logical_and(inputs_ok, grads_finite(grads, applied)))
-    return decided[-1]
+    def ok_of(applied):
+      decided.append(jnp.logical_and(inputs_ok,
+                                     grads_finite(grads, applied)))
+      return decided[-1]
 
-  result = select(ok_of, apply_step, skip_step, *operands, grads,
-                  (changed, loss))
-  ok, = decided
+    result = select(ok_of, apply_step, skip_step, *operands, grads,
+                    (changed, loss))
+    ok, = decided
   return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 
 
@@ -184,32 +166,23 @@ def decide(ok: Any, applied: Any) -> jax.Array:
 
 
 def select_leaves(ok: jax.Array, applied: Any, skipped: Any) -> Any:
-  """``applied`` where ``ok`` else ``skipped``, leaf by leaf (same structure).
-
-  A leaf that is the same array on both sides is kept as it is.
-  """
+  """``applied`` where ``ok`` else ``skipped``, leaf by leaf."""
   return jax.tree.map(
       lambda a, b: a if a is b else jax.lax.select(ok, a, b), applied, skipped)
 
 
 def select(ok: Any, apply_step: Callable[..., Any],
            skip_step: Callable[..., Any], *operands: Any) -> Any:
-  """``lax.cond(ok, apply_step, skip_step, *operands)``'s value, as a select.
-
-  Both run and their results are selected leaf by leaf; ``ok`` is a
-  boolean scalar or a function of ``apply_step``'s result returning one.
-  """
+  """``lax.cond(ok, apply_step, skip_step, *operands)``'s value, selected
+  leaf by leaf; ``ok`` may be a function of ``apply_step``'s result."""
   applied = apply_step(*operands)
   skipped = skip_step(*operands)
   return select_leaves(decide(ok, applied), applied, skipped)
 
 
 def unaliased(tree: Any) -> Any:
-  """``tree`` with every array that occurs in it twice copied, but the first.
-
-  Donation refuses one buffer twice, and optimizers that keep a copy of the
-  parameters (SAM, DoG, Prodigy, ...) often hold the very arrays at init.
-  """
+  """``tree`` with every repeated array copied but the first (donation
+  refuses one buffer twice; SAM, DoG, Prodigy hold the parameters at init)."""
   leaves = jax.tree.leaves(tree)
   if len({id(x) for x in leaves}) == len(leaves):
     return tree
@@ -226,12 +199,8 @@ def unaliased(tree: Any) -> Any:
 
 
 def staged(tree: Any) -> bool:
-  """True when called while an outer ``jit`` (or another transform) traces.
-
-  A tracer leaf says so; so does the current trace, which also covers an
-  outer ``jit`` whose arguments are all closed over: JAX's opaque trace state
-  (the one Flax NNX keys its variables on) differs from the eager one.
-  """
+  """True when called while an outer ``jit`` (or another transform) traces:
+  a tracer leaf, or JAX's opaque trace state differs from the eager one."""
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
     return True
   return _trace_state() != _EAGER_STATE
@@ -248,16 +217,9 @@ def jit_step(
     fun: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
     static_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-  """``fun`` under ``jax.jit``, called directly or inside the user's own jit.
-
-  Called directly, ``fun`` runs donated with :func:`compiler_options`;
-  inside an outer ``jit`` it is traced into the outer program, whose own
-  settings apply (XLA takes options and donation only at the top). Both give
-  the same numbers, bit for bit.
-
-  Returns:
-    ``call(*args)``, with ``call.lower`` lowering the direct executable.
-  """
+  """``fun`` under ``jax.jit``: donated with :func:`compiler_options` when
+  called directly, traced into the outer program inside a ``jit`` (same
+  numbers). ``call.lower`` lowers the direct executable."""
   direct = jax.jit(fun, donate_argnums=donate_argnums,
                    static_argnums=static_argnums,
                    compiler_options=compiler_options())
@@ -272,24 +234,10 @@ def jit_step(
 
 
 def compiler_options() -> Optional[dict[str, Any]]:
-  """Per-executable XLA options for the fused steps.
+  """Per-executable XLA options for the fused steps, or None.
 
-  On CPU, region analysis lets XLA's copy insertion see that M3 reads
-  ``v_{t-1}`` before ``v_t`` overwrites its donated buffer, and drop the
-  copies; buffer assignment only, results bitwise identical. Pass them to
-  your own top-level ``jax.jit`` too where the state is donated.
-
-  Returns:
-    ``{'xla_cpu_copy_insertion_use_region_analysis': True}`` on CPU, else
-    None.
-
-  Examples:
-    >>> import jax
-    >>> from cbp_optax import _step
-    >>> options = _step.compiler_options()
-    >>> options == ({'xla_cpu_copy_insertion_use_region_analysis': True}
-    ...             if jax.default_backend() == 'cpu' else None)
-    True
+  On CPU, region analysis lets copy insertion see that M3 reads ``v_{t-1}``
+  before ``v_t`` overwrites its donated buffer (results bitwise identical).
   """
   if jax.default_backend() == 'cpu':
     return {'xla_cpu_copy_insertion_use_region_analysis': True}

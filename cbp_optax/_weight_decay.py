@@ -1,11 +1,4 @@
-"""Decoupled weight decay: the default mask, and the checks of its arguments.
-
-One convention for :func:`cbp_optax.cbp`, :func:`cbp_optax.cbp_robust` and
-:func:`cbp_optax.recommended`: ``weight_decay=None`` leaves the decay out of
-the chain; ``mask=None`` decays the matrices (:func:`matrices`) of any
-parameter tree; a mask is a tree of bools or a function of the parameters,
-as in ``optax.add_decayed_weights``.
-"""
+"""Decoupled weight decay: the default mask, and the checks of its arguments."""
 
 from __future__ import annotations
 
@@ -17,8 +10,7 @@ import optax
 from cbp_optax import _checks
 from cbp_optax._paths import path_names
 
-# Leaves of rank >= 2 that are not matrices by name: a stacked (or
-# multi-head) bias, a stacked norm scale, and an embedding table.
+# Leaves of rank >= 2 that are not matrices by name.
 _NOT_MATRICES = frozenset({'bias', 'scale', 'embedding'})
 
 DEFAULT = ('every leaf of rank >= 2 but those named bias, scale or embedding '
@@ -26,10 +18,8 @@ DEFAULT = ('every leaf of rank >= 2 but those named bias, scale or embedding '
 
 
 def matrices(params: Any) -> Any:
-  """The default mask: True on every leaf of rank >= 2 (dense and
-  convolution kernels of any framework, stacked or not, low-rank factors),
-  False on vectors and scalars and on the leaves named ``bias``, ``scale``
-  or ``embedding``."""
+  """The default mask: True on every leaf of rank >= 2 but those named
+  ``bias``, ``scale`` or ``embedding``."""
   def is_matrix(path, leaf):
     names = [n for n in path_names(path) if n != 'value']
     return jax.numpy.ndim(leaf) >= 2 and not (
@@ -38,10 +28,8 @@ def matrices(params: Any) -> Any:
 
 
 class Mask(_checks.Constraint):
-  """A tree of bools or a function of the parameters, as in
-  ``optax.add_decayed_weights``, or None; not one leaf (a bool, a number,
-  an array: what a mask function that ``inject_hyperparams`` called with
-  the step count returns)."""
+  """A tree of bools or a function of the parameters, or None; not one leaf
+  (what a mask function ``inject_hyperparams`` called returns)."""
 
   def arrived_as_value(self, value: Any) -> bool:
     if value is None or callable(value):
@@ -58,7 +46,6 @@ class Mask(_checks.Constraint):
           'a function was passed, ' + _checks.static_args_remedy(spec, (name,))))
 
 
-# mask only with a weight decay: without one it would be silently unused.
 MASK_NEEDS_DECAY = _checks.needs(
     'mask', 'weight_decay',
     'mask selects the parameters that weight_decay applies to')
@@ -66,8 +53,8 @@ MASK_NEEDS_DECAY = _checks.needs(
 
 def decayed_weights(weight_decay: Any, mask: Any
                     ) -> list[optax.GradientTransformation]:
-  """The chain's decay: none for ``weight_decay=None``, else
-  ``optax.add_decayed_weights`` on ``mask`` (None: :func:`matrices`)."""
+  """``optax.add_decayed_weights`` on ``mask`` (None: :func:`matrices`), or
+  nothing for ``weight_decay=None``."""
   if weight_decay is None:
     return []
   return [optax.add_decayed_weights(weight_decay,

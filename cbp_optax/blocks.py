@@ -1,11 +1,8 @@
 """M1's parameter blocks: which leaves share one equalizing scale (eq. 7).
 
-By default a block is one layer: the leaves that share a parent path (an NNX
-``.value`` suffix ignored). ``block_fn(path, leaf)`` regroups leaves, and
-``stacked(path, leaf)`` marks leaves that carry a leading layer-stack axis
-(``nnx.vmap``, ``nn.scan``), each slice of which is a block of its own.
-:func:`block_layout` is the static assignment that :func:`cbp_optax.equalize`
-keeps its energies in; :func:`block_names` names the blocks, in state order.
+By default a block is one layer: the leaves that share a parent path.
+``block_fn(path, leaf)`` regroups leaves; ``stacked(path, leaf)`` marks
+leaves with a leading layer-stack axis, each slice of which is a block.
 
 References:
   Layerwise Conditioned Backpropagation: A Curvature-Aware
@@ -23,6 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from cbp_optax import _checks
+from cbp_optax._paths import key_name  # noqa: F401  (cbp_optax.linen uses it)
+from cbp_optax._paths import path_names
+from cbp_optax._paths import path_str
 
 __all__ = [
     'BlockLayout',
@@ -43,37 +43,30 @@ StackedFn = Callable[[KeyPath, Any], bool]
 _NO_LEAF = object()
 
 
-def _path_and_leaf(argument: str):
-  """Makes a ``(path, leaf)`` preset refuse a one-argument call clearly.
+def _preset(fn):
+  """Makes a ``block_fn`` preset refuse the one-argument call of
+  ``optax.inject_hyperparams`` (the step count) with the fix."""
 
-  ``optax.inject_hyperparams`` calls a function argument that is not in its
-  ``static_args`` with the step count alone; without this the preset fails
-  with "missing 1 required positional argument: 'leaf'".
-  """
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    if len(args) == 1 and not kwargs:
+      raise _checks.schedule_call_error('block_fn', f'cbp.{fn.__name__}',
+                                        args[0])
+    return fn(*args, **kwargs)
 
-  def decorate(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-      if len(args) == 1 and not kwargs:
-        raise _checks.schedule_call_error(argument, f'cbp.{fn.__name__}',
-                                          args[0])
-      return fn(*args, **kwargs)
-
-    return wrapper
-
-  return decorate
+  return wrapper
 
 
 class BlockLayout(NamedTuple):
   """Static assignment of the leaves of a tree to M1 blocks.
 
   Attributes:
-    names: one readable name per block, in state order.
-    groups: for each group of leaves that share a block key, the indices of
-      its leaves in ``jax.tree.leaves`` order.
+    names: one name per block, in state order.
+    groups: per group of leaves sharing a block key, their indices in
+      ``jax.tree.leaves`` order.
     group_starts: index of each group's first block in ``names``.
-    group_stacks: ``None`` for a group that forms one block, or the length of
-      the leading layer axis for a stacked group (one block per slice).
+    group_stacks: None for a group that is one block, else the length of its
+      leading layer axis (one block per slice).
   """
 
   names: tuple[str, ...]
@@ -83,9 +76,8 @@ class BlockLayout(NamedTuple):
 
 
 def strip_variable_suffix(path: KeyPath) -> KeyPath:
-  # NNX states flatten a Variable to its `.value`; `nnx.Optimizer` hands
-  # Variables to `init` but plain arrays to `update`, so drop the suffix to
-  # give both the same block keys.
+  # nnx.Optimizer inits on Variables (paths end in `.value`) and updates
+  # with arrays: both get the same block keys.
   if (
       path
       and isinstance(path[-1], jax.tree_util.GetAttrKey)
@@ -95,19 +87,6 @@ def strip_variable_suffix(path: KeyPath) -> KeyPath:
   return path
 
 
-def key_name(key: jax.tree_util.KeyEntry) -> str:
-  """The name of one key-path entry (dict key, attribute or index)."""
-  for attribute in ('key', 'name', 'idx'):
-    if hasattr(key, attribute):
-      return str(getattr(key, attribute))
-  return str(key)
-
-
-def path_name(path: KeyPath) -> str:
-  """A key path as ``'Dense_0/kernel'``: key names joined by slashes."""
-  return '/'.join(key_name(k) for k in path)
-
-
 def _block_name(block_key: Hashable) -> str:
   if isinstance(block_key, tuple) and all(
       isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
@@ -115,7 +94,7 @@ def _block_name(block_key: Hashable) -> str:
                      jax.tree_util.FlattenedIndexKey))
       for k in block_key
   ):
-    return path_name(block_key)
+    return path_str(block_key)
   return str(block_key)
 
 
@@ -125,12 +104,12 @@ def default_block_key(path: KeyPath, leaf: Any) -> Hashable:
   return path[:-1] if len(path) > 1 else path
 
 
-@_path_and_leaf('block_fn')
+@_preset
 def layer_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset, the default: one M1 block per layer (eq. 7).
 
   The leaves that share a parent path (a layer's kernel and bias) form one
-  block; this is Algorithm 1's grouping.
+  block: Algorithm 1's grouping.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -143,7 +122,7 @@ def layer_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return default_block_key(path, leaf)
 
 
-@_path_and_leaf('block_fn')
+@_preset
 def leaf_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset: one M1 block per parameter tensor.
 
@@ -158,7 +137,7 @@ def leaf_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return path
 
 
-@_path_and_leaf('block_fn')
+@_preset
 def no_blocks(path: KeyPath, leaf: Any) -> Hashable:
   r"""``block_fn`` preset: no leaf is in a block, so M1 is the identity.
 
@@ -177,20 +156,15 @@ def no_blocks(path: KeyPath, leaf: Any) -> Hashable:
   return None
 
 
-@_path_and_leaf('block_fn')
+@_preset
 def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
   """``block_fn`` preset: M1 equalizes the weight matrices only.
 
-  Each leaf named ``kernel`` (the weight of every Flax linear, conv, einsum
-  and attention projection) is one block, per slice when stacked; every
-  other leaf (biases, normalization scales, embeddings) is left out of M1:
-  its update passes through with :math:`s = 1` and its energy is not part of
-  the target :math:`c` of eq. (6). Not Algorithm 1's grouping: the blocks
-  that eq. (7) pulls to one energy are then only the layers' matrices, whose
-  gradient energies are comparable, rather than also vectors and lookup
-  tables whose energies differ from them by orders of magnitude for reasons
-  that are not ill-conditioning (a LayerNorm gain, an embedding row seen once
-  per batch).
+  Each leaf named ``kernel`` is one block (per slice when stacked); every
+  other leaf (biases, norm scales, embeddings) passes through with
+  :math:`s = 1` and is not part of the target :math:`c` of eq. (6). Not
+  Algorithm 1's grouping: eq. (7) then pulls only the layers' matrices,
+  whose gradient energies are comparable, to one energy.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -201,15 +175,13 @@ def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
     >>> cbp.block_names(params, block_fn=cbp.kernel_blocks)
     ('dense',)
   """
-  del leaf
-  if path and key_name(path[-1]) == 'kernel':
-    return path[:-1] if len(path) > 1 else path
+  if path_names(path[-1:]) == ('kernel',):
+    return default_block_key(path, leaf)
   return None
 
 
 def _hashable_key(key: Any, path: KeyPath) -> Hashable:
-  """A ``block_fn`` result as a dict key: lists become tuples (a key path
-  built with list operations is still that path)."""
+  """A ``block_fn`` result as a dict key (lists become tuples)."""
   if isinstance(key, list):
     key = tuple(_hashable_key(k, path) for k in key)
   try:
@@ -217,10 +189,8 @@ def _hashable_key(key: Any, path: KeyPath) -> Hashable:
   except TypeError:
     raise TypeError(
         f'block_fn returned the unhashable {type(key).__name__} {key!r} for '
-        f'leaf {jax.tree_util.keystr(path)}; it must return a hashable block '
-        'key (a tuple such as the path, a string, an int) or None for no '
-        'block.'
-    ) from None
+        f'leaf {jax.tree_util.keystr(path)}; it must return a hashable key '
+        'or None.') from None
   return key
 
 
@@ -234,21 +204,16 @@ def block_layout(
 
   Args:
     tree: parameters or gradients (arrays, or NNX Variables).
-    block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys form
-      one block, and a leaf whose key is ``None`` is in no block (M1 leaves
-      it unscaled), nor is a leaf of size zero. Defaults to
-      :func:`layer_blocks`.
-    stacked: ``stacked(path, leaf) -> bool``; a leaf for which it returns True
-      carries a leading layer axis (``nn.scan``, ``nnx.vmap`` layer stacks) and
-      each slice along that axis is a block of its own.
+    block_fn: ``block_fn(path, leaf) -> hashable``; leaves with equal keys
+      form one block; a leaf whose key is None, or of size zero, is in no
+      block (M1 leaves it unscaled). Default: :func:`layer_blocks`.
+    stacked: ``stacked(path, leaf) -> bool``; True for a leaf with a leading
+      layer axis, each slice of which is a block of its own.
 
   Returns:
     The static :class:`BlockLayout`.
 
   Examples:
-    One block per layer; a stacked leaf (two layers along axis 0) gives one
-    block per slice:
-
     >>> import jax.numpy as jnp
     >>> from cbp_optax import blocks
     >>> params = {
@@ -261,42 +226,34 @@ def block_layout(
     ('Dense_0', 'layers[0]', 'layers[1]')
     >>> layout.groups  # leaf indices, in jax.tree.leaves order
     ((0, 1), (2, 3))
-    >>> blocks.block_layout(params, block_fn=lambda path, leaf: path).names
-    ('Dense_0/bias', 'Dense_0/kernel', 'layers/bias', 'layers/kernel')
 
   References:
     Layerwise Conditioned Backpropagation: A Curvature-Aware
     Reparameterization of the Backward Pass with Convergence Guarantees,
     eq. (7).
   """
-  _checks.check_callable('block_fn', block_fn)
-  _checks.check_callable('stacked', stacked)
+  _checks.check_function('block_fn', block_fn, optional=True)
+  _checks.check_function('stacked', stacked, optional=True)
   key_fn = block_fn or default_block_key
   paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  group_index: dict[Hashable, int] = {}
-  group_keys: list[Hashable] = []
+  group_index: dict[Hashable, int] = {}  # in first-seen order
   groups: list[list[int]] = []
   stacks: list[Optional[int]] = []
   for leaf_index, (path, leaf) in enumerate(paths_and_leaves):
     path = strip_variable_suffix(path)
     key = _hashable_key(key_fn(path, leaf), path)
     if key is None or math.prod(getattr(leaf, 'shape', ())) == 0:
-      # An empty leaf has no gradient energy to equalize: as a block of its
-      # own it would add a zero to the mean of eq. (6) and move every other
-      # block's scale.
+      # An empty block would add a zero to the mean of eq. (6).
       continue
     stack = None
     if stacked is not None and stacked(path, leaf):
       shape = jnp.shape(leaf)
       if not shape:
-        raise ValueError(
-            f'Leaf {jax.tree_util.keystr(path)} is declared stacked but is a '
-            'scalar; a stacked leaf needs a leading layer axis.'
-        )
+        raise ValueError(f'Leaf {jax.tree_util.keystr(path)} is declared '
+                         'stacked but is a scalar.')
       stack = shape[0]
     if key not in group_index:
       group_index[key] = len(groups)
-      group_keys.append(key)
       groups.append([])
       stacks.append(stack)
     group = group_index[key]
@@ -304,14 +261,12 @@ def block_layout(
       raise ValueError(
           f'Block {_block_name(key)!r} mixes leaves with different layer '
           f'stacks ({stacks[group]} and {stack}, at leaf '
-          f'{jax.tree_util.keystr(path)}); every leaf of a block must be '
-          'stacked along the same leading axis, or none.'
-      )
+          f'{jax.tree_util.keystr(path)}).')
     groups[group].append(leaf_index)
 
   names: list[str] = []
   starts: list[int] = []
-  for key, stack in zip(group_keys, stacks):
+  for key, stack in zip(group_index, stacks):
     starts.append(len(names))
     name = _block_name(key)
     if stack is None:
@@ -332,10 +287,8 @@ def block_names(
     block_fn: Optional[BlockFn] = None,
     stacked: Optional[StackedFn] = None,
 ) -> tuple[str, ...]:
-  """Names of the M1 blocks of ``params``, in the order of the state vector.
-
-  The entries of :class:`cbp_optax.EqualizeState` ``.energy`` are the blocks'
-  energies :math:`q_l` (eq. 5) in this order.
+  """Names of the M1 blocks of ``params``, in the order of
+  :class:`cbp_optax.EqualizeState` ``.energy`` (the :math:`q_l` of eq. 5).
 
   Args:
     params: parameters (arrays, or NNX Variables).
@@ -372,29 +325,27 @@ def stack_root(
   """The highest module above a stacked layer that is all one layer stack.
 
   Walks up from ``layer_path`` while every parameter under the module has a
-  leading axis of ``stack_size`` and no layer known to be unstacked
-  (``unstacked``: paths of layers whose shapes are their own, like a head
-  ``Linear(4, 4)`` beside a stack of four) is under it: a module built by
-  ``nnx.vmap`` (or scanned by ``nn.scan``) stacks all of its parameters, its
-  parent does not.
+  leading axis of ``stack_size`` and none of the ``unstacked`` layers (whose
+  shapes are their own, like a head ``Linear(4, 4)`` beside a stack of four)
+  is under it.
   """
   root = layer_path
   for depth in range(len(layer_path), -1, -1):
     prefix = layer_path[:depth]
     under = [s for p, s in param_shapes.items() if p[:depth] == prefix]
-    if not under or any(not s or s[0] != stack_size for s in under):
-      break
-    if any(tuple(u[:depth]) == prefix for u in unstacked):
+    if (not under or any(not s or s[0] != stack_size for s in under)
+        or any(tuple(u[:depth]) == prefix for u in unstacked)):
       break
     root = prefix
   return root
+
 
 def check_stack_paths(
     param_shapes: dict[tuple[str, ...], tuple[int, ...]],
     stack_paths: Collection[str],
 ) -> set[tuple[str, ...]]:
   """``stack_paths`` (``'decoder/blocks'``) as key tuples, each naming a
-  module with parameters, or an error listing the modules there are."""
+  module with parameters."""
   roots = set()
   for stack_path in stack_paths:
     if not isinstance(stack_path, str) or not stack_path:
@@ -414,11 +365,8 @@ def check_stack_paths(
 
 
 class stacked_predicate:  # pylint: disable=invalid-name
-  """``stacked(path, leaf)``: True for leaves under one of ``roots``.
-
-  Equal (and hashing equal) for equal roots, so transforms built with it
-  compare equal.
-  """
+  """``stacked(path, leaf)``: True for leaves under one of ``roots``; equal
+  and hashing equal for equal roots."""
 
   def __init__(self, roots):
     self.roots = frozenset(tuple(r) for r in roots)
@@ -427,7 +375,7 @@ class stacked_predicate:  # pylint: disable=invalid-name
     if leaf is _NO_LEAF:
       raise _checks.schedule_call_error('stacked', repr(self), path)
     del leaf
-    names = tuple(key_name(k) for k in strip_variable_suffix(path))
+    names = path_names(strip_variable_suffix(path))
     return any(names[:len(root)] == root for root in self.roots)
 
   def __eq__(self, other):
