@@ -49,18 +49,10 @@ from cbp_optax.blocks import strip_variable_suffix
 
 
 # The documented surface; the other names serve the adapters.
-__all__ = [
-    'CannotCenterError',
-    'LayerSpec',
-    'UnclassifiedStateError',
-    'UntransportedWarning',
-    'conv_spec',
-    'dense_spec',
-    'muon_dimension_numbers',
-    'register_parameter_state',
-    'shift_bias',
-    'transport',
-]
+__all__ = ['CannotCenterError', 'LayerSpec', 'UnclassifiedStateError',
+           'UntransportedWarning', 'conv_spec', 'dense_spec',
+           'muon_dimension_numbers', 'register_parameter_state', 'shift_bias',
+           'transport']
 
 
 class CannotCenterError(ValueError):
@@ -472,15 +464,10 @@ def centered_after_init(
     tree: Any, state_tree: Any, *, center: str = 'centering',
     remedy: str = 'Build the optimizer after centering the model.',
 ) -> Optional[str]:
-  """Why ``tree`` no longer matches ``state_tree``, when centering did it.
-
-  Centering a layer in place moves its parameters one level down, under
-  :data:`LAYER_KEY` (``hidden/kernel`` becomes ``hidden/layer/kernel``), so
-  an optimizer state built before it holds the old paths (``state_tree``'s
-  paths may carry a prefix: an optax chain's state). Returns an error
-  message saying so, naming ``center`` as what moved them and ending with
-  ``remedy``, or None when the mismatch has another cause.
-  """
+  """Why ``tree`` no longer matches ``state_tree`` (whose paths may carry a
+  prefix), when centering in place moved ``hidden/kernel`` to
+  ``hidden/layer/kernel`` after the optimizer was built: a message naming
+  ``center`` and ending with ``remedy``; None for any other cause."""
   def names(t):
     return [path_names(strip_variable_suffix(path))
             for path, _ in jax.tree_util.tree_leaves_with_path(t)]

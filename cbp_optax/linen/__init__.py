@@ -38,16 +38,6 @@ from cbp_optax.linen._transport import transport
 from cbp_optax.linen._train_step import train_step
 from cbp_optax.linen._train_step import TrainState
 
-__all__ = [
-    'Centered',
-    'CenteredModel',
-    'CenteringMean',
-    'StepOutput',
-    'TrainState',
-    'center',
-    'eval_params',
-    'muon_dimension_numbers',
-    'stacked_blocks',
-    'train_step',
-    'transport',
-]
+__all__ = ['Centered', 'CenteredModel', 'CenteringMean', 'StepOutput',
+           'TrainState', 'center', 'eval_params', 'muon_dimension_numbers',
+           'stacked_blocks', 'train_step', 'transport']

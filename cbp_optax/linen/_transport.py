@@ -89,23 +89,14 @@ def like(container: Any, tree: Any) -> Any:
   return flax.core.unfreeze(tree)
 
 
-def _lookahead(params: Any) -> bool:
-  return isinstance(params, optax.LookaheadParams)
-
-
-def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
-  """The centered layers, for classifying an optimizer state (no transport)."""
-  if _lookahead(params):
-    params = params.fast
-  return [_move(path, name, inner) for path, name, inner, _ in _layers(
-      flax.core.unfreeze(params), flax.core.unfreeze(centering))]
-
-
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before tracing, an unclassifiable optimizer state."""
-  fast = params.fast if _lookahead(params) else params
-  _opt_state.transport_state(opt_state, _moves(params, centering),
-                             what='opt_state', kind=FLAX, params=fast)
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
+  moves = [_move(path, name, inner) for path, name, inner, _ in _layers(
+      flax.core.unfreeze(params), flax.core.unfreeze(centering))]
+  _opt_state.transport_state(opt_state, moves, what='opt_state', kind=FLAX,
+                             params=params)
 
 
 def transport(
@@ -160,7 +151,7 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
                           ) -> tuple[Any, ...]:
   """:func:`transport` for a validated ``mean_decay`` and classified
   ``opt_state`` (fused steps keep no recorded count: ``recorded_only=False``)."""
-  lookahead = _lookahead(params)
+  lookahead = isinstance(params, optax.LookaheadParams)
   fast = params.fast if lookahead else params
   new_params, new_centering, moves = _transport_tree(
       fast, centering, mean_decay, recorded_only)
@@ -192,7 +183,7 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
     >>> cbp.linen.eval_params(params, opt_state)['w']
     Array([1., 1.], dtype=float32)
   """
-  if _lookahead(params):
+  if isinstance(params, optax.LookaheadParams):
     return _opt_state.unshared(params.slow)
   if opt_state is None:
     return _opt_state.unshared(params)

@@ -36,16 +36,6 @@ from cbp_optax.nnx._transport import transport
 from cbp_optax.nnx._train_step import Optimizer
 from cbp_optax.nnx._train_step import train_step
 
-__all__ = [
-    'CenterReport',
-    'Centered',
-    'CenteringMean',
-    'Optimizer',
-    'StepOutput',
-    'center',
-    'eval_model',
-    'muon_dimension_numbers',
-    'stacked_blocks',
-    'train_step',
-    'transport',
-]
+__all__ = ['CenterReport', 'Centered', 'CenteringMean', 'Optimizer',
+           'StepOutput', 'center', 'eval_model', 'muon_dimension_numbers',
+           'stacked_blocks', 'train_step', 'transport']

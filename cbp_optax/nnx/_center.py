@@ -15,14 +15,14 @@ from cbp_optax.nnx._wrapper import SUPPORTED
 from cbp_optax.nnx._wrapper import layer_spec
 
 
-def centered_layers(model: nnx.Module) -> list[Centered]:
-  """Every :class:`Centered` layer inside ``model``."""
-  return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
-
-
 def centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]:
+  """``(path, layer)`` of every :class:`Centered` layer inside ``model``."""
   return [(tuple(path), m) for path, m in nnx.iter_modules(model)
           if isinstance(m, Centered)]
+
+
+def centered_layers(model: nnx.Module) -> list[Centered]:
+  return [layer for _, layer in centered_paths(model)]
 
 
 CenterReport = core.CenterReport

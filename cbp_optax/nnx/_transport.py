@@ -65,14 +65,12 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
                            where: str) -> None:
   """Classifies the optimizer's state before anything is traced."""
   if not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError(
-        f'{where}: optimizer must be an nnx.Optimizer (or '
-        f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
-  moves = _layer_moves(model, optimizer.wrt)
-  _opt_state.transport_state(optimizer.opt_state, moves,
-                             what='optimizer.opt_state',
-                             kind=FLAX,
-                             params=nnx.state(model, optimizer.wrt))
+    raise TypeError(f'{where}: optimizer must be an nnx.Optimizer, got a '
+                    f'{type(optimizer).__name__}.')
+  _opt_state.transport_state(
+      optimizer.opt_state, _layer_moves(model, optimizer.wrt),
+      what='optimizer.opt_state', kind=FLAX,
+      params=nnx.state(model, optimizer.wrt))
 
 
 def transport(
