@@ -28,18 +28,6 @@ def _under_map_variables(module: nn.Module) -> bool:
   return 'map_variables(' in module.scope.path_text
 
 
-def _call_input(
-    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-) -> tuple[bool, Any, tuple[Any, ...], dict[str, Any]]:
-  """``(found, input, other args, other kwargs)`` of an intercepted call to
-  a supported layer: its first argument, by position or by name."""
-  if args:
-    return True, args[0], tuple(args[1:]), dict(kwargs)
-  kwargs = dict(kwargs)
-  name = list(inspect.signature(type(module).__call__).parameters)[1]
-  return name in kwargs, kwargs.pop(name, None), (), kwargs
-
-
 class CenteredModel(NamedTuple):
   """A Linen module run with every supported layer centered (see :func:`center`);
   ``init`` and ``apply`` take what the module's own do."""
@@ -54,10 +42,14 @@ class CenteredModel(NamedTuple):
     if (context.method_name == '__call__' and type(module) in SUPPORTED
         and not _under_map_variables(module) and not core.skip_reason(
             self.where, path_str(module.scope.path), module, check_layer)):
-      found, inputs, rest, other = _call_input(module, args, kwargs)
-      if found:  # no input at all: the layer's own error says so
+      # The input: the first argument, by position or by name (the exact
+      # supported types name it in their own __call__).
+      other, name = dict(kwargs), None if args else list(
+          inspect.signature(type(module).__call__).parameters)[1]
+      if args or name in other:  # no input at all: the layer's error says so
+        inputs = args[0] if args else other.pop(name)
         return centered_call(
-            module, module, lambda x: next_fun(x, *rest, **other),
+            module, module, lambda x: next_fun(x, *args[1:], **other),
             lambda: module.get_variable('params', 'kernel'), inputs, False,
             self.mean_dtype, self.axis_name)
     return next_fun(*args, **kwargs)

@@ -55,13 +55,6 @@ def _old_counts(new: Any, old: Any) -> Any:
           for k, v in new.items()} if isinstance(old, Mapping) else new
 
 
-def _check_state_first(args: tuple[Any, ...]) -> None:
-  if not args or not isinstance(args[0], TrainState):
-    got = f'a {type(args[0]).__name__}' if args else 'no argument'
-    raise TypeError('train_step: step(state, *batch) takes a '
-                    f'cbp_optax.linen.TrainState first, got {got}.')
-
-
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                               mean_decay: Any) -> TrainState:
   """The transport (eq. 10) of an unskipped step, after the skip select."""
@@ -194,8 +187,12 @@ def train_step(
   classified = _opt_state.CheckCache()
 
   def train(*args):
-    _check_state_first(args)
+    if not args or not isinstance(args[0], TrainState):
+      got = f'a {type(args[0]).__name__}' if args else 'no argument'
+      raise TypeError('train_step: step(state, *batch) takes a '
+                      f'cbp_optax.linen.TrainState first, got {got}.')
     state = args[0]
+
     def classify():
       _opt_state.check_fusable(state.opt_state, 'train_step', FLAX)
       check_recorded_bounds(state.tx, state.opt_state, state.params)

@@ -26,13 +26,10 @@ from cbp_optax import centering as core
 from cbp_optax.linen._center import CenteredModel
 from cbp_optax.linen._wrapper import CenteringMean
 from cbp_optax.linen._wrapper import CONV
-from cbp_optax.linen._wrapper import COUNT
 from cbp_optax.linen._wrapper import DENSE
-from cbp_optax.linen._wrapper import MASK
-from cbp_optax.linen._wrapper import MEAN
-from cbp_optax.linen._wrapper import RECORDED
-from cbp_optax.linen._wrapper import RESIDUAL
 from cbp_optax.linen._wrapper import entries
+from cbp_optax.linen._wrapper import layer_state
+from cbp_optax.linen._wrapper import transport_layer
 
 
 def _layers(params: Any, centering: Any):
@@ -50,13 +47,6 @@ def _layers(params: Any, centering: Any):
     yield path, name, layer if name is None else layer[name], entry
 
 
-def _state(inner: Any, entry: Any) -> core.LayerState:
-  box = entry[MEAN]
-  return core.LayerState(
-      box.spec, inner['kernel'], inner['bias'], box.value, entry[RECORDED],
-      entry.get(COUNT), entry.get(MASK), box.stack_axes, entry.get(RESIDUAL))
-
-
 def _move(path, name, inner, shift=None) -> _opt_state.LayerMove:
   return _opt_state.LayerMove(
       path=path if name is None else path + (name,),
@@ -71,14 +61,8 @@ def _transport_tree(params, centering, mean_decay, recorded_only):
   params, centering = flax.core.unfreeze(params), flax.core.unfreeze(centering)
   moves = []
   for path, name, inner, entry in list(_layers(params, centering)):
-    old = _state(inner, entry)
-    new = core.refresh(old, mean_decay, recorded_only)
-    moves.append(_move(path, name, inner, core.copy_shift(old, new)))
-    inner['bias'] = new.bias
-    entry[MEAN] = entry[MEAN].replace_boxed(new.mean)
-    for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
-      if value is not None:
-        entry[key] = value
+    shift = transport_layer(inner, entry, mean_decay, recorded_only)
+    moves.append(_move(path, name, inner, shift))
   return params, centering, moves
 
 
@@ -250,7 +234,7 @@ def _collections_table(params, centering) -> dict[tuple[str, ...], Any]:
   other kernel is refused (its layer cannot be told from its shape)."""
   unfrozen = flax.core.unfreeze(params)
   table = {_move(path, name, inner).path + ('kernel',):
-           core.kernel_dimension_numbers(_state(inner, entry))
+           core.kernel_dimension_numbers(layer_state(inner, entry))
            for path, name, inner, entry in _layers(
                unfrozen, flax.core.unfreeze(centering))}
   for path, leaf in jax.tree_util.tree_leaves_with_path(unfrozen):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import flax
@@ -98,25 +99,25 @@ def centered_call(
   """Eq. (8) for ``layer`` (run as ``layer_fn``), with the statistics in
   ``host``'s ``'centering'`` collection."""
   spec, mask = layer_spec(layer, inputs), getattr(layer, 'mask', None)
-  zero = core.zero_state(
-      spec, core.mean_dtype(mean_dtype, layer.param_dtype),
-      jax.ShapeDtypeStruct(spec.bias_shape, layer.param_dtype))
+  dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
+  zero = functools.cache(lambda: core.zero_state(  # built when initializing
+      spec, dtype, jax.ShapeDtypeStruct(spec.bias_shape, layer.param_dtype)))
   try:
     mean = host.variable(COLLECTION, MEAN,
-                         lambda: CenteringMean(zero.mean, spec))
+                         lambda: CenteringMean(zero().mean, spec))
   except flax.errors.ScopeCollectionNotFound as error:
     raise ValueError(_no_collection_message(host)) from error
-  recorded = host.variable(COLLECTION, RECORDED, lambda: zero.recorded)
+  recorded = host.variable(COLLECTION, RECORDED, lambda: zero().recorded)
   # An older collection without a count records the last call only, and
   # one without a residual rounds its 16-bit bias.
   count = None
   if host.is_initializing() or host.has_variable(COLLECTION, COUNT):
-    count = host.variable(COLLECTION, COUNT, lambda: zero.count)
+    count = host.variable(COLLECTION, COUNT, lambda: zero().count)
   if mask is not None:
     host.variable(COLLECTION, MASK, lambda: jnp.asarray(mask))
-  if zero.residual is not None and (
-      host.is_initializing() or host.has_variable(COLLECTION, RESIDUAL)):
-    host.variable(COLLECTION, RESIDUAL, lambda: zero.residual)
+  if host.has_variable(COLLECTION, RESIDUAL) or (
+      host.is_initializing() and zero().residual is not None):
+    host.variable(COLLECTION, RESIDUAL, lambda: zero().residual)
   if (not use_running_average and not host.is_initializing()
       and host.is_mutable_collection(COLLECTION)):
     new = core.record(
@@ -201,3 +202,26 @@ def entries(centering: Any, path: tuple[str, ...] = ()
   else:
     for key, sub in centering.items():
       yield from entries(sub, path + (key,))
+
+
+def layer_state(params: Mapping[str, Any], entry: Mapping[str, Any]
+                ) -> core.LayerState:
+  """A centered layer's ``params`` (kernel, bias) and ``entry``, for the core."""
+  box = entry[MEAN]
+  return core.LayerState(
+      box.spec, params['kernel'], params['bias'], box.value, entry[RECORDED],
+      entry.get(COUNT), entry.get(MASK), box.stack_axes, entry.get(RESIDUAL))
+
+
+def transport_layer(params: dict[str, Any], entry: dict[str, Any],
+                    mean_decay: Any, recorded_only: bool = True) -> Any:
+  """The mean refresh and bias transport (eq. 10) of one layer's unfrozen
+  ``params`` and ``entry``, in place; returns the shift of the optimizer's
+  parameter copies (``core.copy_shift``)."""
+  old = layer_state(params, entry)
+  new = core.refresh(old, mean_decay, recorded_only)
+  params['bias'], entry[MEAN] = new.bias, entry[MEAN].replace_boxed(new.mean)
+  for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
+    if value is not None:
+      entry[key] = value
+  return core.copy_shift(old, new)
