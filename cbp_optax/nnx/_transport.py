@@ -192,12 +192,12 @@ def eval_model(model: nnx.Module,
   if optimizer is None:
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, _opt_state.unshared(state))
-    copy.eval()
-    return copy
-  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-  params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
-                                        nnx.as_pure(params))
-  copy = nnx.merge(graphdef, *_opt_state.unshared((params, nnx.as_pure(rest))))
+  else:
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
+                                          nnx.as_pure(params))
+    copy = nnx.merge(graphdef,
+                     *_opt_state.unshared((params, nnx.as_pure(rest))))
   copy.eval()
   return copy
 
