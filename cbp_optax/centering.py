@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import (Any, Callable, Iterable, NamedTuple, Optional, Sequence,
+                    Union)
 
 import jax
 import jax.numpy as jnp
@@ -35,27 +36,22 @@ from cbp_optax._layer_spec import normalize_axes  # noqa: F401  (for the adapter
 from cbp_optax._stacks import AMBIGUOUS_STACK_REMEDY
 from cbp_optax._stacks import layer_axes
 from cbp_optax._stacks import muon_dimension_numbers
-from cbp_optax._stacks import stack_axes_placements  # noqa: F401  (for the adapters)
+from cbp_optax._stacks import stack_axes_placements
 from cbp_optax._bias_shift import bias_shift
-from cbp_optax._bias_shift import needs_bias_residual  # noqa: F401  (for the adapters)
+from cbp_optax._bias_shift import needs_bias_residual
 from cbp_optax._bias_shift import shift_bias
 from cbp_optax._untransported import UntransportedWarning
+from cbp_optax.blocks import check_stack_paths
+from cbp_optax.blocks import stack_root
+from cbp_optax.blocks import stacked_predicate
 from cbp_optax.blocks import strip_variable_suffix
 
 
 # The documented surface; the other names serve the adapters.
-__all__ = [
-    'CannotCenterError',
-    'LayerSpec',
-    'UnclassifiedStateError',
-    'UntransportedWarning',
-    'conv_spec',
-    'dense_spec',
-    'muon_dimension_numbers',
-    'register_parameter_state',
-    'shift_bias',
-    'transport',
-]
+__all__ = ['CannotCenterError', 'LayerSpec', 'UnclassifiedStateError',
+           'UntransportedWarning', 'conv_spec', 'dense_spec',
+           'muon_dimension_numbers', 'register_parameter_state', 'shift_bias',
+           'transport']
 
 
 class CannotCenterError(ValueError):
@@ -71,46 +67,31 @@ def _not_ones(value: Optional[Union[int, Sequence[int]]]) -> bool:
   return any(v != 1 for v in values)
 
 
-def check_centerable(
-    layer_type: type, *, use_bias: bool,
-    input_dilation: Optional[Union[int, Sequence[int]]] = None,
-    batch_axes: Any = None,
-    transposed_strides: Optional[Union[int, Sequence[int]]] = None,
-) -> None:
-  """Refuses a supported layer type configured so that centering is inexact
-  (CannotCenterError: no bias, input dilation, kernel batch axes, or a
-  transposed convolution's strides)."""
-  name = _layer_label(layer_type)
-  if not use_bias:
-    raise CannotCenterError(
-        f'{name} was built with use_bias=False: centering needs a bias to '
-        'transport (eq. 10).')
-  if _not_ones(input_dilation):
-    raise CannotCenterError(
-        f'{name} has input dilation {input_dilation}: the zeros it inserts '
-        'are not shifted by mu, so no bias transport keeps it exact.')
-  if _not_ones(transposed_strides):
-    # Output positions of each phase (position mod stride) sum their own
-    # subset of the kernel taps: W mu differs between phases, which one
-    # bias per channel cannot follow.
-    raise CannotCenterError(
-        f'{name} has strides {transposed_strides}: W mu differs per output '
-        'phase: no per-channel bias carries it.')
-  if batch_axes:
-    raise CannotCenterError(
-        f'{name} has kernel batch axes {batch_axes}: the kernel, and so mu, '
-        'would differ along them.')
-
-
-def unsupported_layer_error(layer_type: type, supported: Sequence[type]) -> TypeError:
-  """The error for a layer type the core does not know exactly."""
-  names = ', '.join(_layer_label(t) for t in supported)
-  return TypeError(
-      f'Cannot center {_layer_label(layer_type)}: centering is exact only for '
-      f'layers whose maths it knows, the exact types {names} (a subclass may '
-      'change the maths, so it is refused too). Locally connected '
-      'convolutions cannot be centered exactly; embeddings, norms and other '
-      'layers that are not linear in their input are left as they are.')
+def check_layer(layer: Any, supported: Sequence[type], *,
+                transposed: bool = False, batch_axes: Any = None) -> None:
+  """Refuses a layer centering cannot keep exact: TypeError unless its type
+  is one of ``supported`` (exactly: a subclass may change the maths), else
+  CannotCenterError where no bias transport (eq. 10) follows it."""
+  label = _layer_label(type(layer))
+  if type(layer) not in supported:
+    raise TypeError(
+        f'Cannot center {label}: centering is exact for the types '
+        f'{", ".join(map(_layer_label, supported))} only (a subclass may '
+        'change the maths).')
+  dilation = getattr(layer, 'input_dilation', None)
+  strides = layer.strides if transposed else None
+  # A strided transposed convolution's output phases (position mod stride)
+  # sum their own kernel taps: W mu differs between them.
+  why = ('was built with use_bias=False: centering needs a bias to transport'
+         if not layer.use_bias else
+         f'has input dilation {dilation}: mu does not shift its zeros'
+         if _not_ones(dilation) else
+         f'has strides {strides}: W mu differs per output phase'
+         if _not_ones(strides) else
+         f'has kernel batch axes {batch_axes}: mu would differ along them'
+         if batch_axes else None)
+  if why:
+    raise CannotCenterError(f'{label} {why}.')
 
 
 Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
@@ -119,25 +100,21 @@ Where = Union[None, type, tuple[type, ...], Callable[[str, Any], bool]]
 def check_where(where: Any) -> Where:
   """``center``'s ``where`` as None, a type, a tuple of types or a callable
   (a list of types becomes a tuple); TypeError otherwise."""
-  if where is None or isinstance(where, type):
-    return where
   if isinstance(where, (list, tuple)):
-    if where and all(isinstance(t, type) for t in where):
-      return tuple(where)
     bad = [t for t in where if not isinstance(t, type)]
-    raise TypeError(
-        'where must be None, a layer type, a tuple of layer types, or a '
-        f'predicate where(path, layer) -> bool; got {where!r}'
-        + (f', whose {bad[0]!r} is not a type' if bad else ' (empty)')
-        + ". To select layers by path, pass e.g. where=lambda path, layer: "
-        "path.startswith('encoder').")
-  if callable(where):
+    if where and not bad:
+      return tuple(where)
+    got = f'{where!r}, ' + (f'whose {bad[0]!r} is not a type' if bad
+                            else 'empty')
+  elif where is None or callable(where):
     return where
+  else:
+    got = f'the {type(where).__name__} {where!r}'
+  example = where if isinstance(where, str) else 'encoder'
   raise TypeError(
-      'where must be None, a layer type, a tuple of layer types, or a '
-      f'predicate where(path, layer) -> bool; got the '
-      f'{type(where).__name__} {where!r}. To select layers by path, pass '
-      f'e.g. where=lambda path, layer: path.startswith({where!r}).')
+      'where must be None, a layer type, a tuple of layer types or a '
+      f'predicate where(path, layer) -> bool; got {got} (by path: '
+      f'where=lambda path, layer: path.startswith({example!r})).')
 
 
 def selected(where: Where, path: str, layer: Any) -> bool:
@@ -171,15 +148,6 @@ def batch_mean(
   if axis_name is not None:
     mean = lax.pmean(mean, axis_name)
   return mean
-
-
-def zero_count(mean_shape: Shape, mean_dtype: Any,
-               stack_axes: Sequence[int] = ()) -> jax.Array:
-  """A new recorded count: ``mu``'s shape with each feature axis 1, in a
-  float (no wrap-around) of at least 32 bits."""
-  return jnp.zeros(tuple(d if a in tuple(stack_axes) else 1
-                         for a, d in enumerate(mean_shape)),
-                   jnp.promote_types(mean_dtype, jnp.float32))
 
 
 def subtract_mean(inputs: jax.Array, mean: jax.Array, spec: LayerSpec) -> jax.Array:
@@ -240,6 +208,71 @@ class LayerState(NamedTuple):
   mask: Optional[jax.Array] = None
   stack_axes: Optional[tuple[int, ...]] = None
   residual: Optional[jax.Array] = None
+
+
+def added_stack_axis(axes: Optional[Sequence[int]], index: int
+                     ) -> tuple[int, ...]:
+  """Stack ``axes`` after a stacking transform inserts axis ``index``."""
+  moved = tuple(a + 1 if a >= index else a for a in axes or ())
+  return tuple(sorted(moved + (index,)))
+
+
+def removed_stack_axis(axes: Optional[Sequence[int]], index: int
+                       ) -> tuple[int, ...]:
+  """Stack ``axes`` after a transform removes axis ``index``."""
+  return tuple(a - 1 if a > index else a for a in axes or () if a != index)
+
+
+def _kernel_stack_axes(spec: LayerSpec, kernel_shape: Shape,
+                       given: Optional[Sequence[int]], remedy: str
+                       ) -> tuple[int, ...]:
+  """The stack axes of a kernel of ``kernel_shape``: ``given`` where it fits,
+  else the one placement the shapes allow (ValueError otherwise)."""
+  placements = stack_axes_placements(kernel_shape, spec.kernel_shape)
+  if given is not None:
+    ndim = len(kernel_shape)
+    axes = tuple(sorted(a % ndim for a in given if isinstance(a, int) and not
+                        isinstance(a, bool) and -ndim <= a < ndim))
+    if len(axes) == len(tuple(given)) and axes in placements:
+      return axes
+  elif len(placements) == 1:
+    return placements[0]
+  what = f'a kernel of shape {kernel_shape} is {spec.kernel_shape} stacked'
+  if given is not None:
+    raise ValueError(f'stack_axes={given!r} does not fit: {what} along '
+                     f'{placements or "no axes"}.')
+  if not placements:
+    raise ValueError(f'a kernel of shape {kernel_shape} is not '
+                     f'{spec.kernel_shape} with stack axes added.')
+  raise ValueError(f'{what} along any of the axes {placements}, which the '
+                   'shapes cannot tell apart; a wrong guess would change the '
+                   f'function at the first transport. {remedy}')
+
+
+def zero_state(spec: LayerSpec, mean_dtype: Any, bias: Any,
+               kernel_shape: Optional[Shape] = None,
+               stack_axes: Optional[Sequence[int]] = None,
+               remedy: str = AMBIGUOUS_STACK_REMEDY) -> LayerState:
+  """A new layer's statistics, all zero: ``mu`` and the recorded mean (of
+  ``mean_dtype``), the recorded count (feature axes 1, a float of 32 bits or
+  more: no wrap-around) and, for a 16-bit ``bias`` (anything with a shape and
+  dtype), its float32 residual. Stacked as ``kernel_shape`` (default the
+  spec's) is: ``stack_axes`` are its kernel's, where the shapes cannot tell;
+  ``remedy`` says how to tell them. ``kernel`` and ``bias`` are None."""
+  kernel_shape = tuple(kernel_shape or spec.kernel_shape)
+  axes = _kernel_stack_axes(spec, kernel_shape, stack_axes, remedy)
+  shape = list(spec.mean_shape)
+  for axis in axes:
+    shape.insert(min(axis, len(shape)), kernel_shape[axis])
+  mean_axes = tuple(min(a, len(spec.mean_shape) + i)
+                    for i, a in enumerate(axes))
+  count = jnp.zeros([d if a in mean_axes else 1 for a, d in enumerate(shape)],
+                    jnp.promote_types(mean_dtype, jnp.float32))
+  residual = (jnp.zeros(bias.shape, jnp.float32)
+              if needs_bias_residual(bias.dtype) else None)
+  return LayerState(spec, None, None, jnp.zeros(shape, mean_dtype),
+                    jnp.zeros(shape, mean_dtype), count, stack_axes=mean_axes,
+                    residual=residual)
 
 
 def record(layer: LayerState, inputs: jax.Array,
@@ -313,14 +346,13 @@ def transport(
   r"""Mean refresh and bias transport of one layer or one stack of layers.
 
   ``mu_new = decay * mu + (1 - decay) * recorded`` (Algorithm 1, step 10) and
-  ``b~ += W (mu_new - mu_old)`` (eq. 10) with the given (updated) kernel. For
-  a layer stack, every slice is transported with its own kernel.
+  ``b~ += W (mu_new - mu_old)`` (eq. 10) with the given (updated) kernel,
+  each slice of a layer stack with its own.
 
   Args:
     spec: the layer, unstacked.
-    kernel: its kernel, possibly with stack axes.
-    bias: its bias, with the same stack axes.
-    mean: ``mu``, with the same stack sizes.
+    kernel: its kernel, possibly with stack axes; ``bias`` and ``mean``
+      (``mu``) have the same stack sizes.
     recorded: the batch mean recorded by the last forward pass.
     decay: the EMA decay of ``mu``, in ``[0, 1)`` (or a tracer).
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
@@ -372,31 +404,25 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
       gradient statistics only.
 
   Examples:
-    An EMA of the parameters, kept by a transform of your own:
+    An EMA of the parameters, kept by a transform of your own, whose biases
+    a centered model's fused step then moves:
 
     >>> from typing import NamedTuple
-    >>> import jax, jax.numpy as jnp, optax
-    >>> from cbp_optax import centering
-    >>> class ParamEmaState(NamedTuple):
-    ...   ema: optax.Params
-    >>> centering.register_parameter_state(ParamEmaState, 'ema')
-    >>> def param_ema(decay):
-    ...   def update(updates, state, params):
-    ...     new = optax.apply_updates(params, updates)
-    ...     ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p,
-    ...                        state.ema, new)
-    ...     return updates, ParamEmaState(ema)
-    ...   return optax.GradientTransformation(
-    ...       lambda params: ParamEmaState(params), update)
-
-    A centered model's fused step now moves the EMA's biases:
-
+    >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> import cbp_optax as cbp
+    >>> class ParamEmaState(NamedTuple):
+    ...   ema: optax.Params
+    >>> cbp.centering.register_parameter_state(ParamEmaState, 'ema')
+    >>> def update(updates, state, params):
+    ...   new = optax.apply_updates(params, updates)
+    ...   return updates, ParamEmaState(
+    ...       optax.incremental_update(new, state.ema, 0.1))
+    >>> param_ema = optax.GradientTransformation(ParamEmaState, update)
     >>> model = nnx.Sequential(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
     >>> _ = cbp.nnx.center(model)
     >>> optimizer = cbp.nnx.Optimizer(
-    ...     model, optax.chain(optax.sgd(0.1), param_ema(0.9)))
+    ...     model, optax.chain(optax.sgd(0.1), param_ema))
     >>> step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
     >>> out = step(model, optimizer, jnp.ones((4, 2)))
     >>> type(optimizer.opt_state[1]).__name__, bool(out.skipped)
@@ -408,6 +434,24 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
 UnclassifiedStateError = _opt_state.UnclassifiedStateError
 
 
+def stacked_blocks(
+    params: Any, stack_paths: Sequence[str],
+    layers: Iterable[tuple[tuple[str, ...], Optional[Sequence[int]], Shape]],
+) -> Callable[[Any, Any], bool]:
+  """The adapters' ``stacked_blocks`` (eq. 7): the modules ``stack_paths``
+  name, else the root of every stack in ``layers``, ``(path, stack axes,
+  mean shape)`` of each layer (stack axes empty or None: unstacked)."""
+  shapes = {path_names(path): tuple(jnp.shape(leaf))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  roots = check_stack_paths(shapes, stack_paths)
+  if not stack_paths:
+    layers = list(layers)
+    unstacked = [path for path, axes, _ in layers if not axes]
+    roots.update(stack_root(shapes, path, shape[0], unstacked)
+                 for path, axes, shape in layers if axes and axes[0] == 0)
+  return stacked_predicate(roots)
+
+
 # Where centering a layer in place puts its parameters: one level down,
 # under this key (the wrapper's ``layer``).
 LAYER_KEY = 'layer'
@@ -417,15 +461,10 @@ def centered_after_init(
     tree: Any, state_tree: Any, *, center: str = 'centering',
     remedy: str = 'Build the optimizer after centering the model.',
 ) -> Optional[str]:
-  """Why ``tree`` no longer matches ``state_tree``, when centering did it.
-
-  Centering a layer in place moves its parameters one level down, under
-  :data:`LAYER_KEY` (``hidden/kernel`` becomes ``hidden/layer/kernel``), so
-  an optimizer state built before it holds the old paths (``state_tree``'s
-  paths may carry a prefix: an optax chain's state). Returns an error
-  message saying so, naming ``center`` as what moved them and ending with
-  ``remedy``, or None when the mismatch has another cause.
-  """
+  """Why ``tree`` no longer matches ``state_tree`` (whose paths may carry a
+  prefix), when centering in place moved ``hidden/kernel`` to
+  ``hidden/layer/kernel`` after the optimizer was built: a message naming
+  ``center`` and ending with ``remedy``; None for any other cause."""
   def names(t):
     return [path_names(strip_variable_suffix(path))
             for path, _ in jax.tree_util.tree_leaves_with_path(t)]
@@ -449,12 +488,18 @@ def centered_after_init(
 MODEL_PATH = '(model)'
 
 
-def skip_reason(layer: Any, error: Exception) -> str:
-  """The one-line reason ``center`` reports for a layer it left as it was."""
-  if isinstance(error, CannotCenterError):
+def skip_reason(where: Where, path: str, layer: Any,
+                check: Callable[[Any], Any]) -> Optional[str]:
+  """Why ``center`` leaves ``layer`` at ``path`` as it is (one line), or None
+  to center it; ``check(layer)`` is the adapter's check of the layer."""
+  try:
+    check(layer)
+  except CannotCenterError as error:
     return str(error)
-  return (f'{type(layer).__name__}: not a layer type centering knows (exact '
-          'Linear/Dense, LinearGeneral/DenseGeneral, Conv, ConvTranspose)')
+  except (TypeError, ValueError):
+    return (f'{type(layer).__name__}: not a layer type centering knows (exact '
+            'Linear/Dense, LinearGeneral/DenseGeneral, Conv, ConvTranspose)')
+  return None if selected(where, path, layer) else 'not selected by where'
 
 
 class CenterReport(NamedTuple):

@@ -1,29 +1,22 @@
 """Conditioned Backpropagation for Flax Linen: centered layers and the fused step.
 
-* :func:`center` turns an unmodified Linen module into one whose ``init``
-  creates the ``'centering'`` collection and whose ``apply`` centers every
-  supported linear layer, ``z = W (a - mu) + b~`` (eq. 8), attention
-  projections and ``nn.scan``/``nn.vmap`` layer stacks included.
-* :class:`Centered` wraps one layer, for models written with it.
-* :func:`transport` is the pure mean refresh and bias transport
-  (Algorithm 1, steps 10-11; eq. 10).
-* :class:`TrainState` and :func:`train_step` give one jit-compiled iteration.
-* :func:`stacked_blocks` tells M1 which parameters are layer stacks.
+:func:`center` runs an unmodified module with every supported layer centered
+(:class:`Centered` wraps one), ``z = W (a - mu) + b~`` (eq. 8), its means in
+the ``'centering'`` collection; :func:`transport` is the pure mean refresh and
+bias transport (Algorithm 1, steps 10-11; eq. 10); :func:`train_step` is one
+compiled CBP iteration; :func:`stacked_blocks` tells M1 the layer stacks.
 
 Example::
 
-  model = cbp_optax.linen.center(MyModel())     # source unchanged
+  model = cbp_optax.linen.center(MyModel())
   variables = model.init(key, x)                # params + 'centering'
   state = cbp_optax.linen.TrainState.create(
       apply_fn=model.apply, params=variables['params'],
       centering=variables['centering'], tx=cbp_optax.cbp(1e-3))
-  step = cbp_optax.linen.train_step(loss_fn)    # loss_fn(apply, *batch)
-  state, out = step(state, images, labels)
+  state, out = cbp_optax.linen.train_step(loss_fn)(state, images, labels)
 
 References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.2, eqs. (8)-(10), and Algorithm 1.
+  Layerwise Conditioned Backpropagation, §4.2, eqs. (8)-(10), Algorithm 1.
 """
 
 try:
@@ -45,16 +38,6 @@ from cbp_optax.linen._transport import transport
 from cbp_optax.linen._train_step import train_step
 from cbp_optax.linen._train_step import TrainState
 
-__all__ = [
-    'Centered',
-    'CenteredModel',
-    'CenteringMean',
-    'StepOutput',
-    'TrainState',
-    'center',
-    'eval_params',
-    'muon_dimension_numbers',
-    'stacked_blocks',
-    'train_step',
-    'transport',
-]
+__all__ = ['Centered', 'CenteredModel', 'CenteringMean', 'StepOutput',
+           'TrainState', 'center', 'eval_params', 'muon_dimension_numbers',
+           'stacked_blocks', 'train_step', 'transport']

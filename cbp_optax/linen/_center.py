@@ -9,17 +9,14 @@ from typing import Any, Mapping, NamedTuple, Optional
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from cbp_optax import blocks
 from cbp_optax import centering as core
-from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
 
 from cbp_optax.linen._wrapper import MEAN
 from cbp_optax.linen._wrapper import SUPPORTED
 from cbp_optax.linen._wrapper import centered_call
-from cbp_optax.linen._wrapper import is_entry
+from cbp_optax.linen._wrapper import entries
 from cbp_optax.linen._wrapper import check_layer
 
 
@@ -28,38 +25,7 @@ _MAPPED_REASON = ('inside nn.map_variables: it computes with transformed '
 
 
 def _under_map_variables(module: nn.Module) -> bool:
-  """Whether ``module`` runs inside ``nn.map_variables``, whose transformed
-  parameters the transport cannot see (such layers are left as they are)."""
   return 'map_variables(' in module.scope.path_text
-
-
-@functools.lru_cache(maxsize=None)
-def _input_name(module_type: type) -> Optional[str]:
-  """The name of the first argument of ``module_type.__call__`` after self."""
-  try:
-    parameters = list(
-        inspect.signature(module_type.__call__).parameters.values())[1:]
-  except (TypeError, ValueError):
-    return None
-  if parameters and parameters[0].kind in (
-      inspect.Parameter.POSITIONAL_ONLY,
-      inspect.Parameter.POSITIONAL_OR_KEYWORD):
-    return parameters[0].name
-  return None
-
-
-def _call_input(
-    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-) -> tuple[bool, Any, tuple[Any, ...], dict[str, Any]]:
-  """``(found, input, other args, other kwargs)`` of an intercepted call; the
-  input is the first argument, by position or by name."""
-  kwargs = dict(kwargs)
-  if args:
-    return True, args[0], tuple(args[1:]), kwargs
-  name = _input_name(type(module))
-  if name is not None and name in kwargs:
-    return True, kwargs.pop(name), (), kwargs
-  return False, None, tuple(args), kwargs
 
 
 class CenteredModel(NamedTuple):
@@ -73,24 +39,20 @@ class CenteredModel(NamedTuple):
 
   def _interceptor(self, next_fun, args, kwargs, context):
     module = context.module
-    if context.method_name != '__call__' or type(module) not in SUPPORTED:
-      return next_fun(*args, **kwargs)
-    path = path_str(module.scope.path)
-    if not core.selected(self.where, path, module):
-      return next_fun(*args, **kwargs)
-    try:
-      check_layer(module)
-    except (TypeError, ValueError):
-      return next_fun(*args, **kwargs)
-    if _under_map_variables(module):
-      return next_fun(*args, **kwargs)
-    found, inputs, rest, kwargs = _call_input(module, args, kwargs)
-    if not found:  # no input at all: the layer's own error says so
-      return next_fun(*args, **kwargs)
-    return centered_call(
-        module, module, lambda x: next_fun(x, *rest, **kwargs),
-        lambda: module.get_variable('params', 'kernel'), inputs, False,
-        self.mean_dtype, self.axis_name)
+    if (context.method_name == '__call__' and type(module) in SUPPORTED
+        and not _under_map_variables(module) and not core.skip_reason(
+            self.where, path_str(module.scope.path), module, check_layer)):
+      # The input: the first argument, by position or by name (the exact
+      # supported types name it in their own __call__).
+      other, name = dict(kwargs), None if args else list(
+          inspect.signature(type(module).__call__).parameters)[1]
+      if args or name in other:  # no input at all: the layer's error says so
+        inputs = args[0] if args else other.pop(name)
+        return centered_call(
+            module, module, lambda x: next_fun(x, *args[1:], **other),
+            lambda: module.get_variable('params', 'kernel'), inputs, False,
+            self.mean_dtype, self.axis_name)
+    return next_fun(*args, **kwargs)
 
   def init(self, *args, **kwargs):
     """``module.init`` with the ``'centering'`` collection created."""
@@ -112,16 +74,9 @@ class CenteredModel(NamedTuple):
       module = context.module
       if context.method_name == '__call__' and _has_own_params(module):
         path = path_str(module.scope.path)
-        try:
-          check_layer(module)
-          if _under_map_variables(module):
-            reason = _MAPPED_REASON
-          elif core.selected(self.where, path, module):
-            reason = None
-          else:
-            reason = 'not selected by where'
-        except (TypeError, ValueError) as error:
-          reason = core.skip_reason(module, error)
+        reason = core.skip_reason(self.where, path, module, check_layer)
+        if reason is None and _under_map_variables(module):
+          reason = _MAPPED_REASON
         if reason:
           skipped.add((path or core.MODEL_PATH, reason))
         else:
@@ -146,9 +101,9 @@ def center(
 
   Every ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv`` and stride-1
   ``nn.ConvTranspose`` (exact types, with a bias) the module calls runs as
-  ``W (a - mu) + b~`` (eq. 8), intercepted
-  at call time; in ``nn.scan``/``nn.vmap`` give ``'centering'`` the
-  ``variable_axes`` of ``'params'``. Initially it computes what the module does.
+  ``W (a - mu) + b~`` (eq. 8), intercepted at call time, computing what the
+  module does while ``mu`` is zero. In ``nn.scan``/``nn.vmap``, give
+  ``'centering'`` the ``variable_axes`` of ``'params'``.
 
   Args:
     module: the Linen module.
@@ -163,22 +118,15 @@ def center(
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
     >>> import cbp_optax as cbp
-    >>> class MLP(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     x = nn.relu(nn.LayerNorm()(nn.Dense(4)(x)))
-    ...     return nn.Dense(1)(x)
-    >>> model = cbp.linen.center(MLP())
-    >>> x = jnp.ones((8, 3))
+    >>> module = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+    >>> model, x = cbp.linen.center(module), jnp.ones((8, 3))
     >>> variables = model.init(jax.random.key(0), x)
-    >>> sorted(variables)
-    ['centering', 'params']
-    >>> variables['centering']['Dense_0']['mean'].value.shape
+    >>> variables['centering']['layers_0']['mean'].value.shape
     (3,)
     >>> print(model.report(jax.random.key(0), x))
-    centered (2): Dense_0, Dense_1
-    left as is (1): LayerNorm_0 - LayerNorm: not a layer type centering knows (...)
-    >>> plain = MLP().apply({'params': variables['params']}, x)
+    centered (1): layers_0
+    left as is (1): layers_1 - LayerNorm: not a layer type centering knows (...)
+    >>> plain = module.apply({'params': variables['params']}, x)
     >>> bool(jnp.array_equal(model.apply(variables, x), plain))
     True
 
@@ -186,10 +134,8 @@ def center(
     Layerwise Conditioned Backpropagation, §4.2, eq. (8).
   """
   if not isinstance(module, nn.Module):
-    raise TypeError(
-        f'center: module must be a flax.linen Module, got '
-        f'{type(module).__name__}; for an NNX model use '
-        'cbp_optax.nnx.center.')
+    raise TypeError('center: module must be a flax.linen Module, got '
+                    f'{type(module).__name__} (NNX: cbp_optax.nnx.center).')
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
   return CenteredModel(module, core.check_where(where), mean_dtype, axis_name)
@@ -210,56 +156,24 @@ def stacked_blocks(params: Any, centering: Any, *stack_paths: str):
     ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
 
   Examples:
-    Three scanned ``nn.Dense`` layers and one head: four M1 blocks.
+    Three ``nn.Dense`` layers stacked by ``nn.vmap`` and a head: four blocks.
 
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
     >>> import cbp_optax as cbp
-    >>> class Block(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x, _):
-    ...     return nn.Dense(2)(x), None
-    >>> class Stack(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     layers = nn.scan(Block, length=3, split_rngs={'params': True},
-    ...                      variable_axes={'params': 0, 'centering': 0})
-    ...     x, _ = layers(name='layers')(x, None)
-    ...     return nn.Dense(1)(x)
-    >>> model = cbp.linen.center(Stack())
-    >>> variables = model.init(jax.random.key(0), jnp.ones((4, 2)))
+    >>> Layers = nn.vmap(nn.Dense, split_rngs={'params': True},
+    ...                  variable_axes={'params': 0, 'centering': 0})
+    >>> model = cbp.linen.center(nn.Sequential([Layers(2), nn.Dense(1)]))
+    >>> variables = model.init(jax.random.key(0), jnp.ones((3, 4, 2)))
     >>> stacked = cbp.linen.stacked_blocks(
     ...     variables['params'], variables['centering'])
-    >>> stacked
-    stacked_predicate(['layers'])
     >>> cbp.block_names(variables['params'], stacked=stacked)
-    ('Dense_0', 'layers/Dense_0[0]', 'layers/Dense_0[1]', 'layers/Dense_0[2]')
+    ('layers_0[0]', 'layers_0[1]', 'layers_0[2]', 'layers_1')
     >>> tx = cbp.cbp(1e-3, stacked=stacked)
 
   References:
     Layerwise Conditioned Backpropagation, eq. (7).
   """
-  shapes = {
-      path_names(path): tuple(jnp.shape(leaf))
-      for path, leaf in jax.tree_util.tree_leaves_with_path(
-          flax.core.unfreeze(params))
-  }
-  roots = blocks.check_stack_paths(shapes, stack_paths)
-  if not stack_paths:
-    stacks, unstacked = [], []
-
-    def visit(tree, path):
-      if is_entry(tree):
-        box = tree[MEAN]
-        if box.stack_axes and box.stack_axes[0] == 0:
-          stacks.append((path, box.value.shape[0]))
-        elif not box.stack_axes:
-          unstacked.append(path)
-        return
-      for key, sub in tree.items():
-        visit(sub, path + (str(key),))
-
-    visit(flax.core.unfreeze(centering), ())
-    for path, size in stacks:
-      roots.add(blocks.stack_root(shapes, path, size, unstacked))
-  return blocks.stacked_predicate(roots)
+  layers = ((path, entry[MEAN].stack_axes, entry[MEAN].value.shape)
+            for path, entry in entries(flax.core.unfreeze(centering)))
+  return core.stacked_blocks(flax.core.unfreeze(params), stack_paths, layers)

@@ -18,6 +18,7 @@ from cbp_optax import _step
 from cbp_optax._equalize import check_recorded_bounds
 from cbp_optax._step import StepOutput
 from cbp_optax.linen._transport import check_opt_state
+from cbp_optax.linen._transport import like
 from cbp_optax.linen._transport import transport_collections
 from cbp_optax.linen._wrapper import COLLECTION
 from cbp_optax.linen._wrapper import COUNT
@@ -31,14 +32,10 @@ class TrainState(train_state.TrainState):
   non-finite batches.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import flax.linen as nn
+    >>> import jax, jax.numpy as jnp, optax
     >>> import cbp_optax as cbp
-    >>> model = cbp.linen.center(nn.Dense(1))
-    >>> variables = model.init(jax.random.key(0), jnp.ones((4, 2)))
     >>> state = cbp.linen.TrainState.create(
-    ...     apply_fn=model.apply, params=variables['params'],
-    ...     centering=variables['centering'], tx=cbp.cbp(1e-3))
+    ...     apply_fn=None, params={}, tx=optax.sgd(0.1))
     >>> int(state.step), int(state.skipped_steps), state.model_state
     (0, 0, {})
   """
@@ -49,29 +46,12 @@ class TrainState(train_state.TrainState):
       default_factory=lambda: jnp.zeros((), jnp.int32))
 
 
-def _like(container: Any, tree: Any) -> Any:
-  # Keep the container type (dict or FrozenDict) so the skip can select.
-  if isinstance(container, flax.core.FrozenDict):
-    return flax.core.freeze(tree)
-  return flax.core.unfreeze(tree)
-
-
 def _old_counts(new: Any, old: Any) -> Any:
   """``new`` centering entries with ``old``'s counts (the transport's zeros)."""
   if not isinstance(new, Mapping):
     return new
   return {k: old[k] if k == COUNT and k in old else _old_counts(v, old.get(k))
           for k, v in new.items()} if isinstance(old, Mapping) else new
-
-
-def _check_state_first(args: tuple[Any, ...]) -> None:
-  if not args or not isinstance(args[0], TrainState):
-    got = f'a {type(args[0]).__name__}' if args else 'no argument'
-    raise TypeError(
-        'train_step: step(state, *batch) takes a cbp_optax.linen.TrainState '
-        f'first, got {got}: build it with '
-        'cbp_optax.linen.TrainState.create(apply_fn=..., params=..., '
-        'centering=..., tx=...).')
 
 
 def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
@@ -117,30 +97,24 @@ def train_step(
   Raises:
     ValueError: a ``mean_decay`` outside ``[0, 1)`` (at construction).
     TypeError: a first argument that is not a :class:`TrainState`, or an
-      unclassifiable optimizer state
-      (:class:`cbp_optax.centering.UnclassifiedStateError`, before tracing).
+      unclassifiable optimizer state (before tracing).
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
     >>> import cbp_optax as cbp
-    >>> class MLP(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     return nn.Dense(1)(nn.relu(nn.Dense(4)(x)))
-    >>> model = cbp.linen.center(MLP())
+    >>> model = cbp.linen.center(nn.Dense(1))
     >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
     >>> variables = model.init(jax.random.key(0), x)
     >>> state = cbp.linen.TrainState.create(
     ...     apply_fn=model.apply, params=variables['params'],
     ...     centering=variables['centering'], tx=cbp.cbp(1e-3))
-    >>> def loss_fn(apply, x, y):
-    ...   return jnp.mean((apply(x) - y) ** 2)
-    >>> step = cbp.linen.train_step(loss_fn, mean_decay=0.99)
+    >>> step = cbp.linen.train_step(
+    ...     lambda apply, x, y: jnp.mean((apply(x) - y) ** 2), mean_decay=0.99)
     >>> state, out = step(state, x, y)
-    >>> out.loss.shape, bool(out.skipped), int(state.step)
-    ((), False, 1)
-    >>> state.centering['Dense_1']['mean'].value  # 0.99 * 0 + 0.01 * mean(x)
+    >>> bool(out.skipped), int(state.step)
+    (False, 1)
+    >>> state.centering['mean'].value  # 0.99 * 0 + 0.01 * mean(x)
     Array([0.01, 0.01, 0.01], dtype=float32)
     >>> state, out = step(state, x, jnp.full((8, 1), jnp.nan))
     >>> bool(out.skipped), int(state.step), int(state.skipped_steps)
@@ -159,35 +133,32 @@ def train_step(
 
       def apply(*args, **kwargs):
         if mutated:
-          raise ValueError(
-              'train_step: loss_fn called apply twice; the recorded means and '
-              'batch statistics of one step must come from one forward pass. '
-              'Concatenate the inputs into one call.')
+          raise ValueError('train_step: loss_fn called apply twice; one step '
+                           'records from one forward pass (concatenate the '
+                           'inputs).')
         variables = {'params': params, COLLECTION: state.centering,
                      **state.model_state}
         mutable = [COLLECTION, *state.model_state]
         out, changed = state.apply_fn(variables, *args, mutable=mutable,
                                       **kwargs)
-        if changed.get(COLLECTION) and not state.centering:
-          raise ValueError(
-              'train_step: the model creates a centering collection but the '
-              'TrainState has none: pass centering=variables["centering"] '
-              'to TrainState.create.')
-        extra = set(changed) - set(mutable)
+        extra = sorted(set(changed) - set(mutable)) or (
+            [COLLECTION] if changed.get(COLLECTION) and not state.centering
+            else [])
         if extra:
           raise ValueError(
-              f'train_step: the model created collections {sorted(extra)} '
-              'that the TrainState lacks: pass them in model_state.')
+              f'train_step: the model creates collections {extra} that the '
+              'TrainState lacks: pass them to TrainState.create (model_state='
+              ', or centering=variables["centering"]).')
         mutated.append(changed)
         return out
 
       loss, aux = _step.split_loss(loss_fn(apply, *batch))
       _step.check_scalar_loss(loss)
       changed = mutated[0] if mutated else {}
-      centering = _like(state.centering, _old_counts(
+      centering = like(state.centering, _old_counts(
           flax.core.unfreeze(changed.get(COLLECTION, state.centering)),
           flax.core.unfreeze(state.centering)))
-      model_state = _like(state.model_state, {
+      model_state = like(state.model_state, {
           k: changed.get(k, v) for k, v in state.model_state.items()})
       return loss, (aux, (centering, model_state))
 
@@ -215,8 +186,12 @@ def train_step(
   classified = _opt_state.CheckCache()
 
   def train(*args):
-    _check_state_first(args)
+    if not args or not isinstance(args[0], TrainState):
+      got = f'a {type(args[0]).__name__}' if args else 'no argument'
+      raise TypeError('train_step: step(state, *batch) takes a '
+                      f'cbp_optax.linen.TrainState first, got {got}.')
     state = args[0]
+
     def classify():
       _opt_state.check_fusable(state.opt_state, 'train_step')
       check_recorded_bounds(state.tx, state.opt_state, state.params)

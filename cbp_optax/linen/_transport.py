@@ -4,7 +4,7 @@ with the optimizer's parameter copies; ``eval_params``, ``muon_dimension_numbers
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import flax
 import flax.linen as nn
@@ -26,41 +26,25 @@ from cbp_optax import centering as core
 from cbp_optax.linen._center import CenteredModel
 from cbp_optax.linen._wrapper import CenteringMean
 from cbp_optax.linen._wrapper import CONV
-from cbp_optax.linen._wrapper import COUNT
 from cbp_optax.linen._wrapper import DENSE
-from cbp_optax.linen._wrapper import MASK
-from cbp_optax.linen._wrapper import MEAN
-from cbp_optax.linen._wrapper import RECORDED
-from cbp_optax.linen._wrapper import RESIDUAL
-from cbp_optax.linen._wrapper import entry_at
-from cbp_optax.linen._wrapper import is_entry
+from cbp_optax.linen._wrapper import entries
+from cbp_optax.linen._wrapper import layer_state
+from cbp_optax.linen._wrapper import transport_layer
 
 
-def _layer_params(layer_params: Mapping[str, Any]) -> tuple[Optional[str], Mapping[str, Any]]:
-  if 'kernel' in layer_params:
-    return None, layer_params
-  for name in (DENSE, CONV):
-    if name in layer_params:
-      return name, layer_params[name]
-  raise ValueError(
-      'transport: a centering entry has no matching layer parameters '
-      f'(expected kernel and bias, or a {DENSE!r} or {CONV!r} subtree, found '
-      f'{sorted(layer_params)}); pass the params and centering collections '
-      'of the same model.')
-
-
-def _layer_state(layer_params, entry):
-  """``(name, inner params, core.LayerState)`` of one centered layer."""
-  box = entry[MEAN]
-  if not isinstance(box, CenteringMean):
-    raise ValueError(
-        'transport: the centering mean is not a CenteringMean box (a '
-        'collection from an older version, or unboxed with nn.meta.unbox): '
-        'initialize the model again.')
-  name, inner = _layer_params(layer_params)
-  return name, inner, core.LayerState(
-      box.spec, inner['kernel'], inner['bias'], box.value, entry[RECORDED],
-      entry.get(COUNT), entry.get(MASK), box.stack_axes, entry.get(RESIDUAL))
+def _layers(params: Any, centering: Any):
+  """``(path, name, inner params, entry)`` of every centered layer (``name``:
+  the wrapper's inner ``'dense'`` or ``'conv'``, else None)."""
+  for path, entry in entries(centering):
+    layer = params
+    for key in path:
+      if key not in layer:  # test_linen_transport_refuses_mismatched_collections
+        raise ValueError(f'transport: params has no {key!r}, which centering '
+                         'has: pass the collections of the same model.')
+      layer = layer[key]
+    name = None if 'kernel' in layer else next(
+        (n for n in (DENSE, CONV) if n in layer), None)
+    yield path, name, layer if name is None else layer[name], entry
 
 
 def _move(path, name, inner, shift=None) -> _opt_state.LayerMove:
@@ -71,62 +55,32 @@ def _move(path, name, inner, shift=None) -> _opt_state.LayerMove:
       kernel_trained=True, shift=shift)
 
 
-def _transport_tree(params, centering, mean_decay, path=(), moves=None,
-                    recorded_only=True):
-  if is_entry(centering):
-    name, inner, old = _layer_state(params, centering)
-    new = core.refresh(old, mean_decay, recorded_only)
-    moves.append(_move(path, name, inner, core.copy_shift(old, new)))
-    inner = dict(inner, bias=new.bias)
-    entry = dict(centering, **{MEAN: centering[MEAN].replace_boxed(new.mean)})
-    for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
-      if value is not None:
-        entry[key] = value
-    return inner if name is None else dict(params, **{name: inner}), entry
-  new_params, new_centering = dict(params), dict(centering)
-  for key, sub in centering.items():
-    if key not in params:
-      raise ValueError(
-          f'transport: centering has a subtree {key!r} that params lacks; '
-          'pass the params and centering collections of the same model.')
-    new_params[key], new_centering[key] = _transport_tree(
-        params[key], sub, mean_decay, path + (key,), moves, recorded_only)
-  return new_params, new_centering
-
-
-def _freeze_like(like: Any, tree: Any) -> Any:
-  if isinstance(like, flax.core.FrozenDict):
-    return flax.core.freeze(tree)
-  return tree
-
-
-def _lookahead(params: Any) -> bool:
-  return isinstance(params, optax.LookaheadParams)
-
-
-def _moves(params: Any, centering: Any) -> list[_opt_state.LayerMove]:
-  """The centered layers, for classifying an optimizer state (no transport)."""
-  if _lookahead(params):
-    params = params.fast
+def _transport_tree(params, centering, mean_decay, recorded_only):
+  """The transported (unfrozen) ``params`` and ``centering``, and the
+  moves of their layers for the optimizer's copies."""
+  params, centering = flax.core.unfreeze(params), flax.core.unfreeze(centering)
   moves = []
+  for path, name, inner, entry in list(_layers(params, centering)):
+    shift = transport_layer(inner, entry, mean_decay, recorded_only)
+    moves.append(_move(path, name, inner, shift))
+  return params, centering, moves
 
-  def visit(params, entries, path):
-    if is_entry(entries):
-      moves.append(_move(path, *_layer_params(params)))
-      return
-    for key, sub in entries.items():
-      if key in params:
-        visit(params[key], sub, path + (key,))
 
-  visit(flax.core.unfreeze(params), flax.core.unfreeze(centering), ())
-  return moves
+def like(container: Any, tree: Any) -> Any:
+  """``tree`` as a FrozenDict where ``container`` is one, else a dict."""
+  if isinstance(container, flax.core.FrozenDict):
+    return flax.core.freeze(tree)
+  return flax.core.unfreeze(tree)
 
 
 def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
   """Refuses, before tracing, an unclassifiable optimizer state."""
-  fast = params.fast if _lookahead(params) else params
-  _opt_state.transport_state(opt_state, _moves(params, centering),
-                             what='opt_state', kind=FLAX, params=fast)
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
+  moves = [_move(path, name, inner) for path, name, inner, _ in _layers(
+      flax.core.unfreeze(params), flax.core.unfreeze(centering))]
+  _opt_state.transport_state(opt_state, moves, what='opt_state', kind=FLAX,
+                             params=params)
 
 
 def transport(
@@ -135,11 +89,9 @@ def transport(
 ) -> tuple[Any, ...]:
   """Mean refresh and bias transport for every centered layer (pure).
 
-  ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean`` and
-  ``b~ += W (mu_new - mu_old)`` with the *updated* weights in ``params``
-  (Algorithm 1, steps 10-11, eq. 10): the output is unchanged; a layer that
-  recorded nothing keeps ``mu``. Pass ``opt_state`` whenever it may hold
-  parameter copies (as for ``cbp_optax.nnx.transport``): each copy's biases
+  As ``cbp_optax.nnx.transport`` (Algorithm 1, steps 10-11, eq. 10), with
+  the *updated* weights in ``params``: the output is unchanged. Pass
+  ``opt_state`` whenever it may hold parameter copies: each copy's biases
   move by its own kernel (an unknown parameter-shaped tree raises
   :class:`cbp_optax.centering.UnclassifiedStateError`).
 
@@ -183,14 +135,12 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
                           ) -> tuple[Any, ...]:
   """:func:`transport` for a validated ``mean_decay`` and classified
   ``opt_state`` (fused steps keep no recorded count: ``recorded_only=False``)."""
-  lookahead = _lookahead(params)
+  lookahead = isinstance(params, optax.LookaheadParams)
   fast = params.fast if lookahead else params
-  moves = []
-  new_params, new_centering = _transport_tree(
-      flax.core.unfreeze(fast), flax.core.unfreeze(centering), mean_decay,
-      (), moves, recorded_only)
-  new_params = _freeze_like(fast, new_params)
-  new_centering = _freeze_like(centering, new_centering)
+  new_params, new_centering, moves = _transport_tree(
+      fast, centering, mean_decay, recorded_only)
+  new_params, new_centering = like(fast, new_params), like(centering,
+                                                           new_centering)
   if lookahead:
     slow = _opt_state.transport_copy(params.slow, moves, 'params.slow',
                                      FLAX)
@@ -202,19 +152,12 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
 
 
 def eval_params(params: Any, opt_state: Any = None) -> Any:
-  """The parameters to evaluate a (centered) model at.
+  """The parameters to evaluate a (centered) model at, in buffers of their
+  own (they outlive the donating :func:`train_step`).
 
   Schedule-free's evaluation point ``x = (y - (1 - b1) z) / b1`` for an
-  ``opt_state`` holding one (used with ``'centering'`` as it is), the slow
+  ``opt_state`` holding one (with ``'centering'`` as it is), the slow
   parameters of ``optax.LookaheadParams``, otherwise ``params``.
-
-  Args:
-    params: the trained ``'params'`` (or ``optax.LookaheadParams``).
-    opt_state: the optimizer state, or None.
-
-  Returns:
-    A parameter tree like ``params`` (the slow one for lookahead), in
-    buffers of its own: it outlives the donating :func:`train_step`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -224,17 +167,15 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
     >>> cbp.linen.eval_params(params, opt_state)['w']
     Array([1., 1.], dtype=float32)
   """
-  if _lookahead(params):
+  if isinstance(params, optax.LookaheadParams):
     return _opt_state.unshared(params.slow)
   if opt_state is None:
     return _opt_state.unshared(params)
   return _opt_state.unshared(_opt_state.evaluation_params(opt_state, params))
 
 
-# A kernel-shaped parameter that muon_dimension_numbers adds next to each
-# kernel in its abstract init only, in a CenteringMean box: Flax's stacking
-# transforms call the box's add_axis, so it learns where they put the stack
-# axes (its spec is unused).
+# A kernel-shaped CenteringMean box muon_dimension_numbers' abstract init
+# adds next to each kernel: stacking transforms call its add_axis.
 _PROBE = 'cbp_muon_probe'
 
 _LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.Einsum)
@@ -291,26 +232,19 @@ def _model_table(model, args, kwargs) -> dict[tuple[str, ...], Any]:
 def _collections_table(params, centering) -> dict[tuple[str, ...], Any]:
   """Kernel path -> its view, for the layers ``centering`` describes; any
   other kernel is refused (its layer cannot be told from its shape)."""
-  table = {}
   unfrozen = flax.core.unfreeze(params)
-  for move in _moves(params, centering):
-    layer = unfrozen
-    for key in move.path:
-      layer = layer[key]
-    _, _, state = _layer_state(layer, entry_at(centering, move.path))
-    table[tuple(str(k) for k in move.path) + ('kernel',)] = (
-        core.kernel_dimension_numbers(state))
+  table = {_move(path, name, inner).path + ('kernel',):
+           core.kernel_dimension_numbers(layer_state(inner, entry))
+           for path, name, inner, entry in _layers(
+               unfrozen, flax.core.unfreeze(centering))}
   for path, leaf in jax.tree_util.tree_leaves_with_path(unfrozen):
     names = path_names(path)
     if (str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2
         and names not in table):
       raise ValueError(
-          f'muon_dimension_numbers: the kernel {path_str(path)!r} of shape '
-          f'{jnp.shape(leaf)} belongs to no centered layer, and its shape '
-          'cannot tell which axes Muon should reduce over (a layer stack, '
-          'attention heads, DenseGeneral features and Einsum kernels look '
-          'alike). Pass the model and what its init takes instead: '
-          'muon_dimension_numbers(model, jax.random.key(0), x).')
+          f'muon_dimension_numbers: the kernel {path_str(path)!r} belongs to '
+          'no centered layer, and its shape cannot tell its axes: pass the '
+          'model and what its init takes, (model, jax.random.key(0), x).')
   return table
 
 
@@ -318,16 +252,10 @@ def muon_dimension_numbers(model: Any, *args: Any, **kwargs: Any
                            ) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for a (centered) Linen model.
 
-  From one abstract ``init`` (nothing is computed), each ``nn.Dense``,
-  ``nn.DenseGeneral`` (attention projections too), ``nn.Conv``,
-  ``nn.ConvTranspose`` and ``nn.Einsum`` kernel, centered or not, is a
-  matrix from its contracted input axes (reduction axes) to its feature
-  axes (output axes); ``nn.scan``/``nn.vmap`` stack axes and kernel batch
-  axes are batch axes. Other parameters get None (AdamW).
-
-  The older form ``muon_dimension_numbers(params, centering)`` reads the
-  centered layers from the ``'centering'`` collection and refuses any other
-  kernel, whose layer its shape does not tell.
+  From one abstract ``init``, as ``cbp_optax.nnx.muon_dimension_numbers``
+  (``nn.scan``/``nn.vmap`` stack axes and kernel batch axes are batch axes).
+  The older form ``muon_dimension_numbers(params, centering)`` knows the
+  centered layers only, and refuses any other kernel.
 
   Args:
     model: the ``nn.Module``, or ``cbp.linen.center(module)``.
@@ -356,8 +284,7 @@ def muon_dimension_numbers(model: Any, *args: Any, **kwargs: Any
     table = _collections_table(model, args[0])
   else:
     raise TypeError(
-        'muon_dimension_numbers: pass a Linen module (or center(module)) and '
-        'what its init takes, e.g. muon_dimension_numbers(model, '
-        f'jax.random.key(0), x); got a {type(model).__name__} and '
-        f'{len(args)} more arguments.')
+        'muon_dimension_numbers takes a Linen module (or center(module)) and '
+        f'what its init takes, got a {type(model).__name__} and {len(args)} '
+        'more arguments.')
   return _opt_state.dimension_numbers_fn(table, FLAX)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Union
+import functools
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import flax
 import flax.linen as nn
@@ -43,12 +44,12 @@ class CenteringMean(flax.struct.PyTreeNode, meta.AxisMetadata):
     return self.replace(value=val)
 
   def add_axis(self, index: int, params: dict[Any, Any]) -> 'CenteringMean':
-    moved = tuple(a + 1 if a >= index else a for a in self.stack_axes)
-    return self.replace(stack_axes=tuple(sorted(moved + (index,))))
+    return self.replace(stack_axes=core.added_stack_axis(self.stack_axes,
+                                                         index))
 
   def remove_axis(self, index: int, params: dict[Any, Any]) -> 'CenteringMean':
-    return self.replace(stack_axes=tuple(
-        a - 1 if a > index else a for a in self.stack_axes if a != index))
+    return self.replace(stack_axes=core.removed_stack_axis(self.stack_axes,
+                                                           index))
 
 
 SUPPORTED = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose)
@@ -57,15 +58,9 @@ CONVS = (nn.Conv, nn.ConvTranspose)
 
 def check_layer(layer: Any) -> None:
   """Refuses, at construction, a layer that cannot be centered exactly."""
-  if type(layer) not in SUPPORTED:
-    raise core.unsupported_layer_error(type(layer), SUPPORTED)
-  core.check_centerable(
-      type(layer),
-      use_bias=layer.use_bias,
-      input_dilation=getattr(layer, 'input_dilation', None),
-      batch_axes=getattr(layer, 'batch_dims', None),
-      transposed_strides=(layer.strides
-                          if isinstance(layer, nn.ConvTranspose) else None))
+  core.check_layer(layer, SUPPORTED,
+                   transposed=isinstance(layer, nn.ConvTranspose),
+                   batch_axes=getattr(layer, 'batch_dims', None))
 
 
 def _features(features: Union[int, tuple[int, ...]]) -> tuple[int, ...]:
@@ -89,16 +84,11 @@ def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
 def _no_collection_message(host: nn.Module) -> str:
   path = path_str(host.scope.path) or core.MODEL_PATH
   return (
-      f'cbp_optax.linen: the centered layer {path!r} finds no {COLLECTION!r} '
-      'collection. Inside nn.scan or nn.vmap (or another lifted transform), '
-      f'add {COLLECTION!r} to variable_axes with the same axis as '
-      "'params', e.g. nn.scan(Block, variable_axes={'params': 0, "
-      "'centering': 0}, split_rngs={'params': True}, length=n); at apply, "
-      "pass it with the parameters: apply({'params': params, 'centering': "
-      "centering}, x). A layer whose parameters the transform broadcasts "
-      '(a recurrent cell scanned over time) cannot be centered inside it: '
-      'leave it out with center(..., where=...), or unroll the loop (its '
-      'calls then share one mean).')
+      f'the centered layer {path!r} finds no {COLLECTION!r} collection: pass '
+      "it with the parameters, apply({'params': ..., 'centering': ...}, x), "
+      "and in nn.scan/nn.vmap give it the axis of 'params', variable_axes="
+      "{'params': 0, 'centering': 0} (a layer whose parameters the transform"
+      ' broadcasts cannot be centered there: leave it out with where=).')
 
 
 def centered_call(
@@ -110,26 +100,25 @@ def centered_call(
   """Eq. (8) for ``layer`` (run as ``layer_fn``), with the statistics in
   ``host``'s ``'centering'`` collection."""
   spec, mask = layer_spec(layer, inputs), getattr(layer, 'mask', None)
-  mean_dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
+  dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
+  zero = functools.cache(lambda: core.zero_state(  # built when initializing
+      spec, dtype, jax.ShapeDtypeStruct(spec.bias_shape, layer.param_dtype)))
   try:
-    mean = host.variable(
-        COLLECTION, MEAN,
-        lambda: CenteringMean(jnp.zeros(spec.mean_shape, mean_dtype), spec))
+    mean = host.variable(COLLECTION, MEAN,
+                         lambda: CenteringMean(zero().mean, spec))
   except flax.errors.ScopeCollectionNotFound as error:
     raise ValueError(_no_collection_message(host)) from error
-  recorded = host.variable(COLLECTION, RECORDED, jnp.zeros, spec.mean_shape,
-                           mean_dtype)
-  # An older collection without a count records the last call only.
+  recorded = host.variable(COLLECTION, RECORDED, lambda: zero().recorded)
+  # An older collection without a count records the last call only, and
+  # one without a residual rounds its 16-bit bias.
   count = None
   if host.is_initializing() or host.has_variable(COLLECTION, COUNT):
-    count = host.variable(COLLECTION, COUNT, core.zero_count,
-                          spec.mean_shape, mean_dtype)
+    count = host.variable(COLLECTION, COUNT, lambda: zero().count)
   if mask is not None:
     host.variable(COLLECTION, MASK, lambda: jnp.asarray(mask))
-  # An older collection without a residual rounds its 16-bit bias.
-  if core.needs_bias_residual(layer.param_dtype) and (
-      host.is_initializing() or host.has_variable(COLLECTION, RESIDUAL)):
-    host.variable(COLLECTION, RESIDUAL, jnp.zeros, spec.bias_shape, jnp.float32)
+  if host.has_variable(COLLECTION, RESIDUAL) or (
+      host.is_initializing() and zero().residual is not None):
+    host.variable(COLLECTION, RESIDUAL, lambda: zero().residual)
   if (not use_running_average and not host.is_initializing()
       and host.is_mutable_collection(COLLECTION)):
     new = core.record(
@@ -148,21 +137,17 @@ def centered_call(
 class Centered(nn.Module):
   """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
 
-  Write it around a layer as you would call the layer::
-
-    x = Centered(nn.Dense(128))(x)
-
-  Parameters live under ``<Centered>/dense`` or ``/conv`` (:func:`center`
-  centers a model without editing it). ``mu`` (``'centering'/'mean'``)
-  starts at zero; with ``'centering'`` mutable in training, the forward pass
-  records the batch mean (as ``cbp_optax.nnx.Centered``; eager calls warn
-  with :class:`cbp_optax.centering.UntransportedWarning`) for
-  :func:`transport`.
+  Written around a layer, ``Centered(nn.Dense(128))(x)``, with its
+  parameters under ``dense`` or ``conv`` (:func:`center` needs no edit).
+  ``mu`` (``'centering'/'mean'``) starts at zero; with ``'centering'``
+  mutable in training, the forward pass records the input mean for
+  :func:`transport` (as ``cbp_optax.nnx.Centered`` does; eager calls warn
+  with :class:`cbp_optax.centering.UntransportedWarning`).
 
   Attributes:
-    layer: an ``nn.Dense``, ``nn.DenseGeneral`` (without ``batch_dims``),
-      ``nn.Conv`` (without input dilation) or ``nn.ConvTranspose`` (with
-      strides 1), with a bias. Exact types only.
+    layer: an ``nn.Dense``, ``nn.DenseGeneral`` (no ``batch_dims``),
+      ``nn.Conv`` (no input dilation) or ``nn.ConvTranspose`` (strides 1),
+      with a bias; exact types only.
     use_running_average: True for evaluation (also a ``__call__`` argument).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis to average the recorded mean over.
@@ -171,18 +156,13 @@ class Centered(nn.Module):
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
     >>> import cbp_optax as cbp
-    >>> class Net(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     return cbp.linen.Centered(nn.Dense(1))(x)
+    >>> model = cbp.linen.Centered(nn.Dense(1))
     >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
-    >>> variables = Net().init(jax.random.key(0), x)
+    >>> variables = model.init(jax.random.key(0), x)
     >>> jax.tree.map(jnp.shape, variables['params'])
-    {'Centered_0': {'dense': {'bias': (1,), 'kernel': (2, 1)}}}
-    >>> variables['centering']['Centered_0']['mean'].value
-    Array([0., 0.], dtype=float32)
-    >>> y, changed = Net().apply(variables, x, mutable=['centering'])
-    >>> changed['centering']['Centered_0']['batch_mean']
+    {'dense': {'bias': (1,), 'kernel': (2, 1)}}
+    >>> y, changed = model.apply(variables, x, mutable=['centering'])
+    >>> changed['centering']['batch_mean']
     Array([2., 3.], dtype=float32)
 
   References:
@@ -215,15 +195,35 @@ class Centered(nn.Module):
         use_running_average, self.mean_dtype, self.axis_name)
 
 
-def is_entry(tree: Any) -> bool:
-  return isinstance(tree, Mapping) and MEAN in tree and RECORDED in tree
+def entries(centering: Any, path: tuple[str, ...] = ()
+            ) -> Iterator[tuple[tuple[str, ...], Mapping[str, Any]]]:
+  """``(path, entry)`` of every centered layer in a ``'centering'`` tree."""
+  if isinstance(centering, Mapping) and MEAN in centering and (
+      RECORDED in centering):
+    yield path, centering
+  else:
+    for key, sub in centering.items():
+      yield from entries(sub, path + (key,))
 
 
-def entry_at(centering: Any, layer_path: tuple[Any, ...]) -> Mapping[str, Any]:
-  """The centering entry of the layer whose parameters are at ``layer_path``."""
-  entry = flax.core.unfreeze(centering)
-  for key in layer_path:
-    if is_entry(entry):
-      break  # the rest is the wrapper's inner name ('dense' or 'conv')
-    entry = entry[key]
-  return entry
+def layer_state(params: Mapping[str, Any], entry: Mapping[str, Any]
+                ) -> core.LayerState:
+  """A centered layer's ``params`` (kernel, bias) and ``entry``, for the core."""
+  box = entry[MEAN]
+  return core.LayerState(
+      box.spec, params['kernel'], params['bias'], box.value, entry[RECORDED],
+      entry.get(COUNT), entry.get(MASK), box.stack_axes, entry.get(RESIDUAL))
+
+
+def transport_layer(params: dict[str, Any], entry: dict[str, Any],
+                    mean_decay: Any, recorded_only: bool = True) -> Any:
+  """The mean refresh and bias transport (eq. 10) of one layer's unfrozen
+  ``params`` and ``entry``, in place; returns the shift of the optimizer's
+  parameter copies (``core.copy_shift``)."""
+  old = layer_state(params, entry)
+  new = core.refresh(old, mean_decay, recorded_only)
+  params['bias'], entry[MEAN] = new.bias, entry[MEAN].replace_boxed(new.mean)
+  for key, value in ((COUNT, new.count), (RESIDUAL, new.residual)):
+    if value is not None:
+      entry[key] = value
+  return core.copy_shift(old, new)

@@ -4,58 +4,41 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from cbp_optax import blocks
 from cbp_optax import centering as core
 
-from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
 from cbp_optax._stacks import resolve_stack_axes
 from cbp_optax.nnx._wrapper import Centered
-from cbp_optax.nnx._wrapper import SPEC_OF
+from cbp_optax.nnx._wrapper import SUPPORTED
 from cbp_optax.nnx._wrapper import layer_spec
 
 
-def centered_layers(model: nnx.Module) -> list[Centered]:
-  """Every :class:`Centered` layer inside ``model``."""
-  return [m for _, m in nnx.iter_modules(model) if isinstance(m, Centered)]
-
-
 def centered_paths(model: nnx.Module) -> list[tuple[tuple[Any, ...], Centered]]:
+  """``(path, layer)`` of every :class:`Centered` layer inside ``model``."""
   return [(tuple(path), m) for path, m in nnx.iter_modules(model)
           if isinstance(m, Centered)]
 
 
-def plain_spec(layer: nnx.Module) -> core.LayerSpec:
-  """A layer's spec without the checks centering needs (Muon needs none)."""
-  if isinstance(layer, nnx.Conv):
-    return core.conv_spec(layer.kernel_size, layer.in_features,
-                          layer.out_features, layer.feature_group_count)
-  if isinstance(layer, nnx.ConvTranspose):
-    return core.conv_spec(layer.kernel_size, layer.in_features,
-                          layer.out_features, 1, layer.transpose_kernel)
-  if isinstance(layer, nnx.LinearGeneral):
-    return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
-  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
+def centered_layers(model: nnx.Module) -> list[Centered]:
+  return [layer for _, layer in centered_paths(model)]
 
 
 CenterReport = core.CenterReport
 
 
-def _child(node: Any, key: Any) -> Any:
-  if isinstance(node, nnx.Module) and isinstance(key, str):
-    return getattr(node, key)
-  return node[key]
+def _set_at(node: Any, path: tuple[Any, ...], value: Any) -> None:
+  """Puts ``value`` at ``path``: a module's attribute, or a container item."""
+  def is_attribute(node, key):
+    return isinstance(node, nnx.Module) and isinstance(key, str)
 
-
-def _set_child(node: Any, key: Any, value: Any) -> None:
-  if isinstance(node, nnx.Module) and isinstance(key, str):
-    setattr(node, key, value)
+  for key in path[:-1]:
+    node = getattr(node, key) if is_attribute(node, key) else node[key]
+  if is_attribute(node, path[-1]):
+    setattr(node, path[-1], value)
   else:
-    node[key] = value
+    node[path[-1]] = value
 
 
 def _has_own_params(module: nnx.Module) -> bool:
@@ -97,13 +80,9 @@ def _graph_paths(
 def _check_not_shared(paths: list[str]) -> None:
   if len(paths) > 1:
     raise ValueError(
-        f'center: one layer is reachable at {" and ".join(map(repr, paths))} '
-        '(the same module object at two call sites or under two names). A '
-        'shared layer sees two input distributions, and wrapping it at one '
-        'path would leave the other path uncentered while the transport '
-        'moves the shared bias, changing the function. Give each call site '
-        'its own layer, or leave this one out with where=(e.g. where=lambda '
-        f'path, layer: path not in {paths!r}).')
+        f'center: one layer is reachable at {" and ".join(map(repr, paths))}:'
+        ' a shared layer would be centered at one path only; give each call '
+        'site its own layer, or leave it out with where=.')
 
 
 def _check_bias_not_tied(
@@ -112,16 +91,13 @@ def _check_bias_not_tied(
   """Refuses a layer whose bias Variable is held elsewhere too: eq. 10's
   move is right for this layer only (a tied kernel is fine)."""
   paths = variable_paths.get(id(layer.bias), [])
-  if len(paths) <= 1:
-    return
-  holders = sorted({p.rpartition('/')[0] or core.MODEL_PATH for p in paths})
-  raise core.CannotCenterError(
-      f'center: the bias of {name or core.MODEL_PATH!r} is one Variable held '
-      f'at {" and ".join(map(repr, paths))} (tied, e.g. b.bias = a.bias). '
-      'Centering moves a bias by its own layer\'s W (mu_new - mu_old) at '
-      'every transport, which would change what every other holder computes. '
-      'Give each layer its own bias (tying only the kernel is fine), or leave '
-      f'every holder out: where=lambda path, layer: path not in {holders!r}.')
+  if len(paths) > 1:
+    holders = sorted({p.rpartition('/')[0] or core.MODEL_PATH for p in paths})
+    raise core.CannotCenterError(
+        f'center: the bias of {name or core.MODEL_PATH!r} is one Variable '
+        f'held at {" and ".join(map(repr, paths))}, which its transport would'
+        ' move for all; untie it, or leave every holder out: where=lambda '
+        f'path, layer: path not in {holders!r}.')
 
 
 def center(
@@ -132,8 +108,8 @@ def center(
 
   Each ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Conv`` and stride-1
   ``nnx.ConvTranspose`` (exact types, with a bias) becomes ``Centered(layer)``
-  wherever it sits (stacks included); with ``mu`` zero, the model computes
-  what it did before.
+  wherever it sits (stacks included), computing what it did while ``mu`` is
+  zero.
 
   Args:
     model: the model; changed in place.
@@ -146,31 +122,23 @@ def center(
     A :class:`CenterReport` of the layers centered and left (with why).
 
   Raises:
-    ValueError: ``model`` itself is a layer to center (wrap it with
-      :class:`Centered`), or one layer is reachable at two paths.
-    cbp_optax.centering.CannotCenterError: (a ``ValueError``) a layer whose
-      bias Variable is tied to another's. Nothing changes when it raises.
+    ValueError: ``model`` itself is a layer to center (use :class:`Centered`),
+      or one layer is reachable at two paths; a
+      :class:`cbp_optax.centering.CannotCenterError` for a layer whose bias
+      Variable is tied to another's. Nothing changes when it raises.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp
-    >>> class MLP(nnx.Module):
-    ...   def __init__(self, rngs):
-    ...     self.hidden = nnx.Linear(3, 4, rngs=rngs)
-    ...     self.norm = nnx.LayerNorm(4, rngs=rngs)
-    ...     self.out = nnx.Linear(4, 1, rngs=rngs)
-    ...   def __call__(self, x):
-    ...     return self.out(nnx.relu(self.norm(self.hidden(x))))
-    >>> model = MLP(nnx.Rngs(0))
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
     >>> x = jnp.ones((8, 3))
     >>> before = model(x)
-    >>> report = cbp.nnx.center(model)
-    >>> report.centered
-    ['hidden', 'out']
-    >>> [path for path, reason in report.skipped]
-    ['norm']
-    >>> type(model.hidden).__name__, model.hidden.mean.shape
+    >>> print(cbp.nnx.center(model))
+    centered (1): layers/0
+    left as is (1): layers/1 - LayerNorm: not a layer type centering knows (...)
+    >>> type(model.layers[0]).__name__, model.layers[0].mean.shape
     ('Centered', (3,))
     >>> bool(jnp.array_equal(model(x), before))  # mu = 0: the same function
     True
@@ -179,9 +147,8 @@ def center(
     Layerwise Conditioned Backpropagation, §4.2, eq. (8).
   """
   if not isinstance(model, nnx.Module):
-    raise TypeError(
-        f'center: model must be an nnx.Module, got {type(model).__name__}; '
-        'for a Linen module use cbp_optax.linen.center.')
+    raise TypeError('center: model must be an nnx.Module, got '
+                    f'{type(model).__name__} (Linen: cbp_optax.linen.center).')
   where = core.check_where(where)
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
@@ -195,34 +162,25 @@ def center(
       _check_bias_not_tied(path_str(path), module.layer, variable_paths)
   for path, module in modules:
     name = path_str(path)
-    if isinstance(module, Centered) or tuple(path) in inside_centered:
+    if (isinstance(module, Centered) or tuple(path) in inside_centered
+        or not _has_own_params(module)):
       continue
-    if not _has_own_params(module):
-      continue
-    try:
-      layer_spec(module)
-    except (TypeError, ValueError) as error:
-      skipped.append((name or core.MODEL_PATH, core.skip_reason(module, error)))
-      continue
-    if not core.selected(where, name, module):
-      skipped.append((name or core.MODEL_PATH, 'not selected by where'))
+    reason = core.skip_reason(where, name, module, layer_spec)
+    if reason:
+      skipped.append((name or core.MODEL_PATH, reason))
       continue
     _check_not_shared(module_paths.get(id(module), [name]))
     _check_bias_not_tied(name, module, variable_paths)
     if not path:
-      raise ValueError(
-          'center: the model itself is a linear layer and cannot be replaced '
-          'in place; use cbp_optax.nnx.Centered(model) instead.')
+      raise ValueError('center: the model itself is a linear layer, which '
+                       'cannot be replaced in place: use Centered(model).')
     chosen.append((path, module))
   # Every check first: a refused layer leaves the whole model as it was.
   wrapped = [(path, Centered(module, mean_dtype=mean_dtype,
                              axis_name=axis_name))
              for path, module in chosen]
   for path, layer in wrapped:
-    parent = model
-    for key in path[:-1]:
-      parent = _child(parent, key)
-    _set_child(parent, path[-1], layer)
+    _set_at(model, path, layer)
     centered.append(path_str(path))
   return CenterReport(centered=sorted(centered), skipped=sorted(skipped))
 
@@ -243,7 +201,7 @@ def stacked_blocks(
     ``stacked(path, leaf) -> bool``, True for parameters inside a stack.
 
   Examples:
-    Three layers built by ``nnx.vmap`` and one head: four M1 blocks.
+    Three layers built by ``nnx.vmap`` and a head: four M1 blocks.
 
     >>> import jax
     >>> from flax import nnx
@@ -251,50 +209,35 @@ def stacked_blocks(
     >>> @nnx.vmap(in_axes=0, out_axes=0)
     ... def make_layers(key):
     ...   return nnx.Linear(2, 2, rngs=nnx.Rngs(key))
-    >>> class Stack(nnx.Module):
-    ...   def __init__(self):
-    ...     self.blocks = make_layers(jax.random.split(jax.random.key(0), 3))
-    ...     self.head = nnx.Linear(2, 1, rngs=nnx.Rngs(1))
-    >>> model = Stack()
-    >>> cbp.nnx.center(model).centered
-    ['blocks', 'head']
-    >>> model.blocks.mean.shape  # one mean per layer of the stack
+    >>> layers = make_layers(jax.random.split(jax.random.key(0), 3))
+    >>> model = nnx.Sequential(layers, nnx.Linear(2, 1, rngs=nnx.Rngs(1)))
+    >>> _ = cbp.nnx.center(model)
+    >>> model.layers[0].mean.shape  # one mean per layer of the stack
     (3, 2)
     >>> stacked = cbp.nnx.stacked_blocks(model)
-    >>> stacked
-    stacked_predicate(['blocks'])
     >>> cbp.block_names(nnx.state(model, nnx.Param), stacked=stacked)
-    ('blocks/layer[0]', 'blocks/layer[1]', 'blocks/layer[2]', 'head/layer')
+    ('layers/0/layer[0]', 'layers/0/layer[1]', 'layers/0/layer[2]',
+     'layers/1/layer')
     >>> tx = cbp.cbp(1e-3, stacked=stacked)
 
   References:
     Layerwise Conditioned Backpropagation, eq. (7).
   """
-  params = nnx.state(model, nnx.Param)
-  shapes = {
-      path_names(path): tuple(jnp.shape(leaf))
-      for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-  }
-  roots = blocks.check_stack_paths(shapes, stack_paths)
-  if not stack_paths:
-    stacks, unstacked = [], []
+  def layers():
     for path, module in nnx.iter_modules(model):
       path = tuple(str(p) for p in path)
       if isinstance(module, Centered):
-        axes = resolve_stack_axes(
-            module.mean.shape, module.spec.mean_shape,
-            module.mean.get_metadata().get('stack_axes'))
-        if axes and axes[0] == 0:
-          stacks.append((path, module.mean.shape[0]))
-        elif not axes:
-          unstacked.append(path)
-      elif type(module) in SPEC_OF and path[-1:] != ('layer',):
+        mean = module.mean
+        yield path, resolve_stack_axes(
+            mean.shape, module.spec.mean_shape,
+            mean.get_metadata().get('stack_axes')), mean.shape
+      elif type(module) in SUPPORTED and path[-1:] != (core.LAYER_KEY,):
         try:
           spec = layer_spec(module)
         except (TypeError, ValueError):
           continue
         if tuple(module.kernel.shape) == spec.kernel_shape:
-          unstacked.append(path)
-    for path, size in stacks:
-      roots.add(blocks.stack_root(shapes, path, size, unstacked))
-  return blocks.stacked_predicate(roots)
+          yield path, (), None
+
+  return core.stacked_blocks(nnx.state(model, nnx.Param), stack_paths,
+                             layers())

@@ -19,12 +19,12 @@ from cbp_optax import _checks
 from cbp_optax import centering as core
 
 from cbp_optax.nnx._center import centered_paths
-from cbp_optax.nnx._center import plain_spec
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
 from cbp_optax.nnx._wrapper import layer_state
 from cbp_optax.nnx._wrapper import transport_layer
-from cbp_optax.nnx._wrapper import SPEC_OF
+from cbp_optax.nnx._wrapper import SUPPORTED
+from cbp_optax.nnx._wrapper import layer_spec
 
 
 # Where a Centered layer holds the wrapped layer's kernel and bias.
@@ -65,14 +65,12 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
                            where: str) -> None:
   """Classifies the optimizer's state before anything is traced."""
   if not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError(
-        f'{where}: optimizer must be an nnx.Optimizer (or '
-        f'cbp_optax.nnx.Optimizer), got a {type(optimizer).__name__}.')
-  moves = _layer_moves(model, optimizer.wrt)
-  _opt_state.transport_state(optimizer.opt_state, moves,
-                             what='optimizer.opt_state',
-                             kind=FLAX,
-                             params=nnx.state(model, optimizer.wrt))
+    raise TypeError(f'{where}: optimizer must be an nnx.Optimizer, got a '
+                    f'{type(optimizer).__name__}.')
+  _opt_state.transport_state(
+      optimizer.opt_state, _layer_moves(model, optimizer.wrt),
+      what='optimizer.opt_state', kind=FLAX,
+      params=nnx.state(model, optimizer.wrt))
 
 
 def transport(
@@ -83,10 +81,10 @@ def transport(
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
   ``b~ += W (mu_new - mu_old)`` with the updated weights (Algorithm 1, steps
-  10-11): the output is unchanged. Call it after the update (or use
-  :func:`train_step`); a layer that recorded nothing keeps ``mu``. Pass the
-  ``optimizer`` (or, functionally, its ``opt_state``) whenever its state may
-  hold parameter copies (schedule-free, SAM, DoG, Prodigy, ..., or a
+  10-11): the output is unchanged; a layer that recorded nothing keeps
+  ``mu``. Call it after the update (or use :func:`train_step`), with the
+  ``optimizer`` (or its functional ``opt_state``) whenever its state may hold
+  parameter copies (schedule-free, SAM, Prodigy, ..., or a
   :func:`cbp_optax.centering.register_parameter_state` type): each copy's
   biases move by its own kernel.
 
@@ -94,25 +92,22 @@ def transport(
     model: any NNX module; layers that are not :class:`Centered` are ignored.
     mean_decay: the EMA decay ``rho`` of the means, in ``[0, 1)``.
     optimizer: the ``nnx.Optimizer`` training ``model`` (moved in place).
-    opt_state: an optax state initialized on ``nnx.state(model, nnx.Param)``
-      (or its ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
+    opt_state: an optax state on ``nnx.state(model, nnx.Param)`` (or its
+      ``nnx.as_pure`` arrays); exclusive with ``optimizer``.
 
   Returns:
     The transported ``opt_state`` when one is given; otherwise None.
 
   Raises:
     cbp_optax.centering.UnclassifiedStateError: (a ``TypeError``) an
-      unclassified parameter-shaped tree, or a copy of another tree than
-      ``model``; before anything moves.
+      unclassified parameter-shaped tree, before anything moves.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu,
-    ...                        nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
-    >>> cbp.nnx.center(model).centered
-    ['layers/0', 'layers/2']
+    >>> model = nnx.Sequential(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> _ = cbp.nnx.center(model)
     >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
     >>> before = model(x)  # training mode: records each layer's input mean
     >>> cbp.nnx.transport(model, mean_decay=0.5)
@@ -127,8 +122,7 @@ def transport(
   # test_every_transport_path_validates_mean_decay: NaN means and biases.
   _checks.check_mean_decay(mean_decay)
   if optimizer is not None and opt_state is not None:
-    raise ValueError('transport: pass optimizer (an nnx.Optimizer) or '
-                     'opt_state (a functional optax state), not both.')
+    raise ValueError('transport: pass optimizer or opt_state, not both.')
   return transport_model(model, mean_decay, optimizer, opt_state)
 
 
@@ -168,14 +162,12 @@ def eval_model(model: nnx.Module,
   With a ``schedule_free`` state in ``optimizer``, the copy has its
   evaluation point ``x = (y - (1 - b1) z) / b1`` and the model's means
   (recalibrate BatchNorm statistics at ``x``); otherwise the model's own.
+  It shares no variable or array with ``model``, so it outlives the donating
+  :func:`train_step`.
 
   Args:
     model: the trained model.
-    optimizer: its optimizer (``nnx.Optimizer``), or None.
-
-  Returns:
-    A new module sharing no variable or array with ``model`` (its arrays
-    outlive the donating :func:`train_step`).
+    optimizer: its ``nnx.Optimizer``, or None.
 
   Raises:
     ValueError: several ``schedule_free`` states, or one over part of the
@@ -200,12 +192,12 @@ def eval_model(model: nnx.Module,
   if optimizer is None:
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, _opt_state.unshared(state))
-    copy.eval()
-    return copy
-  graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-  params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
-                                        nnx.as_pure(params))
-  copy = nnx.merge(graphdef, *_opt_state.unshared((params, nnx.as_pure(rest))))
+  else:
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    params = _opt_state.evaluation_params(nnx.as_pure(optimizer.opt_state),
+                                          nnx.as_pure(params))
+    copy = nnx.merge(graphdef,
+                     *_opt_state.unshared((params, nnx.as_pure(rest))))
   copy.eval()
   return copy
 
@@ -213,19 +205,19 @@ def eval_model(model: nnx.Module,
 def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
   """Muon's ``muon_weight_dimension_numbers`` for every kernel of ``model``.
 
-  From each linear layer (``nnx.Einsum`` too), centered or not: contracted
-  input axes are reduction axes, stack axes batch axes; other parameters get
-  None (AdamW).
+  Each linear layer's kernel (``nnx.Einsum`` too), centered or not, is a
+  matrix from its contracted input axes (reduction) to its features (output);
+  stack axes are batch axes; other parameters get None (AdamW). ``dims``
+  reads the model as it is when muon calls it.
 
   Args:
-    model: the model, before or after :func:`center` (read when muon asks).
+    model: the model, before or after :func:`center`.
 
   Returns:
     ``dims(params)`` for ``optax.contrib.muon(...,
     muon_weight_dimension_numbers=dims)``, on ``nnx.state(model, nnx.Param)``.
 
   Examples:
-    >>> import optax
     >>> from flax import nnx
     >>> import cbp_optax as cbp
     >>> model = nnx.Sequential(nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)))
@@ -233,9 +225,6 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
     >>> dims = cbp.nnx.muon_dimension_numbers(model)
     >>> dims(nnx.state(model, nnx.Param))['layers'][0]['layer']['kernel']
     MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
-    >>> optimizer = nnx.Optimizer(
-    ...     model, optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
-    ...     wrt=nnx.Param)
   """
   # Read when muon calls it, from the model as it is then.
   model_ref = weakref.ref(model)
@@ -257,8 +246,8 @@ def _muon_table(model: nnx.Module) -> dict[tuple[str, ...], Any]:
     if isinstance(module, Centered):
       table[path_names(path + _KERNEL)] = core.kernel_dimension_numbers(
           layer_state(module))
-    elif type(module) in SPEC_OF and path[-1:] != _KERNEL[:1]:
-      spec = plain_spec(module)
+    elif type(module) in SUPPORTED and path[-1:] != _KERNEL[:1]:
+      spec = layer_spec(module, check=False)
       axes = resolve_stack_axes(tuple(module.kernel.shape), spec.kernel_shape)
       if axes is not None:
         table[path_names(path + ('kernel',))] = core.muon_dimension_numbers(

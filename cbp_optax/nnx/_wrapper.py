@@ -12,16 +12,12 @@ from flax import nnx
 from cbp_optax import _checks
 from cbp_optax import _untransported
 from cbp_optax import centering as core
-from cbp_optax._stacks import resolve_stack_axes
 
 # AMBIGUOUS_STACK_REMEDY in NNX's words.
 _STACK_REMEDY = (
-    'Record where the stack axis is: create the Centered layers inside the '
-    'nnx.vmap / nnx.scan with transform_metadata={nnx.PARTITION_NAME: '
-    "'layers'} (their means then track the axis), or wrap a layer stacked "
-    'beforehand with cbp.nnx.Centered(layer, stack_axes=...) (the kernel '
-    'axes that are stack axes) before cbp.nnx.center.'
-)
+    'Create the Centered layers inside nnx.vmap / nnx.scan with '
+    "transform_metadata={nnx.PARTITION_NAME: 'layers'}, or wrap the stacked "
+    'layer as cbp.nnx.Centered(layer, stack_axes=...) before center.')
 
 
 class _StackTracked(nnx.BatchStat):
@@ -29,14 +25,12 @@ class _StackTracked(nnx.BatchStat):
   (under a ``transform_metadata`` partition name); else found from shapes."""
 
   def add_axis(self, axis_index, axis_name):
-    axes = self.get_metadata().get('stack_axes') or ()
-    moved = tuple(a + 1 if a >= axis_index else a for a in axes)
-    self.set_metadata(stack_axes=tuple(sorted(moved + (axis_index,))))
+    self.set_metadata(stack_axes=core.added_stack_axis(
+        self.get_metadata().get('stack_axes'), axis_index))
 
   def remove_axis(self, axis_index, axis_name):
-    axes = self.get_metadata().get('stack_axes') or ()
-    self.set_metadata(stack_axes=tuple(
-        a - 1 if a > axis_index else a for a in axes if a != axis_index))
+    self.set_metadata(stack_axes=core.removed_stack_axis(
+        self.get_metadata().get('stack_axes'), axis_index))
 
 
 class CenteringMean(_untransported.MarksTransport, _StackTracked):
@@ -56,128 +50,54 @@ class TransportResidual(_StackTracked):
   """A 16-bit bias's float32 transport residual (``needs_bias_residual``)."""
 
 
-def _linear_spec(layer: nnx.Linear) -> core.LayerSpec:
-  core.check_centerable(type(layer), use_bias=layer.use_bias)
-  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
-
-
-def _linear_general_spec(layer: nnx.LinearGeneral) -> core.LayerSpec:
-  core.check_centerable(type(layer), use_bias=layer.use_bias,
-                        batch_axes=dict(layer.batch_axis))
-  return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
-
-
-def _conv_spec(layer: nnx.Conv) -> core.LayerSpec:
-  core.check_centerable(type(layer), use_bias=layer.use_bias,
-                        input_dilation=layer.input_dilation)
-  return core.conv_spec(layer.kernel_size, layer.in_features,
-                        layer.out_features, layer.feature_group_count)
-
-
-def _conv_transpose_spec(layer: nnx.ConvTranspose) -> core.LayerSpec:
-  core.check_centerable(type(layer), use_bias=layer.use_bias,
-                        transposed_strides=layer.strides)
-  return core.conv_spec(layer.kernel_size, layer.in_features,
-                        layer.out_features, 1, layer.transpose_kernel)
-
-
 # Exact types only: a subclass may override __call__ and change the maths.
-SPEC_OF = {
-    nnx.Linear: _linear_spec,
-    nnx.LinearGeneral: _linear_general_spec,
-    nnx.Conv: _conv_spec,
-    nnx.ConvTranspose: _conv_transpose_spec,
-}
+SUPPORTED = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose)
 
 
-def layer_spec(layer: nnx.Module) -> core.LayerSpec:
-  """The :class:`~cbp_optax.centering.LayerSpec` of a layer (TypeError for an
-  unknown type, CannotCenterError for an inexact configuration)."""
-  spec_of = SPEC_OF.get(type(layer))
-  if spec_of is None:
-    raise core.unsupported_layer_error(type(layer), tuple(SPEC_OF))
-  return spec_of(layer)
-
-
-def _given_stack_axes(
-    name: str, given: Sequence[int], kernel_shape: tuple[int, ...],
-    spec: core.LayerSpec,
-) -> tuple[int, ...]:
-  """``Centered(stack_axes=given)`` as sorted non-negative axes, or why not."""
-  ndim = len(kernel_shape)
-  axes = tuple(sorted(
-      a % ndim for a in given
-      if isinstance(a, int) and not isinstance(a, bool) and -ndim <= a < ndim))
-  placements = core.stack_axes_placements(kernel_shape, spec.kernel_shape)
-  if len(axes) != len(tuple(given)) or axes not in placements:
-    raise ValueError(
-        f'{name}: stack_axes={given!r} does not fit: the kernel of shape '
-        f'{kernel_shape} is {spec.kernel_shape} with stack axes at '
-        f'{placements or "no placement"}.')
-  return axes
-
-
-def _stacked_shape(
-    layer: nnx.Module, spec: core.LayerSpec,
-    stack_axes: Optional[Sequence[int]] = None,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """Shape and stack axes of ``mu`` for a layer that may already be stacked."""
-  kernel_shape = tuple(layer.kernel.shape)
-  name = type(layer).__name__
-  if stack_axes is not None:
-    stack_axes = _given_stack_axes(name, stack_axes, kernel_shape, spec)
-  axes = resolve_stack_axes(
-      kernel_shape, spec.kernel_shape, stack_axes,
-      not_found=lambda: (
-          f'{name}: kernel shape {kernel_shape} is not '
-          f'{spec.kernel_shape} with stack axes added.'),
-      ambiguous=lambda placements: (
-          f'{name}: the kernel of shape {kernel_shape} is '
-          f'{spec.kernel_shape} stacked along any of the axes {placements}; '
-          'the shapes cannot tell which (a stack as long as a feature size), '
-          'and a wrong guess would change the function at the first '
-          'transport. ' + _STACK_REMEDY))
-  shape = list(spec.mean_shape)
-  for axis in axes:
-    shape.insert(min(axis, len(shape)), kernel_shape[axis])
-  mean_axes = tuple(
-      min(a, len(spec.mean_shape) + i) for i, a in enumerate(axes))
-  return tuple(shape), mean_axes
+def layer_spec(layer: nnx.Module, check: bool = True) -> core.LayerSpec:
+  """The :class:`~cbp_optax.centering.LayerSpec` of a layer; with ``check``
+  (Muon needs none), TypeError for an unknown type and CannotCenterError for
+  an inexact configuration."""
+  if check:
+    core.check_layer(layer, SUPPORTED,
+                     transposed=isinstance(layer, nnx.ConvTranspose),
+                     batch_axes=dict(getattr(layer, 'batch_axis', {})))
+  if isinstance(layer, (nnx.Conv, nnx.ConvTranspose)):
+    return core.conv_spec(layer.kernel_size, layer.in_features,
+                          layer.out_features,
+                          getattr(layer, 'feature_group_count', 1),
+                          getattr(layer, 'transpose_kernel', False))
+  if isinstance(layer, nnx.LinearGeneral):
+    return core.dense_spec(layer.axis, layer.in_features, layer.out_features)
+  return core.dense_spec(-1, (layer.in_features,), (layer.out_features,))
 
 
 class Centered(nnx.Module):
   """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
 
   ``mu`` starts at zero. In training the forward pass records its input's
-  batch mean, pooled over calls (``batch_count``; 1,000 calls without a
-  transport warn, :class:`cbp_optax.centering.UntransportedWarning`), which
-  :func:`transport` moves ``mu`` to. A convolution runs as the plain layer
-  minus ``centering.mean_correction`` (eq. 9).
+  mean, pooled over calls (``batch_count``; 1,000 calls without a transport
+  warn: :class:`cbp_optax.centering.UntransportedWarning`), to which
+  :func:`transport` moves ``mu``. A convolution runs as the plain layer minus
+  ``W mu`` (eq. 9).
 
   Args:
-    layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (without batch axes),
-      ``nnx.Conv`` (without input dilation) or ``nnx.ConvTranspose`` (with
-      strides 1), with a bias. Exact types only.
-    use_running_average: True stops recording batch means (evaluation).
+    layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (no batch axes),
+      ``nnx.Conv`` (no input dilation) or ``nnx.ConvTranspose`` (strides 1),
+      with a bias; exact types only (TypeError, or
+      :class:`cbp_optax.centering.CannotCenterError`, otherwise).
+    use_running_average: True stops recording (evaluation).
     mean_dtype: dtype of ``mu``; defaults to the layer's ``param_dtype``.
     axis_name: the mapped batch axis (``shard_map``/``pmap``/``vmap``) to
       average the recorded mean over.
     stack_axes: a pre-stacked layer's kernel stack axes, where the shapes
       cannot tell (``(1,)`` for ``nnx.vmap(..., out_axes=1)``).
 
-  Raises:
-    TypeError: for any other layer type, subclasses included.
-    cbp_optax.centering.CannotCenterError: (a ``ValueError``) for a layer
-      without bias, with input dilation, with kernel batch axes or a
-      strided transposed convolution.
-
   Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import cbp_optax as cbp
     >>> layer = cbp.nnx.Centered(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
-    >>> layer.mean.shape, layer.mean.dtype
-    ((2,), dtype('float32'))
     >>> a = jnp.array([[1.0, 2.0], [3.0, 4.0]])
     >>> before = layer(a)
     >>> print(layer.batch_mean[...], layer.mean[...])
@@ -189,7 +109,6 @@ class Centered(nnx.Module):
   References:
     Layerwise Conditioned Backpropagation, §4.2, eqs. (8) and (9).
   """
-
   def __init__(
       self, layer: nnx.Module, *, use_running_average: bool = False,
       mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
@@ -197,22 +116,20 @@ class Centered(nnx.Module):
   ):
     _checks.check_bool('use_running_average', use_running_average)
     spec = layer_spec(layer)
-    shape, stack_axes = _stacked_shape(layer, spec, stack_axes)
-    dtype = core.mean_dtype(mean_dtype, layer.param_dtype)
+    zero = core.zero_state(spec, core.mean_dtype(mean_dtype, layer.param_dtype),
+                           layer.bias, layer.kernel.shape, stack_axes,
+                           _STACK_REMEDY)
     self.layer = layer
     self.spec = spec
     self.use_running_average = use_running_average
     self.axis_name = axis_name
-    key = _untransported.LayerKey()
-    self.mean = CenteringMean(jnp.zeros(shape, dtype), stack_axes=stack_axes,
-                              untransported=key)
-    self.batch_mean = RecordedMean(jnp.zeros(shape, dtype),
-                                   stack_axes=stack_axes)
-    self.batch_count = RecordedCount(core.zero_count(shape, dtype, stack_axes),
-                                     stack_axes=stack_axes, untransported=key)
-    if core.needs_bias_residual(layer.bias.dtype):
-      self.bias_residual = TransportResidual(
-          jnp.zeros(layer.bias.shape, jnp.float32))
+    axes, key = zero.stack_axes, _untransported.LayerKey()
+    self.mean = CenteringMean(zero.mean, stack_axes=axes, untransported=key)
+    self.batch_mean = RecordedMean(zero.recorded, stack_axes=axes)
+    self.batch_count = RecordedCount(zero.count, stack_axes=axes,
+                                     untransported=key)
+    if zero.residual is not None:
+      self.bias_residual = TransportResidual(zero.residual)
 
   def set_view(self, use_running_average: Optional[bool] = None):
     """Used by ``nnx.view``: ``use_running_average=True`` for evaluation."""
