@@ -57,9 +57,13 @@ _CBP = _spec('cbp.cbp')
 _CBP_KRON = _spec('cbp.cbp_kron', **precondition_kron_lib.KRON_ARGUMENTS)
 
 
-def _finish(transforms: list, update_clip, weight_decay, mask,
-            learning_rate) -> optax.GradientTransformationExtraArgs:
-  """M1 and M3's chain, then the optional clip and decay, and the rate."""
+def _finish(m3, *, decay, min_scale, max_scale, block_fn, stacked,
+            stats_dtype, update_clip, weight_decay, mask, learning_rate,
+            **_) -> optax.GradientTransformationExtraArgs:
+  """M1, ``m3``, the optional clip and decay, and the rate, as one chain."""
+  transforms = [equalize_lib.equalize(
+      decay, min_scale, max_scale, block_fn=block_fn, stacked=stacked,
+      stats_dtype=stats_dtype), m3]
   if update_clip is not None:
     transforms.append(optax.clip(update_clip))
   transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
@@ -163,23 +167,12 @@ def cbp(
     dtype('float32')
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.4 (eq. 12) and Algorithm 1.
+    Layerwise Conditioned Backpropagation, §4.4 (eq. 12) and Algorithm 1.
   """
-  _checks.check(
-      _CBP, learning_rate=learning_rate, b1=b1, b2=b2, damping=damping,
-      decay=decay, min_scale=min_scale, max_scale=max_scale,
-      weight_decay=weight_decay, mask=mask, block_fn=block_fn,
-      stacked=stacked, stats_dtype=stats_dtype, zero_moment=zero_moment,
-      update_clip=update_clip)
-  transforms = [
-      equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
-                            stacked=stacked, stats_dtype=stats_dtype),
-      precondition_lib.precondition(b1, b2, damping, stats_dtype=stats_dtype,
-                                    zero_moment=zero_moment),
-  ]
-  return _finish(transforms, update_clip, weight_decay, mask, learning_rate)
+  _checks.check(_CBP, **locals())
+  return _finish(precondition_lib.precondition(
+      b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment),
+                 **locals())
 
 
 cbp_robust = functools.partial(
@@ -215,8 +208,7 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     [-0.01  0.01] [-0.01 -0.01]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation,
     eq. (11), Lemma 1, Theorem 3 and Algorithm 1.
   """
 
@@ -266,22 +258,10 @@ def cbp_kron(
     [-0.01 -0.01]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    Algorithm 1, Lemma 1 and §8.2.
+    Layerwise Conditioned Backpropagation, Algorithm 1, Lemma 1 and §8.2.
   """
-  _checks.check(
-      _CBP_KRON, learning_rate=learning_rate, b1=b1, b2=b2, damping=damping,
-      decay=decay, min_scale=min_scale, max_scale=max_scale, every=every,
-      max_dim=max_dim, weight_decay=weight_decay, mask=mask,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      zero_moment=zero_moment, update_clip=update_clip)
-  transforms = [
-      equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
-                            stacked=stacked, stats_dtype=stats_dtype),
-      precondition_kron_lib.precondition_kron(
-          b1, b2, damping, every=every, max_dim=max_dim,
-          dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
-          zero_moment=zero_moment),
-  ]
-  return _finish(transforms, update_clip, weight_decay, mask, learning_rate)
+  _checks.check(_CBP_KRON, **locals())
+  return _finish(precondition_kron_lib.precondition_kron(
+      b1, b2, damping, every=every, max_dim=max_dim,
+      dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
+      zero_moment=zero_moment), **locals())

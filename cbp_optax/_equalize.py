@@ -67,12 +67,8 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
   return dtype
 
 
-def block_scales(
-    energy: chex.Array,
-    count: chex.Array,
-    min_scale: chex.Numeric,
-    max_scale: chex.Numeric,
-) -> chex.Array:
+def block_scales(energy: chex.Array, count: chex.Array, min_scale: chex.Numeric,
+                 max_scale: chex.Numeric) -> chex.Array:
   """The scales ``s_l = clip(c / sqrt(q_l), s_min, s_max)`` of eq. (6) from
   stored energies; ones at the first step.
 
@@ -92,26 +88,18 @@ def block_scales(
                      relative, target)
   positive = energy > 0
   safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
-  ratio = jnp.where(
-      positive,
-      target / jnp.sqrt(safe_energy),
-      jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
-  )
-  low = jnp.asarray(min_scale, energy.dtype)
-  high = jnp.asarray(max_scale, energy.dtype)
+  ratio = jnp.where(positive, target / jnp.sqrt(safe_energy),
+                    jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype))
+  low, high = (jnp.asarray(b, energy.dtype) for b in (min_scale, max_scale))
   # clip(x, a, a) = a also where the ratio is inf / inf = NaN (an infinite
   # energy); a proper interval keeps jnp.clip's NaN (Algorithm 1).
   scales = jnp.where(low == high, low, jnp.clip(ratio, low, high))
   return jnp.where(count > 0, scales, jnp.ones_like(scales))
 
 
-def _group_scales(
-    layout: BlockLayout,
-    energy: chex.Array,
-    count: chex.Array,
-    min_scale: chex.Numeric,
-    max_scale: chex.Numeric,
-) -> tuple[Optional[chex.Array], ...]:
+def _group_scales(layout: BlockLayout, energy: chex.Array, count: chex.Array,
+                  min_scale: chex.Numeric, max_scale: chex.Numeric
+                  ) -> tuple[Optional[chex.Array], ...]:
   """:func:`block_scales`, bit for bit, as one array per group of leaves.
 
   For compile time: a slice of the scale vector fused into a per-leaf kernel
@@ -139,11 +127,8 @@ def _group_scales(
 _SPLIT_CHUNK = 32
 
 
-def _split(
-    vector: chex.Array,
-    starts: Sequence[int],
-    stacks: Sequence[Optional[int]],
-) -> tuple[chex.Array, ...]:
+def _split(vector: chex.Array, starts: Sequence[int],
+           stacks: Sequence[Optional[int]]) -> tuple[chex.Array, ...]:
   """``vector[start]`` (or ``vector[start:start + stack]``) for each group.
 
   As variadic ``lax.reduce`` calls over ``(vector, -0.0)`` pairs: ``x +
@@ -177,17 +162,13 @@ def _split(
   return tuple(out)
 
 
-def _scale_leaves(
-    layout: BlockLayout,
-    leaves: Sequence[chex.Array],
-    group_scales: Sequence[Optional[chex.Array]],
-    out_dtypes: Sequence[Any],
-    stats_dtype: Any,
-) -> list[chex.Array]:
+def _scale_leaves(layout: BlockLayout, leaves: Sequence[chex.Array],
+                  group_scales: Sequence[Optional[chex.Array]],
+                  out_dtypes: Sequence[Any], stats_dtype: Any
+                  ) -> list[chex.Array]:
   scaled: list[Optional[chex.Array]] = [None] * len(leaves)
-  for leaf_ids, stack, scale in zip(
-      layout.groups, layout.group_stacks, group_scales
-  ):
+  for leaf_ids, stack, scale in zip(layout.groups, layout.group_stacks,
+                                    group_scales):
     for i in leaf_ids:
       leaf = leaves[i]
       if scale is None:  # s = 1 at every step: x * 1 is x
@@ -199,10 +180,8 @@ def _scale_leaves(
       scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(
           out_dtypes[i])
   # Leaves in no block (key None, or empty) pass through with s = 1.
-  return [
-      leaf.astype(dtype) if out is None else out
-      for leaf, dtype, out in zip(leaves, out_dtypes, scaled)
-  ]
+  return [leaf.astype(dtype) if out is None else out
+          for leaf, dtype, out in zip(leaves, out_dtypes, scaled)]
 
 
 class RecordedBoundsError(ValueError):
@@ -342,24 +321,23 @@ def equalize(
     [0.4 0.4 0.4] [7.072... 7.072...]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation,
     §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
-  _checks.check(_SPEC, decay=decay, min_scale=min_scale, max_scale=max_scale,
-                block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype)
+  _checks.check(_SPEC, **locals())
+
+  def make(count, energy, unblocked, dtype):
+    return EqualizeState(count, energy.astype(dtype),
+                         jnp.asarray(min_scale, dtype),
+                         jnp.asarray(max_scale, dtype), unblocked)
 
   def init_fn(params):
     _checks.check_float_leaves('equalize', params)
     layout = block_layout(params, block_fn=block_fn, stacked=stacked)
     dtype = stats_dtype_for(params, stats_dtype)
-    return EqualizeState(
-        count=jnp.zeros([], jnp.int32),
-        energy=jnp.zeros((len(layout.names),), dtype),
-        min_scale=jnp.asarray(min_scale, dtype),
-        max_scale=jnp.asarray(max_scale, dtype),
-        unblocked=jnp.zeros([], dtype),
-    )
+    return make(jnp.zeros([], jnp.int32),
+                jnp.zeros((len(layout.names),), dtype), jnp.zeros([], dtype),
+                dtype)
 
   def update_fn(updates, state, params=None):
     # test_complex_gradients_are_refused: the imaginary part would be lost.
@@ -377,24 +355,15 @@ def equalize(
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
-    param_leaves = ([None] * len(leaves) if params is None
-                    else jax.tree.leaves(params))
-    out_dtypes = [_checks.output_dtype(g, p)
-                  for g, p in zip(leaves, param_leaves)]
+    out_dtypes = [_checks.output_dtype(g, p) for g, p in zip(leaves, (
+        [None] * len(leaves) if params is None else jax.tree.leaves(params)))]
     dtype = state.energy.dtype
     scales = _group_scales(layout, state.energy, state.count, min_scale,
                            max_scale)
-    energy, unblocked = new_energies(
-        layout, leaves, state.energy, decay,
-        unscaled=[scale is None for scale in scales])
+    energy, unblocked = new_energies(layout, leaves, state.energy, decay,
+                                     unscaled=[s is None for s in scales])
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes, dtype)
-    new_state = EqualizeState(
-        count=optax.safe_increment(state.count),
-        energy=energy.astype(dtype),
-        min_scale=jnp.asarray(min_scale, dtype),
-        max_scale=jnp.asarray(max_scale, dtype),
-        unblocked=unblocked,
-    )
-    return jax.tree.unflatten(treedef, scaled), new_state
+    return jax.tree.unflatten(treedef, scaled), make(
+        optax.safe_increment(state.count), energy, unblocked, dtype)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -109,9 +109,7 @@ def equalize_stats(
     b 200.0 0.707
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eqs. (5) and (6).
+    Layerwise Conditioned Backpropagation, eqs. (5) and (6).
   """
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.

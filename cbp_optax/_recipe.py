@@ -88,8 +88,7 @@ def recommended(
     >>> evaluated = cbp.nnx.eval_model(model, optimizer)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation,
     §4.2, eqs. (8)-(10), and §4.4, eqs. (11)-(12).
   """
   _checks.check(_SPEC, learning_rate=learning_rate, warmup_steps=warmup_steps,

@@ -5,9 +5,7 @@ By default a block is one layer: the leaves that share a parent path.
 leaves with a leading layer-stack axis, each slice of which is a block.
 
 References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.1, eq. (7).
+  Layerwise Conditioned Backpropagation, §4.1, eq. (7).
 """
 
 from __future__ import annotations
@@ -24,15 +22,8 @@ from cbp_optax._paths import key_name  # noqa: F401  (cbp_optax.linen uses it)
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
 
-__all__ = [
-    'BlockLayout',
-    'block_layout',
-    'block_names',
-    'kernel_blocks',
-    'layer_blocks',
-    'leaf_blocks',
-    'no_blocks',
-]
+__all__ = ['BlockLayout', 'block_layout', 'block_names', 'kernel_blocks',
+           'layer_blocks', 'leaf_blocks', 'no_blocks']
 
 KeyPath = tuple[Any, ...]
 BlockFn = Callable[[KeyPath, Any], Hashable]
@@ -78,22 +69,17 @@ class BlockLayout(NamedTuple):
 def strip_variable_suffix(path: KeyPath) -> KeyPath:
   # nnx.Optimizer inits on Variables (paths end in `.value`) and updates
   # with arrays: both get the same block keys.
-  if (
-      path
-      and isinstance(path[-1], jax.tree_util.GetAttrKey)
-      and path[-1].name == 'value'
-  ):
+  if (path and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name == 'value'):
     return path[:-1]
   return path
 
 
 def _block_name(block_key: Hashable) -> str:
-  if isinstance(block_key, tuple) and all(
-      isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
-                     jax.tree_util.SequenceKey,
-                     jax.tree_util.FlattenedIndexKey))
-      for k in block_key
-  ):
+  tu = jax.tree_util
+  if isinstance(block_key, tuple) and all(isinstance(k, (
+      tu.DictKey, tu.GetAttrKey, tu.SequenceKey, tu.FlattenedIndexKey))
+                                          for k in block_key):
     return path_str(block_key)
   return str(block_key)
 
@@ -175,9 +161,8 @@ def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
     >>> cbp.block_names(params, block_fn=cbp.kernel_blocks)
     ('dense',)
   """
-  if path_names(path[-1:]) == ('kernel',):
-    return default_block_key(path, leaf)
-  return None
+  return (default_block_key(path, leaf)
+          if path_names(path[-1:]) == ('kernel',) else None)
 
 
 def _hashable_key(key: Any, path: KeyPath) -> Hashable:
@@ -194,12 +179,8 @@ def _hashable_key(key: Any, path: KeyPath) -> Hashable:
   return key
 
 
-def block_layout(
-    tree: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> BlockLayout:
+def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
+                 stacked: Optional[StackedFn] = None) -> BlockLayout:
   """Assigns the leaves of ``tree`` to M1 blocks.
 
   Args:
@@ -228,9 +209,7 @@ def block_layout(
     ((0, 1), (2, 3))
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (7).
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   _checks.check_function('block_fn', block_fn, optional=True)
   _checks.check_function('stacked', stacked, optional=True)
@@ -247,8 +226,7 @@ def block_layout(
       continue
     stack = None
     if stacked is not None and stacked(path, leaf):
-      shape = jnp.shape(leaf)
-      if not shape:
+      if not (shape := jnp.shape(leaf)):
         raise ValueError(f'Leaf {jax.tree_util.keystr(path)} is declared '
                          'stacked but is a scalar.')
       stack = shape[0]
@@ -269,24 +247,14 @@ def block_layout(
   for key, stack in zip(group_index, stacks):
     starts.append(len(names))
     name = _block_name(key)
-    if stack is None:
-      names.append(name)
-    else:
-      names.extend(f'{name}[{i}]' for i in range(stack))
-  return BlockLayout(
-      names=tuple(names),
-      groups=tuple(tuple(g) for g in groups),
-      group_starts=tuple(starts),
-      group_stacks=tuple(stacks),
-  )
+    names.extend([name] if stack is None else
+                 [f'{name}[{i}]' for i in range(stack)])
+  return BlockLayout(tuple(names), tuple(tuple(g) for g in groups),
+                     tuple(starts), tuple(stacks))
 
 
-def block_names(
-    params: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> tuple[str, ...]:
+def block_names(params: Any, *, block_fn: Optional[BlockFn] = None,
+                stacked: Optional[StackedFn] = None) -> tuple[str, ...]:
   """Names of the M1 blocks of ``params``, in the order of
   :class:`cbp_optax.EqualizeState` ``.energy`` (the :math:`q_l` of eq. 5).
 
@@ -309,19 +277,14 @@ def block_names(
     (2,)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (7).
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   return block_layout(params, block_fn=block_fn, stacked=stacked).names
 
 
-def stack_root(
-    param_shapes: dict[tuple[str, ...], tuple[int, ...]],
-    layer_path: tuple[str, ...],
-    stack_size: int,
-    unstacked: Collection[tuple[str, ...]] = (),
-) -> tuple[str, ...]:
+def stack_root(param_shapes: dict[tuple[str, ...], tuple[int, ...]],
+               layer_path: tuple[str, ...], stack_size: int,
+               unstacked: Collection[tuple[str, ...]] = ()) -> tuple[str, ...]:
   """The highest module above a stacked layer that is all one layer stack.
 
   Walks up from ``layer_path`` while every parameter under the module has a
@@ -340,18 +303,15 @@ def stack_root(
   return root
 
 
-def check_stack_paths(
-    param_shapes: dict[tuple[str, ...], tuple[int, ...]],
-    stack_paths: Collection[str],
-) -> set[tuple[str, ...]]:
+def check_stack_paths(param_shapes: dict[tuple[str, ...], tuple[int, ...]],
+                      stack_paths: Collection[str]) -> set[tuple[str, ...]]:
   """``stack_paths`` (``'decoder/blocks'``) as key tuples, each naming a
   module with parameters."""
   roots = set()
   for stack_path in stack_paths:
     if not isinstance(stack_path, str) or not stack_path:
-      raise TypeError(
-          'stack paths must be module paths like \'decoder/blocks\', got '
-          f'{stack_path!r}.')
+      raise TypeError("stack paths must be module paths like 'decoder/blocks',"
+                      f' got {stack_path!r}.')
     root = tuple(stack_path.split('/'))
     if not any(p[:len(root)] == root for p in param_shapes):
       names = sorted('/'.join(p[:-1] if p[-1:] == ('value',) else p)
