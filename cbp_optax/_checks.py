@@ -1,11 +1,8 @@
-"""Construction-time validation, declared once per factory.
+"""Argument checks, declared once per factory in a :class:`Spec`.
 
-A factory lists what each argument accepts in a :class:`Spec` and calls
-:func:`check` with the values: concrete values are judged by value, tracers
-and arrays (``optax.inject_hyperparams``' values) by shape and dtype. A
-message reads ``"<spec name>: <argument> must ..., got ..."``, with at most
-one sentence of remedy. The checks of the trees an ``update`` receives are
-at the end.
+Concrete values are judged by value, tracers and arrays (from
+``optax.inject_hyperparams``) by shape and dtype; messages read ``"<spec
+name>: <argument> must ..., got ..."``. The checks of an update's trees end it.
 """
 
 from __future__ import annotations
@@ -29,10 +26,9 @@ def concrete_float(value: Any) -> Optional[float]:
     array = np.asarray(value)
   except Exception:  # pylint: disable=broad-except
     return None
-  if array.shape != () or not (np.issubdtype(array.dtype, np.integer)
-                               or np.issubdtype(array.dtype, np.floating)):
-    return None
-  return float(array)
+  return (float(array) if array.shape == () and (
+      np.issubdtype(array.dtype, np.integer)
+      or np.issubdtype(array.dtype, np.floating)) else None)
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
@@ -143,12 +139,9 @@ class Interval(Constraint):
     else:
       raise spec.error(TypeError, f'{name} must be a real number, got '
                        f'{type(value).__name__} {short_repr(value)}.')
-    if number is None:
-      return
-    left = self.closed in ('left', 'both')
-    right = self.closed in ('right', 'both')
+    left, right = (self.closed in (end, 'both') for end in ('left', 'right'))
     low, high = float(self.low), float(self.high)
-    if not ((number >= low if left else number > low)
+    if number is not None and not ((number >= low if left else number > low)
             and (number <= high if right else number < high)):
       interval = f'{"[" if left else "("}{low}, {high}{"]" if right else ")"}'
       raise spec.error(ValueError,
@@ -158,11 +151,9 @@ class Interval(Constraint):
 def _schedule_remedy(spec: Spec, name: str) -> str:
   scheduled = [n for n, c in spec.constraints.items()
                if getattr(c, 'schedule', False)]
-  if not scheduled:
-    which = f'{spec.name or "It"} takes no schedule directly'
-  else:
-    which = (f'Only {" and ".join(scheduled)} '
-             f'{"takes" if len(scheduled) == 1 else "take"} a schedule directly')
+  which = (f'Only {" and ".join(scheduled)} '
+           f'{"takes" if len(scheduled) == 1 else "take"} a schedule directly'
+           if scheduled else f'{spec.name or "It"} takes no schedule directly')
   return (f'{which}; schedule {name} with optax.inject_hyperparams('
           f'{spec.name or "factory"})({spec.example(f"{name}=schedule")}).')
 
@@ -179,11 +170,10 @@ class Choice(Constraint):
   options: tuple[str, ...]
 
   def judge(self, spec: Spec, name: str, value: Any) -> None:
-    if isinstance(value, str) and value in self.options:
-      return
-    got = repr(value) if isinstance(value, str) else describe(value)
-    raise spec.error(ValueError if isinstance(value, str) else TypeError,
-                     f'{name} must be one of {self.options!r}, got {got}.')
+    if not (is_str := isinstance(value, str)) or value not in self.options:
+      raise spec.error(ValueError if is_str else TypeError,
+                       f'{name} must be one of {self.options!r}, got '
+                       f'{repr(value) if is_str else describe(value)}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,14 +354,12 @@ def check_params_match(name: str, updates: Any, params: Any) -> None:
   expected = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
   if got == expected:
     return
-  if len(got) != len(expected):
-    detail = f'{len(got)} gradient leaves, {len(expected)} parameters'
-  else:
-    lines = [f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
-             f'parameter {e}'
-             for (path, _), g, e in zip(paths_and_leaves, got, expected)
-             if g != e]
-    detail = '; '.join(lines[:5]) + ('; ...' if len(lines) > 5 else '')
+  lines = [f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
+           f'parameter {e}' for (path, _), g, e in
+           zip(paths_and_leaves, got, expected) if g != e]
+  detail = (f'{len(got)} gradient leaves, {len(expected)} parameters'
+            if len(got) != len(expected) else
+            '; '.join(lines[:5]) + ('; ...' if len(lines) > 5 else ''))
   raise ValueError(f'{name}: the gradients do not match the parameters '
                    f'passed to update ({detail}).')
 
@@ -402,8 +390,7 @@ def output_dtype(grad: Any, param: Any = None) -> jnp.dtype:
   dtype = jnp.result_type(grad)
   if jnp.issubdtype(dtype, jnp.floating):
     return dtype
-  if param is not None:
-    param_dtype = jnp.result_type(param)
-    if jnp.issubdtype(param_dtype, jnp.floating):
-      return param_dtype
+  if param is not None and jnp.issubdtype(
+      param_dtype := jnp.result_type(param), jnp.floating):
+    return param_dtype
   return jnp.promote_types(dtype, jnp.float32)

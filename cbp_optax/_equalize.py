@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -59,12 +60,9 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
   """Float32 statistics, or float64 when any leaf is float64."""
   if stats_dtype is not None:
     return jnp.dtype(stats_dtype)
-  dtype = jnp.dtype(jnp.float32)
-  for leaf in jax.tree.leaves(tree):
-    leaf_dtype = jnp.result_type(leaf)
-    if jnp.issubdtype(leaf_dtype, jnp.floating):
-      dtype = jnp.promote_types(dtype, leaf_dtype)
-  return dtype
+  return functools.reduce(jnp.promote_types, [
+      d for d in map(jnp.result_type, jax.tree.leaves(tree))
+      if jnp.issubdtype(d, jnp.floating)], jnp.dtype(jnp.float32))
 
 
 def block_scales(energy: chex.Array, count: chex.Array, min_scale: chex.Numeric,
