@@ -72,20 +72,14 @@ def _finish(m3, *, decay, min_scale, max_scale, block_fn, stacked,
 
 
 def cbp(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-3,
-    decay: float = 0.99,
-    min_scale: float = 0.1,
-    max_scale: float = 4.0,
+    learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9,
+    b2: float = 0.999, damping: float = 1e-3, decay: float = 0.99,
+    min_scale: float = 0.1, max_scale: float = 4.0,
     weight_decay: Optional[optax.ScalarOrSchedule] = None,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'damped',
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
     update_clip: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
@@ -215,23 +209,15 @@ __test__ = {'cbp_robust': cbp_robust.__doc__}
 
 
 def cbp_kron(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-8,
-    decay: float = 0.99,
-    min_scale: float = 1.0,
-    max_scale: float = 1.0,
-    every: int = 10,
-    max_dim: int = 4096,
-    dimension_numbers: Optional[Any] = None,
+    learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9,
+    b2: float = 0.999, damping: float = 1e-8, decay: float = 0.99,
+    min_scale: float = 1.0, max_scale: float = 1.0, every: int = 10,
+    max_dim: int = 4096, dimension_numbers: Optional[Any] = None,
     weight_decay: Optional[optax.ScalarOrSchedule] = None,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'normalized',
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'normalized',
     update_clip: Optional[float] = 3.0,
 ) -> optax.GradientTransformationExtraArgs:
   r""":func:`cbp_robust` with the Kronecker-factored M3 (§8.2).

@@ -48,18 +48,11 @@ def describe(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """One factory's arguments, as its checks need them.
-
-  Attributes:
-    name: how messages name the factory (its public name), or ''.
-    constraints: what each checked argument accepts, in checking order.
-    leading: the positional arguments of an example call.
-    relations: conditions across arguments, checked last.
-  """
-  name: str
-  constraints: Mapping[str, Any]
-  leading: tuple[str, ...] = ()
-  relations: tuple[Relation, ...] = ()
+  """One factory's arguments, as its checks need them."""
+  name: str  # the factory's public name in messages, or ''
+  constraints: Mapping[str, Any]  # argument -> Constraint, in checking order
+  leading: tuple[str, ...] = ()  # the positional arguments of an example call
+  relations: tuple[Relation, ...] = ()  # conditions across arguments, last
 
   def example(self, *arguments: str) -> str:
     """The argument list of an example call: ``learning_rate, b1=..., ...``."""
@@ -100,18 +93,13 @@ class Constraint:
 
 @dataclasses.dataclass(frozen=True)
 class Interval(Constraint):
-  """A real number (or a tracer of one) between ``low`` and ``high``.
-
-  ``closed``: which ends belong ('left', 'right', 'both', 'neither');
-  ``schedule``: a callable is accepted; ``optional``: None is accepted;
-  ``no_schedule``: the remedy for a schedule ``inject_hyperparams`` can't fix.
-  """
+  """A real number (or a tracer of one) between ``low`` and ``high``."""
   low: float = -math.inf
   high: float = math.inf
-  closed: str = 'left'
-  schedule: bool = False
-  optional: bool = False
-  no_schedule: str = ''
+  closed: str = 'left'  # the ends that belong: left, right, both, neither
+  schedule: bool = False  # a callable is accepted
+  optional: bool = False  # None is accepted
+  no_schedule: str = ''  # the fix for a schedule inject_hyperparams can't fix
 
   def judge(self, spec: Spec, name: str, value: Any) -> None:
     if value is None and self.optional:

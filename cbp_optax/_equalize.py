@@ -196,9 +196,8 @@ def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
     if (not isinstance(own, (numbers.Real, np.generic))
         or isinstance(recorded, jax.core.Tracer)):
       continue
-    value = float(own)
     # NumPy: inside a trace a jnp operation would stage the concrete value.
-    recorded = np.asarray(recorded)
+    recorded, value = np.asarray(recorded), float(own)
     if float(recorded) != float(np.asarray(value, recorded.dtype)):
       raise RecordedBoundsError(
           f'equalize: the optimizer state records {name}='
@@ -232,8 +231,8 @@ def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
       return node._replace(min_scale=bounds.min_scale,
                            max_scale=bounds.max_scale)
 
-    state = jax.tree.map(concrete, state, is_leaf=is_state)
-    return tx.update(params, state, params)
+    return tx.update(params, jax.tree.map(concrete, state, is_leaf=is_state),
+                     params)
 
   try:
     jax.eval_shape(run, opt_state, params)
@@ -253,12 +252,8 @@ _SPEC = _checks.Spec('cbp.equalize', dict(
 
 
 def equalize(
-    decay: float = 0.99,
-    min_scale: float = 0.1,
-    max_scale: float = 4.0,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
+    decay: float = 0.99, min_scale: float = 0.1, max_scale: float = 4.0, *,
+    block_fn: Optional[BlockFn] = None, stacked: Optional[StackedFn] = None,
     stats_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   r"""Layerwise gradient-norm equalization, M1 of Conditioned Backpropagation.

@@ -59,9 +59,9 @@ def _injected_bounds(opt_state: Any, state: EqualizeState) -> dict[str, Any]:
   return {}
 
 
-def equalize_stats(opt_state: Any, params: Any, *,
-                   block_fn: Optional[BlockFn] = None,
-                   stacked: Optional[StackedFn] = None) -> dict[str, BlockStats]:
+def equalize_stats(
+    opt_state: Any, params: Any, *, block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None) -> dict[str, BlockStats]:
   """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
 
   The scales are eq. (6)'s from the stored energies and the clip bounds the

@@ -59,21 +59,6 @@ def zeros_like_tree(tree: Any, stats_dtype: Optional[Any]) -> Any:
       leaf, dtype=moment_dtype(leaf, stats_dtype)), tree)
 
 
-def check_matches_state(updates: Any, state: PreconditionState) -> None:
-  updates_def, state_def = map(jax.tree.structure, (updates, state.mu))
-  if updates_def != state_def:
-    raise ValueError('precondition: ' + (
-        centered_after_init(updates, state.mu) or 'the gradient tree does '
-        'not match the state the transform was initialized with.\n  '
-        f'gradients: {updates_def}\n  state:     {state_def}'))
-  for (path, g), m in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
-                          jax.tree.leaves(state.mu)):
-    if jnp.shape(g) != jnp.shape(m):
-      raise ValueError(
-          f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
-          f'{jnp.shape(g)} but its state has shape {jnp.shape(m)}.')
-
-
 # What P is where the stored second moment is zero.
 ZERO_MOMENT_RULES = ('damped', 'identity', 'normalized')
 ARGUMENTS = dict(b1=_checks.decay(), b2=_checks.decay(),
@@ -110,7 +95,18 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
   # test_complex_gradients_are_refused: the imaginary part would be lost.
   _checks.check_real_gradients(name, updates)
   # test_mismatched_tree_is_refused_clearly: moments of other leaves.
-  check_matches_state(updates, state)
+  updates_def, state_def = map(jax.tree.structure, (updates, state.mu))
+  if updates_def != state_def:
+    raise ValueError('precondition: ' + (
+        centered_after_init(updates, state.mu) or 'the gradient tree does '
+        'not match the state the transform was initialized with.\n  '
+        f'gradients: {updates_def}\n  state:     {state_def}'))
+  for (path, g), m in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                          jax.tree.leaves(state.mu)):
+    if jnp.shape(g) != jnp.shape(m):
+      raise ValueError(
+          f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
+          f'{jnp.shape(g)} but its state has shape {jnp.shape(m)}.')
   # test_params_that_do_not_match_the_gradients_are_refused.
   _checks.check_params_match(name, updates, params)
   count_inc = optax.safe_increment(state.count)
@@ -155,12 +151,8 @@ def leaf_update(rules: Rules, terms: tuple[Any, ...], g, m, v, p):
 
 
 def precondition(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-3,
-    *,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'damped',
+    b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
 ) -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 

@@ -126,22 +126,6 @@ def _matrix(shape: tuple[int, ...], spec: Optional[MuonDimensionNumbers],
   return _Matrix(perm, (size(batch), m, n), tuple(shape[a] for a in perm))
 
 
-def _specs(dimension_numbers: DimensionNumbers, params: Any) -> list:
-  """One spec (or None) per leaf of ``params``."""
-  found = (dimension_numbers(params) if callable(dimension_numbers)
-           else dimension_numbers)
-  leaves = jax.tree.leaves(params)
-  specs = jax.tree.leaves(
-      found, is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
-  # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
-  if len(specs) != len(leaves):
-    raise ValueError(
-        'precondition_kron: dimension_numbers must give one '
-        f'MuonDimensionNumbers or None per leaf; got {len(specs)} for '
-        f'{len(leaves)} leaves.')
-  return specs
-
-
 def _rotate(q_left, x, q_right):
   return jnp.einsum('bim,bin,bnk->bmk', q_left, x, q_right)
 
@@ -217,16 +201,10 @@ _SPEC = _checks.Spec('cbp.precondition_kron',
 
 
 def precondition_kron(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-3,
-    *,
-    factor_decay: Optional[float] = None,
-    every: int = 10,
-    max_dim: int = 4096,
+    b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
+    factor_decay: Optional[float] = None, every: int = 10, max_dim: int = 4096,
     dimension_numbers: Optional[DimensionNumbers] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'damped',
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
 ) -> optax.GradientTransformation:
   r"""M3 run in the eigenbasis of each matrix's Kronecker factors (§8.2).
 
@@ -289,12 +267,21 @@ def precondition_kron(
 
   def views(params):
     """Per leaf, its key in ``factors`` and its matrix view (or None)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = jax.tree.leaves(
+        numbers(params) if callable(numbers) else numbers,
+        is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+    # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
+    if len(specs) != len(leaves):
+      raise ValueError(
+          'precondition_kron: dimension_numbers must give one '
+          f'MuonDimensionNumbers or None per leaf; got {len(specs)} for '
+          f'{len(leaves)} leaves.')
     # A key: the path joined by slashes, an NNX Variable's ``value`` left
     # out (init and update see the same keys).
     found = [('/'.join(n for n in path_names(path) if n != 'value'),
-              _matrix(jnp.shape(leaf), s, max_dim)) for (path, leaf), s in zip(
-                  jax.tree_util.tree_flatten_with_path(params)[0],
-                  _specs(numbers, params))]
+              _matrix(jnp.shape(leaf), s, max_dim))
+             for (path, leaf), s in zip(leaves, specs)]
     keys = [k for k, view in found if view is not None]
     # test_matrices_whose_joined_paths_collide_are_refused: one factor.
     if len(set(keys)) != len(keys):

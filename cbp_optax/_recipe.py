@@ -24,13 +24,10 @@ _SPEC = _checks.Spec('cbp.recommended', dict(
 
 
 def recommended(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    warmup_steps: Optional[int] = None,
-    b1: float = 0.9,
-    weight_decay: Optional[float] = 0.01,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    state_dtype: Any = None,
+    learning_rate: optax.ScalarOrSchedule, *,
+    warmup_steps: Optional[int] = None, b1: float = 0.9,
+    weight_decay: Optional[float] = 0.01, mask: Optional[Union[Any,
+    Callable[[optax.Params], Any]]] = None, state_dtype: Any = None,
 ) -> optax.GradientTransformation:
   r"""The recommended recipe's optimizer: schedule-free CBP M3.
 
