@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import chex
@@ -46,9 +47,8 @@ def _rescued_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
     xs = [jnp.asarray(leaves[i]).astype(dtype) for i in members]
     axes = lambda x: tuple(range(1, x.ndim)) if stack is not None else None
     shape = lambda x: (-1,) + (1,) * (x.ndim - 1) if stack is not None else ()
-    peak = xs[0].dtype.type(0)
-    for x in xs:
-      peak = jnp.maximum(peak, jnp.max(jnp.abs(x), axis=axes(x)))
+    peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=axes(x))
+                                          for x in xs], xs[0].dtype.type(0))
     safe = jnp.where(peak > 0, peak, jnp.ones_like(peak))
     total = sum(jnp.sum(jnp.square(x / jnp.reshape(safe, shape(x))),
                         axis=axes(x)) for x in xs)

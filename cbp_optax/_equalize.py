@@ -139,10 +139,7 @@ def _split(vector: chex.Array, starts: Sequence[int],
     by_stack.setdefault(stack, []).append(i)
   minus_zero = jnp.asarray(-0.0, vector.dtype)
   pairs = jnp.stack([vector, jnp.full_like(vector, minus_zero)], axis=1)
-
-  def add(xs, ys):
-    return tuple(x + y for x, y in zip(xs, ys))
-
+  add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))
   for stack, members in by_stack.items():
     width = 1 if stack is None else stack
     for first in range(0, len(members), _SPLIT_CHUNK):
@@ -172,11 +169,9 @@ def _scale_leaves(layout: BlockLayout, leaves: Sequence[chex.Array],
       if scale is None:  # s = 1 at every step: x * 1 is x
         scaled[i] = leaf.astype(stats_dtype).astype(out_dtypes[i])
         continue
-      leaf_scale = scale
-      if stack is not None:
-        leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
-      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(
-          out_dtypes[i])
+      leaf_scale = (scale if stack is None else
+                    jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1)))
+      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(out_dtypes[i])
   # Leaves in no block (key None, or empty) pass through with s = 1.
   return [leaf.astype(dtype) if out is None else out
           for leaf, dtype, out in zip(leaves, out_dtypes, scaled)]

@@ -228,10 +228,9 @@ def _refusal(owner: Optional[tuple[type, Any]], label: str,
           'StateType) declares statistics only.')
 
 
-def transport_state(
-    state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state',
-    kind: TreeKind = PLAIN, params: Any = None,
-) -> Any:
+def transport_state(state: Any, moves: Sequence[LayerMove], *,
+                    what: str = 'opt_state', kind: TreeKind = PLAIN,
+                    params: Any = None) -> Any:
   """``state`` with every parameter copy transported (see the module doc);
   with ``LayerMove.shift`` None it only classifies. Raises
   UnclassifiedStateError for an unclassified parameter-shaped tree, a refused

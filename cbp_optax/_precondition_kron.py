@@ -208,12 +208,10 @@ def precondition_kron(
 ) -> optax.GradientTransformation:
   r"""M3 run in the eigenbasis of each matrix's Kronecker factors (§8.2).
 
-  For each matrix-shaped leaf, the direction is :math:`Q_L (P_t \odot Q_L^T
-  \hat m_t Q_R) Q_R^T`, with :math:`P_t` eq. (11)'s kept in the rotated
-  coordinates, :math:`\hat m_t` eq. (12)'s, and :math:`Q_L, Q_R` the
-  eigenvectors of the EMAs of :math:`G G^T` and :math:`G^T G`. Every other
-  leaf is :func:`cbp_optax.precondition`'s. The operator is positive
-  definite with M3's bounds (Lemma 1).
+  A matrix leaf's direction is :math:`Q_L (P_t \odot Q_L^T \hat m_t Q_R)
+  Q_R^T` (eqs. 11-12 in the rotated coordinates; :math:`Q_L, Q_R` the
+  eigenvectors of the EMAs of :math:`G G^T` and :math:`G^T G`), with M3's
+  bounds (Lemma 1); every other leaf's is :func:`cbp_optax.precondition`'s.
 
   Args:
     b1: momentum decay :math:`\beta_1` in [0, 1).

@@ -42,13 +42,11 @@ def resolve_stack_axes(
   placements = stack_axes_placements(shape, unstacked_shape)
   if preferred is not None and tuple(preferred) in placements:
     return tuple(preferred)
-  if not placements:
-    if not_found is not None:
-      raise ValueError(not_found())
-    return None
+  if not placements and not_found is not None:
+    raise ValueError(not_found())
   if len(placements) > 1 and ambiguous is not None:
     raise ValueError(ambiguous(placements))
-  return placements[0]
+  return placements[0] if placements else None
 
 
 AMBIGUOUS_STACK_REMEDY = (

@@ -70,10 +70,8 @@ def _raw_equalize_state(opt_state: Any) -> Optional[_equalize.EqualizeState]:
   """The :class:`EqualizeState` of a transform whose first step is M1 on the
   raw gradients: ``opt_state`` itself, or the first entry of an optax chain's
   state (recursively); else None."""
-  while isinstance(opt_state, tuple) and not isinstance(
-      opt_state, _equalize.EqualizeState) and not hasattr(opt_state, '_fields'):
-    if not opt_state:
-      return None
+  while (isinstance(opt_state, tuple) and opt_state
+         and not hasattr(opt_state, '_fields')):  # a chain's state
     opt_state = opt_state[0]
   return opt_state if isinstance(opt_state, _equalize.EqualizeState) else None
 

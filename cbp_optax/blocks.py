@@ -338,11 +338,8 @@ class stacked_predicate:  # pylint: disable=invalid-name
     names = path_names(strip_variable_suffix(path))
     return any(names[:len(root)] == root for root in self.roots)
 
-  def __eq__(self, other):
-    return isinstance(other, stacked_predicate) and self.roots == other.roots
-
-  def __hash__(self):
-    return hash(self.roots)
-
-  def __repr__(self):
-    return f'stacked_predicate({sorted("/".join(r) for r in self.roots)})'
+  __eq__ = lambda self, other: (isinstance(other, stacked_predicate)
+                                and self.roots == other.roots)
+  __hash__ = lambda self: hash(self.roots)
+  __repr__ = lambda self: (
+      f'stacked_predicate({sorted("/".join(r) for r in self.roots)})')
