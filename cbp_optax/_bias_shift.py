@@ -1,6 +1,5 @@
 """The bias transport's arithmetic, ``b~ += W (mu_new - mu_old)`` (eq. 10)
-(re-exported by :mod:`cbp_optax.centering`).
-"""
+(re-exported by :mod:`cbp_optax.centering`)."""
 
 from __future__ import annotations
 

@@ -90,6 +90,12 @@ class Constraint:
     del value
     return False
 
+  def refuse(self, spec: Spec, name: str, value: Any, kind: type,
+             message: str) -> None:
+    if self.arrived_as_value(value):
+      message += ' ' + static_args_remedy(spec, (name,))
+    raise spec.error(kind, message)
+
 
 @dataclasses.dataclass(frozen=True)
 class Interval(Constraint):
@@ -172,11 +178,8 @@ class Function(Constraint):
   def judge(self, spec: Spec, name: str, value: Any) -> None:
     if callable(value) or (self.optional and value is None):
       return
-    message = (f'{name} must be a function{" or None" if self.optional else ""}'
-               f', got {describe(value)}.')
-    if self.arrived_as_value(value):
-      message += ' ' + static_args_remedy(spec, (name,))
-    raise spec.error(TypeError, message)
+    self.refuse(spec, name, value, TypeError, f'{name} must be a function'
+                f'{" or None" if self.optional else ""}, got {describe(value)}.')
 
   def arrived_as_value(self, value: Any) -> bool:
     return not callable(value) and (
@@ -198,11 +201,9 @@ class Count(Constraint):
               and not isinstance(value, (bool, np.bool_)))
     if is_int and value >= self.minimum:
       return
-    message = (f'{name} must be an int >= {self.minimum}'
-               f'{" or None" if self.optional else ""}, got {value!r}.')
-    if self.arrived_as_value(value):
-      message += ' ' + static_args_remedy(spec, (name,))
-    raise spec.error(ValueError if is_int else TypeError, message)
+    self.refuse(spec, name, value, ValueError if is_int else TypeError,
+                f'{name} must be an int >= {self.minimum}'
+                f'{" or None" if self.optional else ""}, got {value!r}.')
 
   def arrived_as_value(self, value: Any) -> bool:
     return not self.traced and is_array(value)

@@ -1,6 +1,5 @@
-"""Layer stacks: where a stacked layer's stack axes are, and Muon's
-dimension numbers of its kernel (re-exported by :mod:`cbp_optax.centering`).
-"""
+"""Layer stacks: where a stacked layer's stack axes are, and Muon's dimension
+numbers of its kernel (re-exported by :mod:`cbp_optax.centering`)."""
 
 from __future__ import annotations
 

@@ -230,11 +230,9 @@ def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
         raise ValueError(f'Leaf {jax.tree_util.keystr(path)} is declared '
                          'stacked but is a scalar.')
       stack = shape[0]
-    if key not in group_index:
-      group_index[key] = len(groups)
+    if (group := group_index.setdefault(key, len(groups))) == len(groups):
       groups.append([])
       stacks.append(stack)
-    group = group_index[key]
     if stacks[group] != stack:
       raise ValueError(
           f'Block {_block_name(key)!r} mixes leaves with different layer '
