@@ -117,8 +117,8 @@ class Interval(Constraint):
                        f'{short_repr(value)}. '
                        + (self.no_schedule or _schedule_remedy(spec, name)))
     if isinstance(value, (bool, np.bool_)):
-      raise spec.error(TypeError, f'{name} must be a number, got the bool '
-                       f'{value!r}.')
+      raise spec.error(TypeError,
+                       f'{name} must be a number, got the bool {value!r}.')
     if isinstance(value, numbers.Real):
       number = float(value)
     elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
@@ -179,7 +179,8 @@ class Function(Constraint):
     if callable(value) or (self.optional and value is None):
       return
     self.refuse(spec, name, value, TypeError, f'{name} must be a function'
-                f'{" or None" if self.optional else ""}, got {describe(value)}.')
+                f'{" or None" if self.optional else ""}, got '
+                f'{describe(value)}.')
 
   def arrived_as_value(self, value: Any) -> bool:
     return not callable(value) and (

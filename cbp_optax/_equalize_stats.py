@@ -62,7 +62,8 @@ def _injected_bounds(opt_state: Any, state: EqualizeState) -> dict[str, Any]:
 def equalize_stats(
     opt_state: Any, params: Any, *, block_fn: Optional[BlockFn] = None,
     stacked: Optional[StackedFn] = None) -> dict[str, BlockStats]:
-  """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
+  """Each block's energy ``q_l`` (eq. 5) and the scale ``s_l`` (eq. 6) the
+  next step applies.
 
   The scales are eq. (6)'s from the stored energies and the clip bounds the
   state records (the latest update's); under ``optax.inject_hyperparams`` an
@@ -95,9 +96,6 @@ def equalize_stats(
     ...   print(name, round(float(block.energy), 3), round(float(block.scale), 3))
     a 0.03 4.0
     b 200.0 0.707
-
-  References:
-    Layerwise Conditioned Backpropagation, eqs. (5) and (6).
   """
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.

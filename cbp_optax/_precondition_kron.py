@@ -17,8 +17,6 @@ updated after the direction, so the basis of step ``t`` sees gradients up
 to ``t - 1`` only (Theorem 3). Every other leaf keeps the diagonal M3.
 
 References:
-  Layerwise Conditioned Backpropagation,
-  §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1, §8.2.
   Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, ICLR 2025.
 """
 

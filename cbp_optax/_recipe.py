@@ -31,10 +31,10 @@ def recommended(
 ) -> optax.GradientTransformation:
   r"""The recommended recipe's optimizer: schedule-free CBP M3.
 
-  For a model centered with M2 (eqs. 8-10: ``cbp_optax.nnx.center`` or
+  For a model centered with M2 (§4.2, eqs. 8-10: ``cbp_optax.nnx.center`` or
   ``cbp_optax.linen.center``): ``optax.contrib.schedule_free`` around
-  :func:`precondition` with :func:`cbp_robust`'s rules and no momentum,
-  the direction :math:`P_t g_t` (eqs. 11-12; ``b2=0.999``, :math:`\zeta =
+  :func:`precondition` with :func:`cbp_robust`'s rules and no momentum, the
+  direction :math:`P_t g_t` (§4.4, eqs. 11-12; ``b2=0.999``, :math:`\zeta =
   10^{-8}`, ``zero_moment='normalized'``), clipped to :math:`[-3, 3]`, with
   decoupled weight decay and a linear warm-up to a constant rate. Evaluate
   at the schedule-free point (``cbp_optax.nnx.eval_model``,
@@ -76,10 +76,6 @@ def recommended(
     >>> bool(step(model, optimizer, jnp.ones((3, 4))).skipped)
     False
     >>> evaluated = cbp.nnx.eval_model(model, optimizer)
-
-  References:
-    Layerwise Conditioned Backpropagation,
-    §4.2, eqs. (8)-(10), and §4.4, eqs. (11)-(12).
   """
   _checks.check(_SPEC, **locals())
   rate = learning_rate

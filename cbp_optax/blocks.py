@@ -1,11 +1,8 @@
-"""M1's parameter blocks: which leaves share one equalizing scale (eq. 7).
+"""M1's parameter blocks: leaves that share one equalizing scale (§4.1, eq. 7).
 
 By default a block is one layer: the leaves that share a parent path.
 ``block_fn(path, leaf)`` regroups leaves; ``stacked(path, leaf)`` marks
 leaves with a leading layer-stack axis, each slice of which is a block.
-
-References:
-  Layerwise Conditioned Backpropagation, §4.1, eq. (7).
 """
 
 from __future__ import annotations
@@ -181,7 +178,7 @@ def _hashable_key(key: Any, path: KeyPath) -> Hashable:
 
 def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
                  stacked: Optional[StackedFn] = None) -> BlockLayout:
-  """Assigns the leaves of ``tree`` to M1 blocks.
+  """Assigns the leaves of ``tree`` to M1 blocks (eq. 7).
 
   Args:
     tree: parameters or gradients (arrays, or NNX Variables).
@@ -207,9 +204,6 @@ def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
     ('Dense_0', 'layers[0]', 'layers[1]')
     >>> layout.groups  # leaf indices, in jax.tree.leaves order
     ((0, 1), (2, 3))
-
-  References:
-    Layerwise Conditioned Backpropagation, eq. (7).
   """
   _checks.check_function('block_fn', block_fn, optional=True)
   _checks.check_function('stacked', stacked, optional=True)
@@ -253,7 +247,7 @@ def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
 
 def block_names(params: Any, *, block_fn: Optional[BlockFn] = None,
                 stacked: Optional[StackedFn] = None) -> tuple[str, ...]:
-  """Names of the M1 blocks of ``params``, in the order of
+  """Names of the M1 blocks (eq. 7) of ``params``, in the order of
   :class:`cbp_optax.EqualizeState` ``.energy`` (the :math:`q_l` of eq. 5).
 
   Args:
@@ -273,9 +267,6 @@ def block_names(params: Any, *, block_fn: Optional[BlockFn] = None,
     ('Dense_0', 'Dense_1')
     >>> cbp.equalize().init(params).energy.shape
     (2,)
-
-  References:
-    Layerwise Conditioned Backpropagation, eq. (7).
   """
   return block_layout(params, block_fn=block_fn, stacked=stacked).names
 
