@@ -70,12 +70,15 @@ class LayerKey:
     self.writes, self.transported = 0, False
 
 
+def _recorded(count: Any) -> bool:  # the check's one read of the device
+  return bool(np.any(np.asarray(count) > 0))
+
+
 def _written(key: Any, count: Any) -> None:
   if key and not key.transported and 'nnx' not in _warned and _concrete(count):
     key.writes += 1
     steps, rest = divmod(key.writes, CALLS)
-    # The check's one read of the device, last.
-    if not rest and not steps & (steps - 1) and np.any(np.asarray(count) > 0):
+    if not rest and not steps & (steps - 1) and _recorded(count):
       _warn('nnx')
 
 
