@@ -96,6 +96,9 @@ def equalize_stats(
     ...   print(name, round(float(block.energy), 3), round(float(block.scale), 3))
     a 0.03 4.0
     b 200.0 0.707
+
+  References:
+    Layerwise Conditioned Backpropagation, eqs. (5) and (6).
   """
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.

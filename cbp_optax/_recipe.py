@@ -76,6 +76,9 @@ def recommended(
     >>> bool(step(model, optimizer, jnp.ones((3, 4))).skipped)
     False
     >>> evaluated = cbp.nnx.eval_model(model, optimizer)
+
+  References:
+    Layerwise Conditioned Backpropagation, §4.2 (eqs. 8-10), §4.4 (eqs. 11-12).
   """
   _checks.check(_SPEC, **locals())
   rate = learning_rate

@@ -204,6 +204,9 @@ def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
     ('Dense_0', 'layers[0]', 'layers[1]')
     >>> layout.groups  # leaf indices, in jax.tree.leaves order
     ((0, 1), (2, 3))
+
+  References:
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   _checks.check_function('block_fn', block_fn, optional=True)
   _checks.check_function('stacked', stacked, optional=True)
@@ -267,6 +270,9 @@ def block_names(params: Any, *, block_fn: Optional[BlockFn] = None,
     ('Dense_0', 'Dense_1')
     >>> cbp.equalize().init(params).energy.shape
     (2,)
+
+  References:
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   return block_layout(params, block_fn=block_fn, stacked=stacked).names
 
