@@ -57,9 +57,13 @@ _CBP = _spec('cbp.cbp')
 _CBP_KRON = _spec('cbp.cbp_kron', **precondition_kron_lib.KRON_ARGUMENTS)
 
 
-def _finish(transforms: list, update_clip, weight_decay, mask,
-            learning_rate) -> optax.GradientTransformationExtraArgs:
-  """M1 and M3's chain, then the optional clip and decay, and the rate."""
+def _finish(m3, *, decay, min_scale, max_scale, block_fn, stacked,
+            stats_dtype, update_clip, weight_decay, mask, learning_rate,
+            **_) -> optax.GradientTransformationExtraArgs:
+  """M1, ``m3``, the optional clip and decay, and the rate, as one chain."""
+  transforms = [equalize_lib.equalize(
+      decay, min_scale, max_scale, block_fn=block_fn, stacked=stacked,
+      stats_dtype=stats_dtype), m3]
   if update_clip is not None:
     transforms.append(optax.clip(update_clip))
   transforms += weight_decay_lib.decayed_weights(weight_decay, mask)
@@ -68,20 +72,14 @@ def _finish(transforms: list, update_clip, weight_decay, mask,
 
 
 def cbp(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-3,
-    decay: float = 0.99,
-    min_scale: float = 0.1,
-    max_scale: float = 4.0,
+    learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9,
+    b2: float = 0.999, damping: float = 1e-3, decay: float = 0.99,
+    min_scale: float = 0.1, max_scale: float = 4.0,
     weight_decay: Optional[optax.ScalarOrSchedule] = None,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'damped',
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
     update_clip: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
@@ -93,11 +91,10 @@ def cbp(
   reparameterization of the model (``cbp_optax.nnx.center``,
   ``cbp_optax.linen.center``), not an optimizer step.
 
-  Adam's learning rate can be far too large: a coordinate whose gradient was
-  zero so far is scaled by up to :math:`1/\zeta` the first time it is not
-  (on Rosenbrock from the origin, :math:`\eta = 0.1` sends the second
-  coordinate to about 421). Start around :math:`10^{-3}`, or see
-  :func:`precondition` for the remedies. Schedule a hyperparameter other than
+  Start around :math:`\eta = 10^{-3}`: a coordinate whose gradient was zero
+  so far is scaled by up to :math:`1/\zeta` the first time it is not (on
+  Rosenbrock from the origin, :math:`\eta = 0.1` sends the second coordinate
+  to about 421; see :func:`precondition` for the remedies). Schedule a hyperparameter other than
   ``learning_rate`` and ``weight_decay`` with ``optax.inject_hyperparams``,
   naming ``block_fn``, ``stacked`` and ``mask`` in its ``static_args``.
 
@@ -163,23 +160,12 @@ def cbp(
     dtype('float32')
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.4 (eq. 12) and Algorithm 1.
+    Layerwise Conditioned Backpropagation, §4.4 (eq. 12) and Algorithm 1.
   """
-  _checks.check(
-      _CBP, learning_rate=learning_rate, b1=b1, b2=b2, damping=damping,
-      decay=decay, min_scale=min_scale, max_scale=max_scale,
-      weight_decay=weight_decay, mask=mask, block_fn=block_fn,
-      stacked=stacked, stats_dtype=stats_dtype, zero_moment=zero_moment,
-      update_clip=update_clip)
-  transforms = [
-      equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
-                            stacked=stacked, stats_dtype=stats_dtype),
-      precondition_lib.precondition(b1, b2, damping, stats_dtype=stats_dtype,
-                                    zero_moment=zero_moment),
-  ]
-  return _finish(transforms, update_clip, weight_decay, mask, learning_rate)
+  _checks.check(_CBP, **locals())
+  return _finish(precondition_lib.precondition(
+      b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment),
+                 **locals())
 
 
 cbp_robust = functools.partial(
@@ -215,8 +201,7 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     [-0.01  0.01] [-0.01 -0.01]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation,
     eq. (11), Lemma 1, Theorem 3 and Algorithm 1.
   """
 
@@ -225,23 +210,15 @@ __test__ = {'cbp_robust': cbp_robust.__doc__}
 
 
 def cbp_kron(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-8,
-    decay: float = 0.99,
-    min_scale: float = 1.0,
-    max_scale: float = 1.0,
-    every: int = 10,
-    max_dim: int = 4096,
-    dimension_numbers: Optional[Any] = None,
+    learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9,
+    b2: float = 0.999, damping: float = 1e-8, decay: float = 0.99,
+    min_scale: float = 1.0, max_scale: float = 1.0, every: int = 10,
+    max_dim: int = 4096, dimension_numbers: Optional[Any] = None,
     weight_decay: Optional[optax.ScalarOrSchedule] = None,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     block_fn: Optional[equalize_lib.BlockFn] = None,
     stacked: Optional[equalize_lib.StackedFn] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'normalized',
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'normalized',
     update_clip: Optional[float] = 3.0,
 ) -> optax.GradientTransformationExtraArgs:
   r""":func:`cbp_robust` with the Kronecker-factored M3 (§8.2).
@@ -266,22 +243,10 @@ def cbp_kron(
     [-0.01 -0.01]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    Algorithm 1, Lemma 1 and §8.2.
+    Layerwise Conditioned Backpropagation, Algorithm 1, Lemma 1 and §8.2.
   """
-  _checks.check(
-      _CBP_KRON, learning_rate=learning_rate, b1=b1, b2=b2, damping=damping,
-      decay=decay, min_scale=min_scale, max_scale=max_scale, every=every,
-      max_dim=max_dim, weight_decay=weight_decay, mask=mask,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      zero_moment=zero_moment, update_clip=update_clip)
-  transforms = [
-      equalize_lib.equalize(decay, min_scale, max_scale, block_fn=block_fn,
-                            stacked=stacked, stats_dtype=stats_dtype),
-      precondition_kron_lib.precondition_kron(
-          b1, b2, damping, every=every, max_dim=max_dim,
-          dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
-          zero_moment=zero_moment),
-  ]
-  return _finish(transforms, update_clip, weight_decay, mask, learning_rate)
+  _checks.check(_CBP_KRON, **locals())
+  return _finish(precondition_kron_lib.precondition_kron(
+      b1, b2, damping, every=every, max_dim=max_dim,
+      dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
+      zero_moment=zero_moment), **locals())

@@ -1,6 +1,5 @@
 """The bias transport's arithmetic, ``b~ += W (mu_new - mu_old)`` (eq. 10)
-(re-exported by :mod:`cbp_optax.centering`).
-"""
+(re-exported by :mod:`cbp_optax.centering`)."""
 
 from __future__ import annotations
 
@@ -19,36 +18,26 @@ from cbp_optax._stacks import to_front
 from cbp_optax._stacks import layer_axes
 
 
-def _dense_shift(kernel: jax.Array, delta: jax.Array) -> jax.Array:
-  n = delta.ndim
-  return jnp.tensordot(
-      delta.astype(kernel.dtype), kernel,
-      axes=(tuple(range(n)), tuple(range(n))),
-      precision=lax.Precision.HIGHEST,
-  )
-
-
-def _conv_shift(kernel: jax.Array, delta: jax.Array, groups: int) -> jax.Array:
-  # A constant image `delta` gives the window-summed kernel contracted with
-  # `delta` within each feature group.
-  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
-  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
-  grouped_kernel = jnp.reshape(
-      window_sum, (in_per_group, groups, out_features // groups))
-  grouped_delta = jnp.reshape(delta.astype(kernel.dtype), (groups, in_per_group))
-  shift = jnp.einsum('gc,cgo->go', grouped_delta, grouped_kernel,
-                     precision=lax.Precision.HIGHEST)
-  return jnp.reshape(shift, (out_features,))
-
-
 def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Array:
   """``W delta``: how one (unstacked) layer's output moves when its input
   moves by ``delta``."""
-  if spec.kind == CONV:
-    if spec.transpose_kernel:  # (*window, C_out, C_in): the same window sum
-      kernel = jnp.swapaxes(kernel, -1, -2)
-    return _conv_shift(kernel, delta, spec.feature_group_count)
-  return _dense_shift(kernel, delta)
+  delta = delta.astype(kernel.dtype)
+  if spec.kind != CONV:
+    n = delta.ndim
+    return jnp.tensordot(delta, kernel, axes=(tuple(range(n)), tuple(range(n))),
+                         precision=lax.Precision.HIGHEST)
+  if spec.transpose_kernel:  # (*window, C_out, C_in): the same window sum
+    kernel = jnp.swapaxes(kernel, -1, -2)
+  # A constant image `delta` gives the window-summed kernel contracted with
+  # `delta` within each feature group.
+  groups = spec.feature_group_count
+  in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
+  window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
+  shift = jnp.einsum(
+      'gc,cgo->go', jnp.reshape(delta, (groups, in_per_group)),
+      jnp.reshape(window_sum, (in_per_group, groups, out_features // groups)),
+      precision=lax.Precision.HIGHEST)
+  return jnp.reshape(shift, (out_features,))
 
 
 def needs_bias_residual(dtype: Any) -> bool:
@@ -71,11 +60,8 @@ def _stored(x: jax.Array, wide: Any) -> jax.Array:
 def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
   """``b~ + W (mu_new - mu_old)`` for one layer (in float32 at least), and
   the new residual."""
-  if residual is None:
-    wide = jnp.promote_types(jnp.promote_types(kernel.dtype, mean.dtype),
-                             jnp.float32)
-  else:
-    wide = residual.dtype
+  wide = (residual.dtype if residual is not None else jnp.promote_types(
+      jnp.promote_types(kernel.dtype, mean.dtype), jnp.float32))
   delta = _stored(new_mean, wide) - _stored(mean, wide)
   shift = bias_shift(spec, _stored(kernel, wide), delta)
   if residual is None:
@@ -88,13 +74,8 @@ def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
 
 
 def shift_bias(
-    spec: LayerSpec,
-    kernel: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    new_mean: jax.Array,
-    *,
-    mask: Optional[jax.Array] = None,
+    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
+    new_mean: jax.Array, *, mask: Optional[jax.Array] = None,
     mean_stack_axes: Optional[tuple[int, ...]] = None,
     residual: Optional[jax.Array] = None,
 ) -> Any:

@@ -1,11 +1,8 @@
-"""Construction-time validation, declared once per factory.
+"""Argument checks, declared once per factory in a :class:`Spec`.
 
-A factory lists what each argument accepts in a :class:`Spec` and calls
-:func:`check` with the values: concrete values are judged by value, tracers
-and arrays (``optax.inject_hyperparams``' values) by shape and dtype. A
-message reads ``"<spec name>: <argument> must ..., got ..."``, with at most
-one sentence of remedy. The checks of the trees an ``update`` receives are
-at the end.
+Concrete values are judged by value, tracers and arrays (from
+``optax.inject_hyperparams``) by shape and dtype; messages read ``"<spec
+name>: <argument> must ..., got ..."``. The checks of an update's trees end it.
 """
 
 from __future__ import annotations
@@ -29,10 +26,9 @@ def concrete_float(value: Any) -> Optional[float]:
     array = np.asarray(value)
   except Exception:  # pylint: disable=broad-except
     return None
-  if array.shape != () or not (np.issubdtype(array.dtype, np.integer)
-                               or np.issubdtype(array.dtype, np.floating)):
-    return None
-  return float(array)
+  return (float(array) if array.shape == () and (
+      np.issubdtype(array.dtype, np.integer)
+      or np.issubdtype(array.dtype, np.floating)) else None)
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
@@ -52,18 +48,11 @@ def describe(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """One factory's arguments, as its checks need them.
-
-  Attributes:
-    name: how messages name the factory (its public name), or ''.
-    constraints: what each checked argument accepts, in checking order.
-    leading: the positional arguments of an example call.
-    relations: conditions across arguments, checked last.
-  """
-  name: str
-  constraints: Mapping[str, Any]
-  leading: tuple[str, ...] = ()
-  relations: tuple[Relation, ...] = ()
+  """One factory's arguments, as its checks need them."""
+  name: str  # the factory's public name in messages, or ''
+  constraints: Mapping[str, Any]  # argument -> Constraint, in checking order
+  leading: tuple[str, ...] = ()  # the positional arguments of an example call
+  relations: tuple[Relation, ...] = ()  # conditions across arguments, last
 
   def example(self, *arguments: str) -> str:
     """The argument list of an example call: ``learning_rate, b1=..., ...``."""
@@ -101,21 +90,22 @@ class Constraint:
     del value
     return False
 
+  def refuse(self, spec: Spec, name: str, value: Any, kind: type,
+             message: str) -> None:
+    if self.arrived_as_value(value):
+      message += ' ' + static_args_remedy(spec, (name,))
+    raise spec.error(kind, message)
+
 
 @dataclasses.dataclass(frozen=True)
 class Interval(Constraint):
-  """A real number (or a tracer of one) between ``low`` and ``high``.
-
-  ``closed``: which ends belong ('left', 'right', 'both', 'neither');
-  ``schedule``: a callable is accepted; ``optional``: None is accepted;
-  ``no_schedule``: the remedy for a schedule ``inject_hyperparams`` can't fix.
-  """
+  """A real number (or a tracer of one) between ``low`` and ``high``."""
   low: float = -math.inf
   high: float = math.inf
-  closed: str = 'left'
-  schedule: bool = False
-  optional: bool = False
-  no_schedule: str = ''
+  closed: str = 'left'  # the ends that belong: left, right, both, neither
+  schedule: bool = False  # a callable is accepted
+  optional: bool = False  # None is accepted
+  no_schedule: str = ''  # the fix for a schedule inject_hyperparams can't fix
 
   def judge(self, spec: Spec, name: str, value: Any) -> None:
     if value is None and self.optional:
@@ -127,8 +117,8 @@ class Interval(Constraint):
                        f'{short_repr(value)}. '
                        + (self.no_schedule or _schedule_remedy(spec, name)))
     if isinstance(value, (bool, np.bool_)):
-      raise spec.error(TypeError, f'{name} must be a number, got the bool '
-                       f'{value!r}.')
+      raise spec.error(TypeError,
+                       f'{name} must be a number, got the bool {value!r}.')
     if isinstance(value, numbers.Real):
       number = float(value)
     elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
@@ -143,12 +133,9 @@ class Interval(Constraint):
     else:
       raise spec.error(TypeError, f'{name} must be a real number, got '
                        f'{type(value).__name__} {short_repr(value)}.')
-    if number is None:
-      return
-    left = self.closed in ('left', 'both')
-    right = self.closed in ('right', 'both')
+    left, right = (self.closed in (end, 'both') for end in ('left', 'right'))
     low, high = float(self.low), float(self.high)
-    if not ((number >= low if left else number > low)
+    if number is not None and not ((number >= low if left else number > low)
             and (number <= high if right else number < high)):
       interval = f'{"[" if left else "("}{low}, {high}{"]" if right else ")"}'
       raise spec.error(ValueError,
@@ -158,11 +145,9 @@ class Interval(Constraint):
 def _schedule_remedy(spec: Spec, name: str) -> str:
   scheduled = [n for n, c in spec.constraints.items()
                if getattr(c, 'schedule', False)]
-  if not scheduled:
-    which = f'{spec.name or "It"} takes no schedule directly'
-  else:
-    which = (f'Only {" and ".join(scheduled)} '
-             f'{"takes" if len(scheduled) == 1 else "take"} a schedule directly')
+  which = (f'Only {" and ".join(scheduled)} '
+           f'{"takes" if len(scheduled) == 1 else "take"} a schedule directly'
+           if scheduled else f'{spec.name or "It"} takes no schedule directly')
   return (f'{which}; schedule {name} with optax.inject_hyperparams('
           f'{spec.name or "factory"})({spec.example(f"{name}=schedule")}).')
 
@@ -179,11 +164,10 @@ class Choice(Constraint):
   options: tuple[str, ...]
 
   def judge(self, spec: Spec, name: str, value: Any) -> None:
-    if isinstance(value, str) and value in self.options:
-      return
-    got = repr(value) if isinstance(value, str) else describe(value)
-    raise spec.error(ValueError if isinstance(value, str) else TypeError,
-                     f'{name} must be one of {self.options!r}, got {got}.')
+    if not (is_str := isinstance(value, str)) or value not in self.options:
+      raise spec.error(ValueError if is_str else TypeError,
+                       f'{name} must be one of {self.options!r}, got '
+                       f'{repr(value) if is_str else describe(value)}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,11 +178,9 @@ class Function(Constraint):
   def judge(self, spec: Spec, name: str, value: Any) -> None:
     if callable(value) or (self.optional and value is None):
       return
-    message = (f'{name} must be a function{" or None" if self.optional else ""}'
-               f', got {describe(value)}.')
-    if self.arrived_as_value(value):
-      message += ' ' + static_args_remedy(spec, (name,))
-    raise spec.error(TypeError, message)
+    self.refuse(spec, name, value, TypeError, f'{name} must be a function'
+                f'{" or None" if self.optional else ""}, got '
+                f'{describe(value)}.')
 
   def arrived_as_value(self, value: Any) -> bool:
     return not callable(value) and (
@@ -220,11 +202,9 @@ class Count(Constraint):
               and not isinstance(value, (bool, np.bool_)))
     if is_int and value >= self.minimum:
       return
-    message = (f'{name} must be an int >= {self.minimum}'
-               f'{" or None" if self.optional else ""}, got {value!r}.')
-    if self.arrived_as_value(value):
-      message += ' ' + static_args_remedy(spec, (name,))
-    raise spec.error(ValueError if is_int else TypeError, message)
+    self.refuse(spec, name, value, ValueError if is_int else TypeError,
+                f'{name} must be an int >= {self.minimum}'
+                f'{" or None" if self.optional else ""}, got {value!r}.')
 
   def arrived_as_value(self, value: Any) -> bool:
     return not self.traced and is_array(value)
@@ -364,14 +344,12 @@ def check_params_match(name: str, updates: Any, params: Any) -> None:
   expected = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
   if got == expected:
     return
-  if len(got) != len(expected):
-    detail = f'{len(got)} gradient leaves, {len(expected)} parameters'
-  else:
-    lines = [f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
-             f'parameter {e}'
-             for (path, _), g, e in zip(paths_and_leaves, got, expected)
-             if g != e]
-    detail = '; '.join(lines[:5]) + ('; ...' if len(lines) > 5 else '')
+  lines = [f'gradient {jax.tree_util.keystr(path)} has shape {g}, its '
+           f'parameter {e}' for (path, _), g, e in
+           zip(paths_and_leaves, got, expected) if g != e]
+  detail = (f'{len(got)} gradient leaves, {len(expected)} parameters'
+            if len(got) != len(expected) else
+            '; '.join(lines[:5]) + ('; ...' if len(lines) > 5 else ''))
   raise ValueError(f'{name}: the gradients do not match the parameters '
                    f'passed to update ({detail}).')
 
@@ -402,8 +380,7 @@ def output_dtype(grad: Any, param: Any = None) -> jnp.dtype:
   dtype = jnp.result_type(grad)
   if jnp.issubdtype(dtype, jnp.floating):
     return dtype
-  if param is not None:
-    param_dtype = jnp.result_type(param)
-    if jnp.issubdtype(param_dtype, jnp.floating):
-      return param_dtype
+  if param is not None and jnp.issubdtype(
+      param_dtype := jnp.result_type(param), jnp.floating):
+    return param_dtype
   return jnp.promote_types(dtype, jnp.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import chex
@@ -11,17 +12,13 @@ import jax.numpy as jnp
 from cbp_optax.blocks import BlockLayout
 
 
-def block_energies(
-    layout: BlockLayout,
-    leaves: Sequence[chex.Array],
-    dtype: Any,
-    unscaled: Sequence[bool],
-) -> chex.Array:
+def block_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
+                   dtype: Any, unscaled: Sequence[bool]) -> chex.Array:
   """``||g_l||_F^2`` of every block, shape (L,); ``unscaled[k]``: group
   ``k``'s leaves leave M1 unmultiplied."""
   per_group = []
-  for leaf_ids, stack, barrier in zip(
-      layout.groups, layout.group_stacks, unscaled):
+  for leaf_ids, stack, barrier in zip(layout.groups, layout.group_stacks,
+                                      unscaled):
     total = 0.0
     for i in leaf_ids:
       leaf = jnp.asarray(leaves[i])
@@ -33,17 +30,12 @@ def block_energies(
       axes = tuple(range(1, leaf.ndim)) if stack is not None else None
       total = total + jnp.sum(jnp.square(leaf), axis=axes)
     per_group.append(jnp.reshape(total, (-1,)))
-  if not per_group:
-    return jnp.zeros((0,), dtype)
-  return jnp.concatenate(per_group)
+  return jnp.concatenate(per_group) if per_group else jnp.zeros((0,), dtype)
 
 
-def _rescued_energies(
-    layout: BlockLayout,
-    leaves: Sequence[chex.Array],
-    dtype: Any,
-    weight: chex.Numeric,
-) -> tuple[chex.Array, chex.Array]:
+def _rescued_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
+                      dtype: Any, weight: chex.Numeric
+                      ) -> tuple[chex.Array, chex.Array]:
   """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the
   leaves in no block, as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
   max |g|``, saturating at the dtype's largest value: finite for a finite
@@ -55,9 +47,8 @@ def _rescued_energies(
     xs = [jnp.asarray(leaves[i]).astype(dtype) for i in members]
     axes = lambda x: tuple(range(1, x.ndim)) if stack is not None else None
     shape = lambda x: (-1,) + (1,) * (x.ndim - 1) if stack is not None else ()
-    peak = xs[0].dtype.type(0)
-    for x in xs:
-      peak = jnp.maximum(peak, jnp.max(jnp.abs(x), axis=axes(x)))
+    peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=axes(x))
+                                          for x in xs], xs[0].dtype.type(0))
     safe = jnp.where(peak > 0, peak, jnp.ones_like(peak))
     total = sum(jnp.sum(jnp.square(x / jnp.reshape(safe, shape(x))),
                         axis=axes(x)) for x in xs)
@@ -74,13 +65,9 @@ def _rescued_energies(
           unblocked)
 
 
-def new_energies(
-    layout: BlockLayout,
-    leaves: Sequence[chex.Array],
-    energy: chex.Array,
-    decay: chex.Numeric,
-    unscaled: Sequence[bool],
-) -> tuple[chex.Array, chex.Array]:
+def new_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
+                 energy: chex.Array, decay: chex.Numeric,
+                 unscaled: Sequence[bool]) -> tuple[chex.Array, chex.Array]:
   """The refreshed EMAs of eq. (5), ``decay * q_l + (1 - decay)
   ||g_l||_F^2``, and the unblocked energy; where that overflows for a finite
   gradient, :func:`_rescued_energies` (a non-finite energy would make every
@@ -88,7 +75,12 @@ def new_energies(
   dtype = energy.dtype
   energies = block_energies(layout, leaves, dtype, unscaled=unscaled)
   plain = decay * energy + (1 - decay) * energies
-  unblocked = _unblocked_energy(layout, leaves, dtype)
+  # sum ||g_k||_F^2 over the leaves in no block (a zero when none is).
+  in_blocks = {i for group in layout.groups for i in group}
+  unblocked = jnp.zeros([], dtype)
+  for i, leaf in enumerate(leaves):
+    if i not in in_blocks:
+      unblocked = unblocked + jnp.sum(jnp.square(leaf.astype(dtype)))
 
   def rescue(operands):
     plain, unblocked, leaves = operands
@@ -104,14 +96,3 @@ def new_energies(
   overflow = jnp.any(jnp.isinf(plain)) | jnp.isinf(unblocked)
   return jax.lax.cond(overflow, rescue, lambda operands: operands[:2],
                       (plain.astype(dtype), unblocked, list(leaves)))
-
-
-def _unblocked_energy(layout: BlockLayout, leaves: Sequence[chex.Array],
-                      dtype: Any) -> chex.Array:
-  """``sum ||g_k||_F^2`` over the leaves in no block (a zero when none is)."""
-  in_blocks = {i for group in layout.groups for i in group}
-  total = jnp.zeros([], dtype)
-  for i, leaf in enumerate(leaves):
-    if i not in in_blocks:
-      total = total + jnp.sum(jnp.square(leaf.astype(dtype)))
-  return total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -59,20 +60,13 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
   """Float32 statistics, or float64 when any leaf is float64."""
   if stats_dtype is not None:
     return jnp.dtype(stats_dtype)
-  dtype = jnp.dtype(jnp.float32)
-  for leaf in jax.tree.leaves(tree):
-    leaf_dtype = jnp.result_type(leaf)
-    if jnp.issubdtype(leaf_dtype, jnp.floating):
-      dtype = jnp.promote_types(dtype, leaf_dtype)
-  return dtype
+  return functools.reduce(jnp.promote_types, [
+      d for d in map(jnp.result_type, jax.tree.leaves(tree))
+      if jnp.issubdtype(d, jnp.floating)], jnp.dtype(jnp.float32))
 
 
-def block_scales(
-    energy: chex.Array,
-    count: chex.Array,
-    min_scale: chex.Numeric,
-    max_scale: chex.Numeric,
-) -> chex.Array:
+def block_scales(energy: chex.Array, count: chex.Array, min_scale: chex.Numeric,
+                 max_scale: chex.Numeric) -> chex.Array:
   """The scales ``s_l = clip(c / sqrt(q_l), s_min, s_max)`` of eq. (6) from
   stored energies; ones at the first step.
 
@@ -92,26 +86,18 @@ def block_scales(
                      relative, target)
   positive = energy > 0
   safe_energy = jnp.where(positive, energy, jnp.ones_like(energy))
-  ratio = jnp.where(
-      positive,
-      target / jnp.sqrt(safe_energy),
-      jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype),
-  )
-  low = jnp.asarray(min_scale, energy.dtype)
-  high = jnp.asarray(max_scale, energy.dtype)
+  ratio = jnp.where(positive, target / jnp.sqrt(safe_energy),
+                    jnp.where(target > 0, jnp.inf, 1.0).astype(energy.dtype))
+  low, high = (jnp.asarray(b, energy.dtype) for b in (min_scale, max_scale))
   # clip(x, a, a) = a also where the ratio is inf / inf = NaN (an infinite
   # energy); a proper interval keeps jnp.clip's NaN (Algorithm 1).
   scales = jnp.where(low == high, low, jnp.clip(ratio, low, high))
   return jnp.where(count > 0, scales, jnp.ones_like(scales))
 
 
-def _group_scales(
-    layout: BlockLayout,
-    energy: chex.Array,
-    count: chex.Array,
-    min_scale: chex.Numeric,
-    max_scale: chex.Numeric,
-) -> tuple[Optional[chex.Array], ...]:
+def _group_scales(layout: BlockLayout, energy: chex.Array, count: chex.Array,
+                  min_scale: chex.Numeric, max_scale: chex.Numeric
+                  ) -> tuple[Optional[chex.Array], ...]:
   """:func:`block_scales`, bit for bit, as one array per group of leaves.
 
   For compile time: a slice of the scale vector fused into a per-leaf kernel
@@ -139,11 +125,8 @@ def _group_scales(
 _SPLIT_CHUNK = 32
 
 
-def _split(
-    vector: chex.Array,
-    starts: Sequence[int],
-    stacks: Sequence[Optional[int]],
-) -> tuple[chex.Array, ...]:
+def _split(vector: chex.Array, starts: Sequence[int],
+           stacks: Sequence[Optional[int]]) -> tuple[chex.Array, ...]:
   """``vector[start]`` (or ``vector[start:start + stack]``) for each group.
 
   As variadic ``lax.reduce`` calls over ``(vector, -0.0)`` pairs: ``x +
@@ -156,10 +139,7 @@ def _split(
     by_stack.setdefault(stack, []).append(i)
   minus_zero = jnp.asarray(-0.0, vector.dtype)
   pairs = jnp.stack([vector, jnp.full_like(vector, minus_zero)], axis=1)
-
-  def add(xs, ys):
-    return tuple(x + y for x, y in zip(xs, ys))
-
+  add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))
   for stack, members in by_stack.items():
     width = 1 if stack is None else stack
     for first in range(0, len(members), _SPLIT_CHUNK):
@@ -177,32 +157,24 @@ def _split(
   return tuple(out)
 
 
-def _scale_leaves(
-    layout: BlockLayout,
-    leaves: Sequence[chex.Array],
-    group_scales: Sequence[Optional[chex.Array]],
-    out_dtypes: Sequence[Any],
-    stats_dtype: Any,
-) -> list[chex.Array]:
+def _scale_leaves(layout: BlockLayout, leaves: Sequence[chex.Array],
+                  group_scales: Sequence[Optional[chex.Array]],
+                  out_dtypes: Sequence[Any], stats_dtype: Any
+                  ) -> list[chex.Array]:
   scaled: list[Optional[chex.Array]] = [None] * len(leaves)
-  for leaf_ids, stack, scale in zip(
-      layout.groups, layout.group_stacks, group_scales
-  ):
+  for leaf_ids, stack, scale in zip(layout.groups, layout.group_stacks,
+                                    group_scales):
     for i in leaf_ids:
       leaf = leaves[i]
       if scale is None:  # s = 1 at every step: x * 1 is x
         scaled[i] = leaf.astype(stats_dtype).astype(out_dtypes[i])
         continue
-      leaf_scale = scale
-      if stack is not None:
-        leaf_scale = jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1))
-      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(
-          out_dtypes[i])
+      leaf_scale = (scale if stack is None else
+                    jnp.reshape(scale, (stack,) + (1,) * (leaf.ndim - 1)))
+      scaled[i] = (leaf.astype(scale.dtype) * leaf_scale).astype(out_dtypes[i])
   # Leaves in no block (key None, or empty) pass through with s = 1.
-  return [
-      leaf.astype(dtype) if out is None else out
-      for leaf, dtype, out in zip(leaves, out_dtypes, scaled)
-  ]
+  return [leaf.astype(dtype) if out is None else out
+          for leaf, dtype, out in zip(leaves, out_dtypes, scaled)]
 
 
 class RecordedBoundsError(ValueError):
@@ -219,9 +191,8 @@ def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
     if (not isinstance(own, (numbers.Real, np.generic))
         or isinstance(recorded, jax.core.Tracer)):
       continue
-    value = float(own)
     # NumPy: inside a trace a jnp operation would stage the concrete value.
-    recorded = np.asarray(recorded)
+    recorded, value = np.asarray(recorded), float(own)
     if float(recorded) != float(np.asarray(value, recorded.dtype)):
       raise RecordedBoundsError(
           f'equalize: the optimizer state records {name}='
@@ -255,8 +226,8 @@ def check_recorded_bounds(tx: optax.GradientTransformation, opt_state: Any,
       return node._replace(min_scale=bounds.min_scale,
                            max_scale=bounds.max_scale)
 
-    state = jax.tree.map(concrete, state, is_leaf=is_state)
-    return tx.update(params, state, params)
+    return tx.update(params, jax.tree.map(concrete, state, is_leaf=is_state),
+                     params)
 
   try:
     jax.eval_shape(run, opt_state, params)
@@ -276,12 +247,8 @@ _SPEC = _checks.Spec('cbp.equalize', dict(
 
 
 def equalize(
-    decay: float = 0.99,
-    min_scale: float = 0.1,
-    max_scale: float = 4.0,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
+    decay: float = 0.99, min_scale: float = 0.1, max_scale: float = 4.0, *,
+    block_fn: Optional[BlockFn] = None, stacked: Optional[StackedFn] = None,
     stats_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   r"""Layerwise gradient-norm equalization, M1 of Conditioned Backpropagation.
@@ -342,24 +309,23 @@ def equalize(
     [0.4 0.4 0.4] [7.072... 7.072...]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation,
     §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
-  _checks.check(_SPEC, decay=decay, min_scale=min_scale, max_scale=max_scale,
-                block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype)
+  _checks.check(_SPEC, **locals())
+
+  def make(count, energy, unblocked, dtype):
+    return EqualizeState(count, energy.astype(dtype),
+                         jnp.asarray(min_scale, dtype),
+                         jnp.asarray(max_scale, dtype), unblocked)
 
   def init_fn(params):
     _checks.check_float_leaves('equalize', params)
     layout = block_layout(params, block_fn=block_fn, stacked=stacked)
     dtype = stats_dtype_for(params, stats_dtype)
-    return EqualizeState(
-        count=jnp.zeros([], jnp.int32),
-        energy=jnp.zeros((len(layout.names),), dtype),
-        min_scale=jnp.asarray(min_scale, dtype),
-        max_scale=jnp.asarray(max_scale, dtype),
-        unblocked=jnp.zeros([], dtype),
-    )
+    return make(jnp.zeros([], jnp.int32),
+                jnp.zeros((len(layout.names),), dtype), jnp.zeros([], dtype),
+                dtype)
 
   def update_fn(updates, state, params=None):
     # test_complex_gradients_are_refused: the imaginary part would be lost.
@@ -377,24 +343,15 @@ def equalize(
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
-    param_leaves = ([None] * len(leaves) if params is None
-                    else jax.tree.leaves(params))
-    out_dtypes = [_checks.output_dtype(g, p)
-                  for g, p in zip(leaves, param_leaves)]
+    out_dtypes = [_checks.output_dtype(g, p) for g, p in zip(leaves, (
+        [None] * len(leaves) if params is None else jax.tree.leaves(params)))]
     dtype = state.energy.dtype
     scales = _group_scales(layout, state.energy, state.count, min_scale,
                            max_scale)
-    energy, unblocked = new_energies(
-        layout, leaves, state.energy, decay,
-        unscaled=[scale is None for scale in scales])
+    energy, unblocked = new_energies(layout, leaves, state.energy, decay,
+                                     unscaled=[s is None for s in scales])
     scaled = _scale_leaves(layout, leaves, scales, out_dtypes, dtype)
-    new_state = EqualizeState(
-        count=optax.safe_increment(state.count),
-        energy=energy.astype(dtype),
-        min_scale=jnp.asarray(min_scale, dtype),
-        max_scale=jnp.asarray(max_scale, dtype),
-        unblocked=unblocked,
-    )
-    return jax.tree.unflatten(treedef, scaled), new_state
+    return jax.tree.unflatten(treedef, scaled), make(
+        optax.safe_increment(state.count), energy, unblocked, dtype)
 
   return optax.GradientTransformation(init_fn, update_fn)

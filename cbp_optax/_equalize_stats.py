@@ -18,11 +18,8 @@ from cbp_optax.blocks import StackedFn
 
 def _nodes(tree: Any, kind: Any) -> list[Any]:
   """The outermost nodes of ``tree`` that are instances of ``kind``."""
-  return [
-      leaf for leaf in jax.tree.leaves(
-          tree, is_leaf=lambda x: isinstance(x, kind))
-      if isinstance(leaf, kind)
-  ]
+  return [leaf for leaf in jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(leaf, kind)]
 
 
 def find_equalize_state(opt_state: Any) -> EqualizeState:
@@ -32,17 +29,14 @@ def find_equalize_state(opt_state: Any) -> EqualizeState:
     ValueError: ``opt_state`` holds none, or several.
   """
   found = _nodes(opt_state, EqualizeState)
-  if len(found) == 1:
-    return found[0]
-  if not found:
+  if len(found) != 1:
     raise ValueError(
         'Expected exactly one EqualizeState inside the optimizer state, found '
-        f'none in the {type(opt_state).__name__} given: pass the state of '
-        'cbp.cbp, cbp.cbp_robust or cbp.equalize (or of a wrapper of one).')
-  raise ValueError(
-      f'Expected exactly one EqualizeState inside the optimizer state, found '
-      f'{len(found)}; pass the sub-state you mean '
-      "(optax.multi_transform: opt_state.inner_states['label']).")
+        + (f'{len(found)}; pass the sub-state you mean (optax.multi_transform:'
+           " opt_state.inner_states['label'])." if found else
+           f'none in the {type(opt_state).__name__} given: pass the state of '
+           'cbp.cbp, cbp.cbp_robust or cbp.equalize (or of a wrapper).'))
+  return found[0]
 
 
 _INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
@@ -52,29 +46,24 @@ def _injected_bounds(opt_state: Any, state: EqualizeState) -> dict[str, Any]:
   """The unscheduled clip bounds of the innermost ``inject_hyperparams``
   state around ``state`` (the next step's, also when set by hand)."""
   for node in _nodes(opt_state, _INJECTED):
-    inner = _injected_bounds(node.inner_state, state)
-    if inner:
+    if inner := _injected_bounds(node.inner_state, state):
       return inner
     if any(s is state for s in _nodes(node.inner_state, EqualizeState)):
       scheduled = set(getattr(node, 'hyperparams_states', None) or ())
       # `x[...]` reads NNX Variables and arrays alike; a number set by
       # hand (hyperparams['max_scale'] = 2.0) has no __getitem__.
-      return {
-          name: jnp.asarray(value[...] if hasattr(value, '__getitem__')
-                            else value)
-          for name, value in node.hyperparams.items()
-          if name in ('min_scale', 'max_scale') and name not in scheduled}
+      return {name: jnp.asarray(value[...] if hasattr(value, '__getitem__')
+                                else value)
+              for name, value in node.hyperparams.items()
+              if name in ('min_scale', 'max_scale') and name not in scheduled}
   return {}
 
 
 def equalize_stats(
-    opt_state: Any,
-    params: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> dict[str, BlockStats]:
-  """Each block's energy ``q_l`` and the scale ``s_l`` the next step applies.
+    opt_state: Any, params: Any, *, block_fn: Optional[BlockFn] = None,
+    stacked: Optional[StackedFn] = None) -> dict[str, BlockStats]:
+  """Each block's energy ``q_l`` (eq. 5) and the scale ``s_l`` (eq. 6) the
+  next step applies.
 
   The scales are eq. (6)'s from the stored energies and the clip bounds the
   state records (the latest update's); under ``optax.inject_hyperparams`` an
@@ -109,9 +98,7 @@ def equalize_stats(
     b 200.0 0.707
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eqs. (5) and (6).
+    Layerwise Conditioned Backpropagation, eqs. (5) and (6).
   """
   state = find_equalize_state(opt_state)
   # `x[...]` reads NNX optimizer-state Variables and plain arrays alike.
@@ -119,8 +106,6 @@ def equalize_stats(
       jnp.asarray(x[...]) for x in
       (state.energy, state.count, state.min_scale, state.max_scale))
   injected = _injected_bounds(opt_state, state)
-  min_scale = injected.get('min_scale', min_scale)
-  max_scale = injected.get('max_scale', max_scale)
   layout = block_layout(params, block_fn=block_fn, stacked=stacked)
   if len(layout.names) != energy.shape[0]:
     raise ValueError(
@@ -128,8 +113,7 @@ def equalize_stats(
         f'block_fn={block_fn!r}, stacked={stacked!r}) but the optimizer state '
         f'holds the energies of {energy.shape[0]}. Pass the block_fn= and '
         'stacked= the optimizer was built with.')
-  scales = block_scales(energy, count, min_scale, max_scale)
-  return {
-      name: BlockStats(energy=energy[i], scale=scales[i])
-      for i, name in enumerate(layout.names)
-  }
+  scales = block_scales(energy, count, injected.get('min_scale', min_scale),
+                        injected.get('max_scale', max_scale))
+  return {name: BlockStats(energy=energy[i], scale=scales[i])
+          for i, name in enumerate(layout.names)}

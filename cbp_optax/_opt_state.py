@@ -57,14 +57,12 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
   """See :func:`cbp_optax.centering.register_parameter_state`."""
   if not isinstance(state_type, type) or not all(
       isinstance(f, str) for f in fields):
-    raise TypeError('register_parameter_state: state_type must be a class '
-                    'and the fields attribute names (strings), got '
-                    f'{state_type!r}, {fields!r}.')
+    raise TypeError('register_parameter_state: state_type must be a class and'
+                    f' the fields strings, got {state_type!r}, {fields!r}.')
   known = (state_type._fields if hasattr(state_type, '_fields') else
            [f.name for f in dataclasses.fields(state_type)]
            if dataclasses.is_dataclass(state_type) else None)
-  missing = [f for f in fields if known is not None and f not in known]
-  if missing:
+  if missing := [f for f in fields if known is not None and f not in known]:
     raise ValueError(
         f'register_parameter_state: {state_type.__qualname__} has no field '
         f'{missing[0]!r} (its fields: {", ".join(known)}).')
@@ -72,8 +70,7 @@ def register_parameter_state(state_type: type, *fields: str) -> None:
 
 
 class CheckCache:
-  """Which optimizers' states were classified already, and for what (a stale
-  entry only moves an error into the trace, where it is classified again)."""
+  """Which optimizers' states were classified already, and for what."""
 
   def __init__(self, size: int = 16):
     self._size, self._weak = size, weakref.WeakKeyDictionary()
@@ -134,8 +131,8 @@ def _value(leaf: Any, kind: TreeKind) -> Any:
 def _shape(leaf: Any, kind: TreeKind) -> Optional[tuple[int, ...]]:
   """An array leaf's (or box's) shape; None for anything else."""
   value = _value(leaf, kind)
-  is_array = hasattr(value, 'shape') and hasattr(value, 'dtype')
-  return tuple(np.shape(value)) if is_array else None
+  return (tuple(np.shape(value)) if hasattr(value, 'shape')
+          and hasattr(value, 'dtype') else None)
 
 
 def _replace(tree: Any, path: Path, value: Any, kind: TreeKind) -> Any:
@@ -156,9 +153,9 @@ def _replace(tree: Any, path: Path, value: Any, kind: TreeKind) -> Any:
 
 def _shapes(tree: Any, kind: TreeKind) -> Shapes:
   """Every array leaf's path names and shape."""
-  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=kind.is_box)
-  return {path_names(path): _shape(leaf, kind) for path, leaf in leaves
-          if _shape(leaf, kind) is not None}
+  return {path_names(path): shape for path, leaf in
+          jax.tree_util.tree_leaves_with_path(tree, is_leaf=kind.is_box)
+          if (shape := _shape(leaf, kind)) is not None}
 
 
 def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
@@ -181,9 +178,8 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
       raise UnclassifiedStateError(
           f'transport: {where} is a copy of parameters whose leaf at '
           f"{path_str(names)!r} matches none of the model's ({found}): the "
-          'optimizer was built for another tree (a submodule?), and would '
-          'be left unmoved. Build it on the transported model (wrt=, '
-          'optax.masked, optax.partition), or transport its own tree.')
+          'optimizer was built for another tree (a submodule?). Build it on '
+          'the transported model, or transport its own tree.')
   for move in moves:
     bias = _lookup(copy, move.path + move.bias_key, kind)
     kernel = _lookup(copy, move.kernel_path or move.path + move.kernel_key,
@@ -197,17 +193,15 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
       held, lacking = ('bias', 'kernel') if has_bias else ('kernel', 'bias')
       raise UnclassifiedStateError(
           f'transport: {where} holds the {held} of the centered layer '
-          f'{path_str(move.path)!r} but not its {lacking}: no bias move '
-          'keeps the function of a copy that splits a layer. Give its '
-          'kernel and bias the same optimizer.')
+          f'{path_str(move.path)!r} but not its {lacking}, which no bias move '
+          'keeps. Give its kernel and bias the same optimizer.')
     shared = kind.is_box(bias) and kind.moved(bias)
     dtype = np.dtype(_value(bias, kind).dtype)
     if not shared and dtype.itemsize < 4:
       raise ValueError(
           f'transport: {where} keeps the bias of the centered layer '
           f'{path_str(move.path)!r} in {dtype}, whose roundings add up over '
-          'transports (a copy has no float32 residual): pass '
-          'state_dtype=jnp.float32 to cbp.recommended or to '
+          'transports: pass state_dtype=jnp.float32 to cbp.recommended or '
           "optax.contrib's schedule_free(_adamw).")
     if move.shift is not None and not shared:
       new = move.shift(_value(kernel, kind), _value(bias, kind))
@@ -228,17 +222,15 @@ def _refusal(owner: Optional[tuple[type, Any]], label: str,
           else 'Declare it')
   return (f'transport: {holder} holds '
           f'{form or "a tree shaped like the parameters"} {place}: a copy of '
-          'the parameters (moved with the biases) or a gradient statistic '
-          f"(left)? {keep}: cbp_optax.centering.register_parameter_state("
-          "StateType, 'field', ...) names the fields holding a copy (or an "
-          'average); register_parameter_state(StateType) declares gradient '
-          'statistics only.')
+          f'the parameters (moved) or a gradient statistic (left)? {keep}: '
+          "cbp_optax.centering.register_parameter_state(StateType, 'field', "
+          '...) names the fields holding a copy; register_parameter_state('
+          'StateType) declares statistics only.')
 
 
-def transport_state(
-    state: Any, moves: Sequence[LayerMove], *, what: str = 'opt_state',
-    kind: TreeKind = PLAIN, params: Any = None,
-) -> Any:
+def transport_state(state: Any, moves: Sequence[LayerMove], *,
+                    what: str = 'opt_state', kind: TreeKind = PLAIN,
+                    params: Any = None) -> Any:
   """``state`` with every parameter copy transported (see the module doc);
   with ``LayerMove.shift`` None it only classifies. Raises
   UnclassifiedStateError for an unclassified parameter-shaped tree, a refused
@@ -290,17 +282,16 @@ def transport_state(
     if state_type in refused:
       raise UnclassifiedStateError(
           f"transport: optax's {state_type.__qualname__} cannot be "
-          f'transported: {refused[state_type]}. Train a centered model '
-          'with another optimizer, or leave centering out.')
+          f'transported: {refused[state_type]}. Use another optimizer, or '
+          'leave centering out.')
     fields = parameter_fields(state_type)
     names = [name for name, _ in children]
     missing = [f for f in (fields or ()) if f not in names]
     if missing and state_type in _PARAMETER_FIELDS:
       raise ValueError(
-          f'register_parameter_state: {state_type.__qualname__} has no '
-          f'field {missing[0]!r} at {label} (its pytree children: '
-          f'{", ".join(map(str, names))}); a state must flatten with its '
-          'field names as keys.')
+          f'register_parameter_state: {state_type.__qualname__} has no field '
+          f'{missing[0]!r} at {label} (its pytree children: '
+          f'{", ".join(map(str, names))}).')
     return jax.tree_util.tree_unflatten(treedef, [
         walk(child,
              None if (state_type in optax_fields and name in WRAPPER_FIELDS)
@@ -323,11 +314,10 @@ def check_fusable(state: Any, where: str) -> None:
   """Refuses ``optax.lookahead`` (a parameter pair) in a fused step."""
   if find_states(state, optax.LookaheadState):
     raise TypeError(
-        f'{where}: optax.lookahead updates an optax.LookaheadParams pair, '
-        "not the model's parameters, which the fused step updates. Write the "
-        'step by hand on LookaheadParams (differentiate at .fast) and '
-        'transport both with cbp_optax.linen.transport(lookahead_params, '
-        'centering, opt_state=opt_state), each by its own kernel.')
+        f'{where}: optax.lookahead updates an optax.LookaheadParams pair, not '
+        "the model's parameters. Write the step by hand on LookaheadParams "
+        'and transport it with cbp_optax.linen.transport(lookahead_params, '
+        'centering, opt_state=opt_state).')
 
 
 def unshared(tree: Any) -> Any:
@@ -345,7 +335,7 @@ def evaluation_params(state: Any, params: Any) -> Any:
     return params
   if len(found) > 1:
     raise ValueError(f'eval: the optimizer state holds {len(found)} '
-                     'schedule_free states: which gives x is ambiguous.')
+                     'schedule_free states; which gives x?')
   if jax.tree.structure(found[0].z) != jax.tree.structure(params):
     raise ValueError(
         'eval: the schedule_free state covers part of the parameters; use '

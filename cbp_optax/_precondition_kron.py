@@ -17,9 +17,6 @@ updated after the direction, so the basis of step ``t`` sees gradients up
 to ``t - 1`` only (Theorem 3). Every other leaf keeps the diagonal M3.
 
 References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1, §8.2.
   Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, ICLR 2025.
 """
 
@@ -66,19 +63,16 @@ class KronPreconditionState(NamedTuple):
   factors: Any
 
 
-DimensionNumbers = Union[
-    Any, Callable[[Any], Any]]  # a tree of MuonDimensionNumbers / None
+# A tree of MuonDimensionNumbers / None, or a function returning one.
+DimensionNumbers = Union[Any, Callable[[Any], Any]]
 
 
 def default_dimension_numbers(params: Any) -> Any:
   """Leaves of rank >= 2 as ``(all but the last axis, last axis)`` matrices
   (dense and Flax convolution kernels); every other leaf None."""
-  def spec(leaf):
-    ndim = jnp.ndim(leaf)
-    if ndim < 2:
-      return None
-    return MuonDimensionNumbers(tuple(range(ndim - 1)), (ndim - 1,))
-  return jax.tree.map(spec, params)
+  return jax.tree.map(lambda leaf: None if (n := jnp.ndim(leaf)) < 2 else
+                      MuonDimensionNumbers(tuple(range(n - 1)), (n - 1,)),
+                      params)
 
 
 def _axes(spec: MuonDimensionNumbers, ndim: int) -> tuple[tuple[int, ...], ...]:
@@ -130,32 +124,6 @@ def _matrix(shape: tuple[int, ...], spec: Optional[MuonDimensionNumbers],
   return _Matrix(perm, (size(batch), m, n), tuple(shape[a] for a in perm))
 
 
-def _specs(dimension_numbers: DimensionNumbers, params: Any) -> list:
-  """One spec (or None) per leaf of ``params``."""
-  found = (dimension_numbers(params) if callable(dimension_numbers)
-           else dimension_numbers)
-  leaves = jax.tree.leaves(params)
-  specs = jax.tree.leaves(
-      found, is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
-  # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
-  if len(specs) != len(leaves):
-    raise ValueError(
-        'precondition_kron: dimension_numbers must give one '
-        f'MuonDimensionNumbers or None per leaf; got {len(specs)} for '
-        f'{len(leaves)} leaves.')
-  return specs
-
-
-def _key(path) -> str:
-  """A leaf's key in ``factors``: its path joined by slashes, an NNX
-  Variable's ``value`` left out (init and update see the same keys)."""
-  return '/'.join(n for n in path_names(path) if n != 'value')
-
-
-def _eye(batch: int, size: int, dtype) -> chex.Array:
-  return jnp.broadcast_to(jnp.eye(size, dtype=dtype), (batch, size, size))
-
-
 def _rotate(q_left, x, q_right):
   return jnp.einsum('bim,bin,bnk->bmk', q_left, x, q_right)
 
@@ -187,12 +155,12 @@ def _matrix_update(rules, beta_f, terms, refresh, g, m, v, p, f: KronFactors,
   g_stats = jnp.asarray(g).astype(m.dtype)
   matrix = view.to(g_stats)
   q_left, q_right = f.left_basis, f.right_basis
-  # M3's rule in the rotated coordinates (rotation is linear).
+  # M3's rule in the rotated coordinates.
   step_r, _, v_new = diag.leaf_update(
       rules, terms, _rotate(q_left, matrix, q_right),
       _rotate(q_left, view.to(m), q_right), view.to(v), None)
-  step = view.back(_unrotate(q_left, step_r, q_right), like=g)
-  step = diag.saturating_cast(step, _checks.output_dtype(g, p))
+  step = diag.saturating_cast(view.back(_unrotate(q_left, step_r, q_right),
+                                        like=g), _checks.output_dtype(g, p))
   m_new = (rules.b1 * m + (1.0 - rules.b1) * g_stats).astype(m.dtype)
   # After the direction: the factors and bases of step t + 1.
   left = beta_f * f.left + (1.0 - beta_f) * jnp.einsum(
@@ -231,25 +199,17 @@ _SPEC = _checks.Spec('cbp.precondition_kron',
 
 
 def precondition_kron(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    damping: float = 1e-3,
-    *,
-    factor_decay: Optional[float] = None,
-    every: int = 10,
-    max_dim: int = 4096,
+    b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
+    factor_decay: Optional[float] = None, every: int = 10, max_dim: int = 4096,
     dimension_numbers: Optional[DimensionNumbers] = None,
-    stats_dtype: Optional[Any] = None,
-    zero_moment: str = 'damped',
+    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
 ) -> optax.GradientTransformation:
   r"""M3 run in the eigenbasis of each matrix's Kronecker factors (§8.2).
 
-  For each matrix-shaped leaf, the direction is :math:`Q_L (P_t \odot Q_L^T
-  \hat m_t Q_R) Q_R^T`, with :math:`P_t` eq. (11)'s kept in the rotated
-  coordinates, :math:`\hat m_t` eq. (12)'s, and :math:`Q_L, Q_R` the
-  eigenvectors of the EMAs of :math:`G G^T` and :math:`G^T G`. Every other
-  leaf is :func:`cbp_optax.precondition`'s. The operator is positive
-  definite with M3's bounds (Lemma 1).
+  A matrix leaf's direction is :math:`Q_L (P_t \odot Q_L^T \hat m_t Q_R)
+  Q_R^T` (eqs. 11-12 in the rotated coordinates; :math:`Q_L, Q_R` the
+  eigenvectors of the EMAs of :math:`G G^T` and :math:`G^T G`), with M3's
+  bounds (Lemma 1); every other leaf's is :func:`cbp_optax.precondition`'s.
 
   Args:
     b1: momentum decay :math:`\beta_1` in [0, 1).
@@ -292,13 +252,10 @@ def precondition_kron(
     [1. 1.]
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
+    Layerwise Conditioned Backpropagation,
     §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1 and §8.2.
   """
-  _checks.check(_SPEC, b1=b1, b2=b2, damping=damping,
-                factor_decay=factor_decay, every=every, max_dim=max_dim,
-                stats_dtype=stats_dtype, zero_moment=zero_moment)
+  _checks.check(_SPEC, **locals())
   rules = diag.Rules(b1, b2, damping, zero_moment)
   beta_f = b2 if factor_decay is None else factor_decay
   numbers = (default_dimension_numbers if dimension_numbers is None
@@ -306,11 +263,21 @@ def precondition_kron(
 
   def views(params):
     """Per leaf, its key in ``factors`` and its matrix view (or None)."""
-    paths = [_key(path) for path, _ in
-             jax.tree_util.tree_flatten_with_path(params)[0]]
-    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
-    found = [(k, _matrix(shape, s, max_dim))
-             for k, shape, s in zip(paths, shapes, _specs(numbers, params))]
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = jax.tree.leaves(
+        numbers(params) if callable(numbers) else numbers,
+        is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+    # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
+    if len(specs) != len(leaves):
+      raise ValueError(
+          'precondition_kron: dimension_numbers must give one '
+          f'MuonDimensionNumbers or None per leaf; got {len(specs)} for '
+          f'{len(leaves)} leaves.')
+    # A key: the path joined by slashes, an NNX Variable's ``value`` left
+    # out (init and update see the same keys).
+    found = [('/'.join(n for n in path_names(path) if n != 'value'),
+              _matrix(jnp.shape(leaf), s, max_dim))
+             for (path, leaf), s in zip(leaves, specs)]
     keys = [k for k, view in found if view is not None]
     # test_matrices_whose_joined_paths_collide_are_refused: one factor.
     if len(set(keys)) != len(keys):
@@ -325,9 +292,10 @@ def precondition_kron(
       if view is not None:
         dtype = diag.moment_dtype(leaf, stats_dtype)
         batch, m, n = view.shape
-        factors[key] = KronFactors(
-            jnp.zeros((batch, m, m), dtype), jnp.zeros((batch, n, n), dtype),
-            _eye(batch, m, dtype), _eye(batch, n, dtype))
+        zeros, eye = (jnp.zeros((batch, k, k), dtype) for k in (m, n)), (
+            jnp.broadcast_to(jnp.eye(k, dtype=dtype), (batch, k, k))
+            for k in (m, n))
+        factors[key] = KronFactors(*zeros, *eye)
     return KronPreconditionState(
         count=jnp.zeros([], jnp.int32),
         mu=diag.zeros_like_tree(params, stats_dtype),

@@ -10,13 +10,6 @@ from cbp_optax import _checks
 from cbp_optax import _precondition as precondition_lib
 from cbp_optax import _weight_decay as weight_decay_lib
 
-# cbp_robust's M3 rules.
-_B2 = 0.999
-_DAMPING = 1e-8
-_ZERO_MOMENT = 'normalized'
-_CLIP = 3.0
-
-
 _SPEC = _checks.Spec('cbp.recommended', dict(
     learning_rate=_checks.nonnegative(schedule=True),
     warmup_steps=_checks.Count(0, optional=True),
@@ -31,20 +24,17 @@ _SPEC = _checks.Spec('cbp.recommended', dict(
 
 
 def recommended(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    warmup_steps: Optional[int] = None,
-    b1: float = 0.9,
-    weight_decay: Optional[float] = 0.01,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    state_dtype: Any = None,
+    learning_rate: optax.ScalarOrSchedule, *,
+    warmup_steps: Optional[int] = None, b1: float = 0.9,
+    weight_decay: Optional[float] = 0.01, mask: Optional[Union[Any,
+    Callable[[optax.Params], Any]]] = None, state_dtype: Any = None,
 ) -> optax.GradientTransformation:
   r"""The recommended recipe's optimizer: schedule-free CBP M3.
 
-  For a model centered with M2 (eqs. 8-10: ``cbp_optax.nnx.center`` or
+  For a model centered with M2 (§4.2, eqs. 8-10: ``cbp_optax.nnx.center`` or
   ``cbp_optax.linen.center``): ``optax.contrib.schedule_free`` around
-  :func:`precondition` with :func:`cbp_robust`'s rules and no momentum,
-  the direction :math:`P_t g_t` (eqs. 11-12; ``b2=0.999``, :math:`\zeta =
+  :func:`precondition` with :func:`cbp_robust`'s rules and no momentum, the
+  direction :math:`P_t g_t` (§4.4, eqs. 11-12; ``b2=0.999``, :math:`\zeta =
   10^{-8}`, ``zero_moment='normalized'``), clipped to :math:`[-3, 3]`, with
   decoupled weight decay and a linear warm-up to a constant rate. Evaluate
   at the schedule-free point (``cbp_optax.nnx.eval_model``,
@@ -88,23 +78,17 @@ def recommended(
     >>> evaluated = cbp.nnx.eval_model(model, optimizer)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    §4.2, eqs. (8)-(10), and §4.4, eqs. (11)-(12).
+    Layerwise Conditioned Backpropagation, §4.2 (eqs. 8-10), §4.4 (eqs. 11-12).
   """
-  _checks.check(_SPEC, learning_rate=learning_rate, warmup_steps=warmup_steps,
-                b1=b1, weight_decay=weight_decay, mask=mask,
-                state_dtype=state_dtype)
+  _checks.check(_SPEC, **locals())
   rate = learning_rate
   if warmup_steps and not callable(learning_rate):
     rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
-  base = optax.chain(
-      precondition_lib.precondition(b1=0.0, b2=_B2, damping=_DAMPING,
-                                    zero_moment=_ZERO_MOMENT),
-      optax.clip(_CLIP),
-      *weight_decay_lib.decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(rate),
-  )
+  base = optax.chain(  # cbp_robust's M3 rules
+      precondition_lib.precondition(b1=0.0, b2=0.999, damping=1e-8,
+                                    zero_moment='normalized'),
+      optax.clip(3.0), *weight_decay_lib.decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(rate))
   free = optax.contrib.schedule_free(base, learning_rate=rate, b1=b1,
                                      state_dtype=state_dtype)
 

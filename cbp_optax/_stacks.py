@@ -1,6 +1,5 @@
-"""Layer stacks: where a stacked layer's stack axes are, and Muon's
-dimension numbers of its kernel (re-exported by :mod:`cbp_optax.centering`).
-"""
+"""Layer stacks: where a stacked layer's stack axes are, and Muon's dimension
+numbers of its kernel (re-exported by :mod:`cbp_optax.centering`)."""
 
 from __future__ import annotations
 
@@ -16,27 +15,22 @@ from cbp_optax._layer_spec import LayerSpec
 from cbp_optax._layer_spec import Shape
 
 
-def stack_axes_placements(
-    shape: Shape, unstacked_shape: Shape
-) -> list[tuple[int, ...]]:
+def stack_axes_placements(shape: Shape,
+                          unstacked_shape: Shape) -> list[tuple[int, ...]]:
   """Every placement of stack axes that makes ``shape`` ``unstacked_shape``,
   leading axes first (several: a stack as long as a feature size)."""
   shape, unstacked_shape = tuple(shape), tuple(unstacked_shape)
   extra = len(shape) - len(unstacked_shape)
   if extra < 0:
     return []
-  return [
-      axes for axes in itertools.combinations(range(len(shape)), extra)
-      if tuple(d for i, d in enumerate(shape) if i not in axes)
-      == unstacked_shape
-  ]
+  return [axes for axes in itertools.combinations(range(len(shape)), extra)
+          if tuple(d for i, d in enumerate(shape) if i not in axes)
+          == unstacked_shape]
 
 
 def resolve_stack_axes(
-    shape: Shape,
-    unstacked_shape: Shape,
-    preferred: Optional[Sequence[int]] = None,
-    *,
+    shape: Shape, unstacked_shape: Shape,
+    preferred: Optional[Sequence[int]] = None, *,
     not_found: Optional[Callable[[], str]] = None,
     ambiguous: Optional[Callable[[list[tuple[int, ...]]], str]] = None,
 ) -> Optional[tuple[int, ...]]:
@@ -47,25 +41,21 @@ def resolve_stack_axes(
   placements = stack_axes_placements(shape, unstacked_shape)
   if preferred is not None and tuple(preferred) in placements:
     return tuple(preferred)
-  if not placements:
-    if not_found is not None:
-      raise ValueError(not_found())
-    return None
+  if not placements and not_found is not None:
+    raise ValueError(not_found())
   if len(placements) > 1 and ambiguous is not None:
     raise ValueError(ambiguous(placements))
-  return placements[0]
+  return placements[0] if placements else None
 
 
 AMBIGUOUS_STACK_REMEDY = (
-    'Record where the stack axis is: pass the means\' stack axes '
+    "Record where the stack axis is: pass the means' stack axes "
     '(mean_stack_axes), or create the centered layers inside the stacking '
-    'transform with the stack axis named, so that their means track it.'
-)
+    'transform with the stack axis named, so that their means track it.')
 
 
-def stack_axes_of(
-    name: str, array: jax.Array, unstacked: Shape, preferred, spec: LayerSpec
-) -> tuple[int, ...]:
+def stack_axes_of(name: str, array: jax.Array, unstacked: Shape, preferred,
+                  spec: LayerSpec) -> tuple[int, ...]:
   """The stack axes of one of a layer's arrays in the transport, or why not."""
   return resolve_stack_axes(
       array.shape, unstacked, preferred,
@@ -98,15 +88,13 @@ def layer_axes(
   sizes = [tuple(x.shape[a] for a in axes) for x, axes in
            ((mean, mean_axes), (kernel, kernel_axes), (bias, bias_axes))]
   if len(set(sizes)) != 1:
-    raise ValueError(
-        f'transport: mean, kernel and bias have different stack sizes {sizes}.'
-    )
+    raise ValueError('transport: mean, kernel and bias have different stack '
+                     f'sizes {sizes}.')
   return mean_axes, kernel_axes, bias_axes
 
 
-def muon_dimension_numbers(
-    spec: LayerSpec, kernel_stack_axes: Sequence[int] = ()
-) -> Any:
+def muon_dimension_numbers(spec: LayerSpec,
+                           kernel_stack_axes: Sequence[int] = ()) -> Any:
   """How ``optax.contrib.muon`` should see this layer's kernel as a matrix:
   its input axes reduce, its feature axes are outputs, stack axes batch.
 
@@ -131,10 +119,8 @@ def muon_dimension_numbers(
   return place_kernel_dims(reduction, output, ndim, kernel_stack_axes)
 
 
-def place_kernel_dims(
-    reduction: Sequence[int], output: Sequence[int], ndim: int,
-    stack_axes: Sequence[int] = (),
-) -> Any:
+def place_kernel_dims(reduction: Sequence[int], output: Sequence[int],
+                      ndim: int, stack_axes: Sequence[int] = ()) -> Any:
   """The stacked kernel's ``MuonDimensionNumbers`` from the ``reduction``
   and ``output`` axes among its ``ndim`` own axes."""
   stack = sorted(stack_axes)
@@ -144,9 +130,8 @@ def place_kernel_dims(
       output_axis=tuple(own[a] for a in output))
 
 
-def einsum_kernel_dims(
-    einsum_str: Optional[str],
-) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+def einsum_kernel_dims(einsum_str: Optional[str]
+                       ) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
   """(reduction, output) axes of an einsum's kernel (its second operand):
   summed away, or only in the output. None where it is no matrix."""
   if not einsum_str or '->' not in einsum_str or ',' not in einsum_str:

@@ -61,11 +61,8 @@ def check_scalar_loss(loss: jax.Array) -> None:
 
 def all_finite(*trees: Any) -> jax.Array:
   """True when every floating-point entry of ``trees`` is finite."""
-  flags = [
-      jnp.all(jnp.isfinite(x))
-      for x in jax.tree.leaves(trees)
-      if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-  ]
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(trees)
+           if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
@@ -73,19 +70,14 @@ def _raw_equalize_state(opt_state: Any) -> Optional[_equalize.EqualizeState]:
   """The :class:`EqualizeState` of a transform whose first step is M1 on the
   raw gradients: ``opt_state`` itself, or the first entry of an optax chain's
   state (recursively); else None."""
-  while isinstance(opt_state, tuple) and not isinstance(
-      opt_state, _equalize.EqualizeState) and not hasattr(opt_state, '_fields'):
-    if not opt_state:
-      return None
+  while (isinstance(opt_state, tuple) and opt_state
+         and not hasattr(opt_state, '_fields')):  # a chain's state
     opt_state = opt_state[0]
-  if isinstance(opt_state, _equalize.EqualizeState):
-    return opt_state
-  return None
+  return opt_state if isinstance(opt_state, _equalize.EqualizeState) else None
 
 
-def gradients_finite(
-    opt_state: Any, opt_state_of: Callable[[Any], Any]
-) -> Optional[Callable[[Any, Any], jax.Array]]:
+def gradients_finite(opt_state: Any, opt_state_of: Callable[[Any], Any]
+                     ) -> Optional[Callable[[Any, Any], jax.Array]]:
   r"""``conditioned_update``'s ``grads_finite(grads, applied)`` for a state.
 
   For a transform whose first step is M1 on the raw gradients, the answer
@@ -119,12 +111,9 @@ def update_with_loss(update: Callable[..., Any],
 
 
 def conditioned_update(
-    loss_of: Callable[[Any], tuple[jax.Array, tuple[Any, Any]]],
-    params: Any,
-    apply_step: Callable[..., Any],
-    skip_step: Callable[..., Any],
-    select: Callable[..., Any],
-    *operands: Any,
+    loss_of: Callable[[Any], tuple[jax.Array, tuple[Any, Any]]], params: Any,
+    apply_step: Callable[..., Any], skip_step: Callable[..., Any],
+    select: Callable[..., Any], *operands: Any,
     grads_finite: Optional[Callable[[Any, Any], jax.Array]] = None,
 ) -> tuple[Any, StepOutput]:
   """The skeleton both fused steps share (Algorithm 1, steps 1-11).
@@ -143,9 +132,8 @@ def conditioned_update(
       loss_of, has_aux=True)(params)
   if grads_finite is None:
     # Decided before the update: the same program as a plain step.
-    ok = all_finite(loss, grads, changed)
-    result = select(ok, apply_step, skip_step, *operands, grads,
-                    (changed, loss))
+    decided = [all_finite(loss, grads, changed)]
+    ok_of = decided[0]
   else:
     inputs_ok, decided = all_finite(loss, changed), []
 
@@ -154,9 +142,9 @@ def conditioned_update(
                                      grads_finite(grads, applied)))
       return decided[-1]
 
-    result = select(ok_of, apply_step, skip_step, *operands, grads,
-                    (changed, loss))
-    ok, = decided
+  result = select(ok_of, apply_step, skip_step, *operands, grads,
+                  (changed, loss))
+  ok, = decided
   return result, StepOutput(loss=loss, aux=aux, skipped=jnp.logical_not(ok))
 
 
@@ -176,8 +164,7 @@ def select(ok: Any, apply_step: Callable[..., Any],
   """``lax.cond(ok, apply_step, skip_step, *operands)``'s value, selected
   leaf by leaf; ``ok`` may be a function of ``apply_step``'s result."""
   applied = apply_step(*operands)
-  skipped = skip_step(*operands)
-  return select_leaves(decide(ok, applied), applied, skipped)
+  return select_leaves(decide(ok, applied), applied, skip_step(*operands))
 
 
 def unaliased(tree: Any) -> Any:
@@ -201,9 +188,8 @@ def unaliased(tree: Any) -> Any:
 def staged(tree: Any) -> bool:
   """True when called while an outer ``jit`` (or another transform) traces:
   a tracer leaf, or JAX's opaque trace state differs from the eager one."""
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
-    return True
-  return _trace_state() != _EAGER_STATE
+  return (any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+          or _trace_state() != _EAGER_STATE)
 
 
 def _trace_state() -> Any:
@@ -213,10 +199,8 @@ def _trace_state() -> Any:
 _EAGER_STATE = _trace_state()
 
 
-def jit_step(
-    fun: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
-    static_argnums: tuple[int, ...] = (),
-) -> Callable[..., Any]:
+def jit_step(fun: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
+             static_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
   """``fun`` under ``jax.jit``: donated with :func:`compiler_options` when
   called directly, traced into the outer program inside a ``jit`` (same
   numbers). ``call.lower`` lowers the direct executable."""
@@ -239,6 +223,5 @@ def compiler_options() -> Optional[dict[str, Any]]:
   On CPU, region analysis lets copy insertion see that M3 reads ``v_{t-1}``
   before ``v_t`` overwrites its donated buffer (results bitwise identical).
   """
-  if jax.default_backend() == 'cpu':
-    return {'xla_cpu_copy_insertion_use_region_analysis': True}
-  return None
+  return ({'xla_cpu_copy_insertion_use_region_analysis': True}
+          if jax.default_backend() == 'cpu' else None)

@@ -1,11 +1,10 @@
 """A warning for a centered model that trains without ever being transported.
 
-On the host, never in a compiled program: an NNX layer counts the concrete
-writes of its ``batch_count`` (an eager call's; ``nnx.jit``'s after each
-call) and reads the ``CALLS * 2**k``-th: above zero with no transport of the
-layer ever run or traced (a write of its ``mu``), it warns. An eager Linen
-call warns at :data:`CALLS` calls' worth with ``mu`` at zero; a Linen
-``jax.jit`` loop returns to no library code, so it goes unchecked.
+On the host only: an NNX layer counts the concrete writes of its
+``batch_count`` and reads the ``CALLS * 2**k``-th; above zero with no
+transport of the layer ever run or traced (a write of its ``mu``), it warns.
+An eager Linen call warns at :data:`CALLS` calls' worth with ``mu`` at zero
+(a Linen ``jax.jit`` loop returns to no library code: unchecked).
 """
 
 from __future__ import annotations

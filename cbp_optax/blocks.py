@@ -1,13 +1,8 @@
-"""M1's parameter blocks: which leaves share one equalizing scale (eq. 7).
+"""M1's parameter blocks: leaves that share one equalizing scale (§4.1, eq. 7).
 
 By default a block is one layer: the leaves that share a parent path.
 ``block_fn(path, leaf)`` regroups leaves; ``stacked(path, leaf)`` marks
 leaves with a leading layer-stack axis, each slice of which is a block.
-
-References:
-  Layerwise Conditioned Backpropagation: A Curvature-Aware
-  Reparameterization of the Backward Pass with Convergence Guarantees,
-  §4.1, eq. (7).
 """
 
 from __future__ import annotations
@@ -24,15 +19,8 @@ from cbp_optax._paths import key_name  # noqa: F401  (cbp_optax.linen uses it)
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
 
-__all__ = [
-    'BlockLayout',
-    'block_layout',
-    'block_names',
-    'kernel_blocks',
-    'layer_blocks',
-    'leaf_blocks',
-    'no_blocks',
-]
+__all__ = ['BlockLayout', 'block_layout', 'block_names', 'kernel_blocks',
+           'layer_blocks', 'leaf_blocks', 'no_blocks']
 
 KeyPath = tuple[Any, ...]
 BlockFn = Callable[[KeyPath, Any], Hashable]
@@ -78,22 +66,17 @@ class BlockLayout(NamedTuple):
 def strip_variable_suffix(path: KeyPath) -> KeyPath:
   # nnx.Optimizer inits on Variables (paths end in `.value`) and updates
   # with arrays: both get the same block keys.
-  if (
-      path
-      and isinstance(path[-1], jax.tree_util.GetAttrKey)
-      and path[-1].name == 'value'
-  ):
+  if (path and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name == 'value'):
     return path[:-1]
   return path
 
 
 def _block_name(block_key: Hashable) -> str:
-  if isinstance(block_key, tuple) and all(
-      isinstance(k, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
-                     jax.tree_util.SequenceKey,
-                     jax.tree_util.FlattenedIndexKey))
-      for k in block_key
-  ):
+  tu = jax.tree_util
+  if isinstance(block_key, tuple) and all(isinstance(k, (
+      tu.DictKey, tu.GetAttrKey, tu.SequenceKey, tu.FlattenedIndexKey))
+                                          for k in block_key):
     return path_str(block_key)
   return str(block_key)
 
@@ -175,9 +158,8 @@ def kernel_blocks(path: KeyPath, leaf: Any) -> Hashable:
     >>> cbp.block_names(params, block_fn=cbp.kernel_blocks)
     ('dense',)
   """
-  if path_names(path[-1:]) == ('kernel',):
-    return default_block_key(path, leaf)
-  return None
+  return (default_block_key(path, leaf)
+          if path_names(path[-1:]) == ('kernel',) else None)
 
 
 def _hashable_key(key: Any, path: KeyPath) -> Hashable:
@@ -194,13 +176,9 @@ def _hashable_key(key: Any, path: KeyPath) -> Hashable:
   return key
 
 
-def block_layout(
-    tree: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> BlockLayout:
-  """Assigns the leaves of ``tree`` to M1 blocks.
+def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
+                 stacked: Optional[StackedFn] = None) -> BlockLayout:
+  """Assigns the leaves of ``tree`` to M1 blocks (eq. 7).
 
   Args:
     tree: parameters or gradients (arrays, or NNX Variables).
@@ -228,9 +206,7 @@ def block_layout(
     ((0, 1), (2, 3))
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (7).
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   _checks.check_function('block_fn', block_fn, optional=True)
   _checks.check_function('stacked', stacked, optional=True)
@@ -247,16 +223,13 @@ def block_layout(
       continue
     stack = None
     if stacked is not None and stacked(path, leaf):
-      shape = jnp.shape(leaf)
-      if not shape:
+      if not (shape := jnp.shape(leaf)):
         raise ValueError(f'Leaf {jax.tree_util.keystr(path)} is declared '
                          'stacked but is a scalar.')
       stack = shape[0]
-    if key not in group_index:
-      group_index[key] = len(groups)
+    if (group := group_index.setdefault(key, len(groups))) == len(groups):
       groups.append([])
       stacks.append(stack)
-    group = group_index[key]
     if stacks[group] != stack:
       raise ValueError(
           f'Block {_block_name(key)!r} mixes leaves with different layer '
@@ -269,25 +242,15 @@ def block_layout(
   for key, stack in zip(group_index, stacks):
     starts.append(len(names))
     name = _block_name(key)
-    if stack is None:
-      names.append(name)
-    else:
-      names.extend(f'{name}[{i}]' for i in range(stack))
-  return BlockLayout(
-      names=tuple(names),
-      groups=tuple(tuple(g) for g in groups),
-      group_starts=tuple(starts),
-      group_stacks=tuple(stacks),
-  )
+    names.extend([name] if stack is None else
+                 [f'{name}[{i}]' for i in range(stack)])
+  return BlockLayout(tuple(names), tuple(tuple(g) for g in groups),
+                     tuple(starts), tuple(stacks))
 
 
-def block_names(
-    params: Any,
-    *,
-    block_fn: Optional[BlockFn] = None,
-    stacked: Optional[StackedFn] = None,
-) -> tuple[str, ...]:
-  """Names of the M1 blocks of ``params``, in the order of
+def block_names(params: Any, *, block_fn: Optional[BlockFn] = None,
+                stacked: Optional[StackedFn] = None) -> tuple[str, ...]:
+  """Names of the M1 blocks (eq. 7) of ``params``, in the order of
   :class:`cbp_optax.EqualizeState` ``.energy`` (the :math:`q_l` of eq. 5).
 
   Args:
@@ -309,19 +272,14 @@ def block_names(
     (2,)
 
   References:
-    Layerwise Conditioned Backpropagation: A Curvature-Aware
-    Reparameterization of the Backward Pass with Convergence Guarantees,
-    eq. (7).
+    Layerwise Conditioned Backpropagation, eq. (7).
   """
   return block_layout(params, block_fn=block_fn, stacked=stacked).names
 
 
-def stack_root(
-    param_shapes: dict[tuple[str, ...], tuple[int, ...]],
-    layer_path: tuple[str, ...],
-    stack_size: int,
-    unstacked: Collection[tuple[str, ...]] = (),
-) -> tuple[str, ...]:
+def stack_root(param_shapes: dict[tuple[str, ...], tuple[int, ...]],
+               layer_path: tuple[str, ...], stack_size: int,
+               unstacked: Collection[tuple[str, ...]] = ()) -> tuple[str, ...]:
   """The highest module above a stacked layer that is all one layer stack.
 
   Walks up from ``layer_path`` while every parameter under the module has a
@@ -340,18 +298,15 @@ def stack_root(
   return root
 
 
-def check_stack_paths(
-    param_shapes: dict[tuple[str, ...], tuple[int, ...]],
-    stack_paths: Collection[str],
-) -> set[tuple[str, ...]]:
+def check_stack_paths(param_shapes: dict[tuple[str, ...], tuple[int, ...]],
+                      stack_paths: Collection[str]) -> set[tuple[str, ...]]:
   """``stack_paths`` (``'decoder/blocks'``) as key tuples, each naming a
   module with parameters."""
   roots = set()
   for stack_path in stack_paths:
     if not isinstance(stack_path, str) or not stack_path:
-      raise TypeError(
-          'stack paths must be module paths like \'decoder/blocks\', got '
-          f'{stack_path!r}.')
+      raise TypeError("stack paths must be module paths like 'decoder/blocks',"
+                      f' got {stack_path!r}.')
     root = tuple(stack_path.split('/'))
     if not any(p[:len(root)] == root for p in param_shapes):
       names = sorted('/'.join(p[:-1] if p[-1:] == ('value',) else p)
@@ -378,11 +333,8 @@ class stacked_predicate:  # pylint: disable=invalid-name
     names = path_names(strip_variable_suffix(path))
     return any(names[:len(root)] == root for root in self.roots)
 
-  def __eq__(self, other):
-    return isinstance(other, stacked_predicate) and self.roots == other.roots
-
-  def __hash__(self):
-    return hash(self.roots)
-
-  def __repr__(self):
-    return f'stacked_predicate({sorted("/".join(r) for r in self.roots)})'
+  __eq__ = lambda self, other: (isinstance(other, stacked_predicate)
+                                and self.roots == other.roots)
+  __hash__ = lambda self: hash(self.roots)
+  __repr__ = lambda self: (
+      f'stacked_predicate({sorted("/".join(r) for r in self.roots)})')
