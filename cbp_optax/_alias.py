@@ -58,8 +58,8 @@ _CBP_KRON = _spec('cbp.cbp_kron', **precondition_kron_lib.KRON_ARGUMENTS)
 
 
 def _finish(m3, *, decay, min_scale, max_scale, block_fn, stacked,
-            stats_dtype, update_clip, weight_decay, mask, learning_rate,
-            **_) -> optax.GradientTransformationExtraArgs:
+            stats_dtype, update_clip, weight_decay, mask, learning_rate
+            ) -> optax.GradientTransformationExtraArgs:
   """M1, ``m3``, the optional clip and decay, and the rate, as one chain."""
   transforms = [equalize_lib.equalize(
       decay, min_scale, max_scale, block_fn=block_fn, stacked=stacked,
@@ -162,10 +162,17 @@ def cbp(
   References:
     Layerwise Conditioned Backpropagation, §4.4 (eq. 12) and Algorithm 1.
   """
-  _checks.check(_CBP, **locals())
-  return _finish(precondition_lib.precondition(
-      b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment),
-                 **locals())
+  _checks.check(_CBP, learning_rate=learning_rate, b1=b1, b2=b2,
+      damping=damping, decay=decay, min_scale=min_scale, max_scale=max_scale,
+      weight_decay=weight_decay, mask=mask, block_fn=block_fn, stacked=stacked,
+      stats_dtype=stats_dtype, zero_moment=zero_moment, update_clip=update_clip)
+  m3 = precondition_lib.precondition(
+      b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment)
+  return _finish(
+      m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
+      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+      update_clip=update_clip, weight_decay=weight_decay, mask=mask,
+      learning_rate=learning_rate)
 
 
 cbp_robust = functools.partial(
@@ -245,8 +252,17 @@ def cbp_kron(
   References:
     Layerwise Conditioned Backpropagation, Algorithm 1, Lemma 1 and §8.2.
   """
-  _checks.check(_CBP_KRON, **locals())
-  return _finish(precondition_kron_lib.precondition_kron(
+  _checks.check(_CBP_KRON, learning_rate=learning_rate, b1=b1, b2=b2,
+      damping=damping, decay=decay, min_scale=min_scale, max_scale=max_scale,
+      every=every, max_dim=max_dim, dimension_numbers=dimension_numbers,
+      weight_decay=weight_decay, mask=mask, block_fn=block_fn, stacked=stacked,
+      stats_dtype=stats_dtype, zero_moment=zero_moment, update_clip=update_clip)
+  m3 = precondition_kron_lib.precondition_kron(
       b1, b2, damping, every=every, max_dim=max_dim,
       dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
-      zero_moment=zero_moment), **locals())
+      zero_moment=zero_moment)
+  return _finish(
+      m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
+      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+      update_clip=update_clip, weight_decay=weight_decay, mask=mask,
+      learning_rate=learning_rate)

@@ -312,7 +312,8 @@ def equalize(
     Layerwise Conditioned Backpropagation,
     §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
   """
-  _checks.check(_SPEC, **locals())
+  _checks.check(_SPEC, decay=decay, min_scale=min_scale, max_scale=max_scale,
+      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype)
 
   def make(count, energy, unblocked, dtype):
     return EqualizeState(count, energy.astype(dtype),

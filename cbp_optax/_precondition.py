@@ -217,7 +217,8 @@ def precondition(
     Layerwise Conditioned Backpropagation,
     §4.3-4.4 (eqs. 11-12), Lemma 1 and Algorithm 1, steps 6-9.
   """
-  _checks.check(_SPEC, **locals())
+  _checks.check(_SPEC, b1=b1, b2=b2, damping=damping, stats_dtype=stats_dtype,
+      zero_moment=zero_moment)
   rules = Rules(b1, b2, damping, zero_moment)
 
   def init_fn(params):

@@ -255,7 +255,9 @@ def precondition_kron(
     Layerwise Conditioned Backpropagation,
     §4.3-4.4 (eqs. 11-12), Lemma 1, Proposition 1 and §8.2.
   """
-  _checks.check(_SPEC, **locals())
+  _checks.check(_SPEC, b1=b1, b2=b2, damping=damping, factor_decay=factor_decay,
+      every=every, max_dim=max_dim, dimension_numbers=dimension_numbers,
+      stats_dtype=stats_dtype, zero_moment=zero_moment)
   rules = diag.Rules(b1, b2, damping, zero_moment)
   beta_f = b2 if factor_decay is None else factor_decay
   numbers = (default_dimension_numbers if dimension_numbers is None

@@ -80,7 +80,8 @@ def recommended(
   References:
     Layerwise Conditioned Backpropagation, §4.2 (eqs. 8-10), §4.4 (eqs. 11-12).
   """
-  _checks.check(_SPEC, **locals())
+  _checks.check(_SPEC, learning_rate=learning_rate, warmup_steps=warmup_steps,
+      b1=b1, weight_decay=weight_decay, mask=mask, state_dtype=state_dtype)
   rate = learning_rate
   if warmup_steps and not callable(learning_rate):
     rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
