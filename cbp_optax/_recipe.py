@@ -39,6 +39,8 @@ def recommended(
   decoupled weight decay and a linear warm-up to a constant rate. Evaluate
   at the schedule-free point (``cbp_optax.nnx.eval_model``,
   ``cbp_optax.linen.eval_params``); start from a tuned AdamW learning rate.
+  How it and its peers score on the suite's workloads:
+  ``docs/reproduction/workloads.md``.
 
   Args:
     learning_rate: the peak rate :math:`\eta \ge 0`, a float or an optax

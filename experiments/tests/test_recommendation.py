@@ -25,6 +25,9 @@ TEST = ROOT / 'results' / 'workloads' / 'test' / 'results.json'
 VMAPPED = ROOT / 'results' / 'workloads' / 'dev-vmap' / 'results.json'
 TARGET_TUNED = (ROOT / 'results' / 'workloads' / 'dev-target-tuning'
                 / 'results.json')
+# The splits with the Kronecker-factored M3's arms merged in (issue 58).
+KRON = tuple(ROOT / 'results' / 'workloads' / f'{split}-kron' / 'results.json'
+             for split in ('dev', 'test'))
 # Every page that answers "what should I use?".
 PAGES = ('README.md', 'docs/faq.md', 'docs/reproduction/workloads.md')
 
@@ -124,7 +127,8 @@ SCORE = re.compile(r'\b[01]\.\d{3} \[[01]\.\d{3}, [01]\.\d{3}\]')
 def test_every_score_with_an_interval_on_the_pages_is_a_committed_one(
     dev, test, vmapped, target_tuned, path):
   committed = set()
-  for results in (dev, test, vmapped, target_tuned):
+  kron = [json.loads(path.read_text()) for path in KRON]
+  for results in (dev, test, vmapped, target_tuned, *kron):
     for profile in ('anytime', 'anytime_wall_clock', 'steps', 'wall_clock'):
       stored = results['profiles'].get(profile) or {}
       for arm, score in (stored.get('score') or {}).items():
