@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from cbp_optax import _checks
-from cbp_optax._paths import key_name  # noqa: F401  (cbp_optax.linen uses it)
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
 

@@ -15,12 +15,12 @@ from flax.core import meta
 
 from cbp_optax import _opt_state
 from cbp_optax._flax_state import FLAX
+from cbp_optax._paths import key_name
 from cbp_optax._paths import path_names
 from cbp_optax._paths import path_str
 from cbp_optax._stacks import einsum_kernel_dims
 from cbp_optax._stacks import place_kernel_dims
 from cbp_optax import _checks
-from cbp_optax import blocks
 from cbp_optax import centering as core
 
 from cbp_optax.linen._center import CenteredModel
@@ -239,7 +239,7 @@ def _collections_table(params, centering) -> dict[tuple[str, ...], Any]:
                unfrozen, flax.core.unfreeze(centering))}
   for path, leaf in jax.tree_util.tree_leaves_with_path(unfrozen):
     names = path_names(path)
-    if (str(blocks.key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2
+    if (str(key_name(path[-1])) == 'kernel' and jnp.ndim(leaf) >= 2
         and names not in table):
       raise ValueError(
           f'muon_dimension_numbers: the kernel {path_str(path)!r} belongs to '
