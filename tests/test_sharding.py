@@ -573,3 +573,36 @@ def test_orbax_restores_onto_the_shardings_of_the_target(tmp_path):
       state['params'].sharding, 2)
   total = jax.jit(lambda s: s['params'].sum() + s['step'])(restored)
   assert float(total) == DEVICES * 4
+
+
+@needs_mesh
+def test_nnx_step_follows_state_moved_between_calls():
+  # A step compiled for one placement must not be reused for another: a
+  # hand-kept executable cache keyed on shapes alone refused the move.
+  def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  def place(model, optimizer, where):
+    nnx.update(model, jax.device_put(nnx.state(model), where))
+    nnx.update(optimizer, jax.device_put(nnx.state(optimizer), where))
+
+  mesh = jax.make_mesh((DEVICES,), ('data',), axis_types=(AxisType.Auto,))
+  model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu,
+                         nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+  cbp_nnx.center(model)
+  optimizer = cbp_nnx.Optimizer(model, cbp.cbp(LR))
+  step = cbp_nnx.train_step(loss_fn)
+  x, y = jnp.ones((DEVICES, 4)), jnp.zeros((DEVICES, 1))
+  step(model, optimizer, x, y)
+  place(model, optimizer, NamedSharding(mesh, P()))
+  batch = NamedSharding(mesh, P('data'))
+  out = step(model, optimizer, jax.device_put(x, batch),
+             jax.device_put(y, batch))
+  assert out.loss.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
+  for leaf in jax.tree.leaves(nnx.state((model, optimizer))):
+    assert len(leaf.devices()) == DEVICES
+  place(model, optimizer, jax.devices()[1])
+  out = step(model, optimizer, jax.device_put(x, jax.devices()[1]),
+             jax.device_put(y, jax.devices()[1]))
+  assert out.loss.devices() == {jax.devices()[1]}
+  assert int(optimizer.step[...]) == 3

@@ -71,9 +71,12 @@ class Optimizer(nnx.Optimizer):
       raise
 
 
+def _is_node(x: Any) -> bool:
+  return isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
 def _graph_nodes(tree: Any) -> list[Any]:
-  return [x for x in jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node)
-          if nnx.graph.is_graph_node(x)]
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_node) if _is_node(x)]
 
 
 @jax.tree_util.register_static
@@ -87,8 +90,8 @@ class _Slot:
 def _slots(args: Any, nodes: list[Any]) -> Any:
   index = {id(node): i for i, node in enumerate(nodes)}
   return jax.tree.map(
-      lambda x: _Slot(index[id(x)]) if nnx.graph.is_graph_node(x) else x,
-      args, is_leaf=nnx.graph.is_graph_node)
+      lambda x: _Slot(index[id(x)]) if _is_node(x) else x, args,
+      is_leaf=_is_node)
 
 
 def _fill_slots(slotted: Any, nodes: Sequence[Any]) -> Any:
@@ -323,7 +326,7 @@ def train_step(
           graphdef, nnx.State({0: model_params, **node_params}), rest)
       swap = dict(zip(map(id, nodes), inner_nodes))
       inner_args = jax.tree.map(lambda x: swap.get(id(x), x), args,
-                                is_leaf=nnx.graph.is_graph_node)
+                                is_leaf=_is_node)
       loss, aux = _step.split_loss(loss_fn(inner_model, *inner_args))
       _step.check_scalar_loss(loss)
       # Not the recorded counts, which the transport zeroes.
