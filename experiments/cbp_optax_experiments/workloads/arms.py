@@ -38,6 +38,7 @@ import pathlib
 import types
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import optax
 
 import cbp_optax as cbp
@@ -214,7 +215,11 @@ def _psgd_kron(lr, ctx):
       return PSGDKronState(inner.init(params))
 
   def update(updates, state, params=None, **extra):
-    updates, new = inner.update(updates, state.inner, params, **extra)
+    # nnx.Optimizer keeps the state's lists as nnx.State mappings, which
+    # psgd-jax iterates as lists (their keys): rebuild its own structure.
+    structure = jax.tree.structure(jax.eval_shape(init, updates).inner)
+    own = jax.tree.unflatten(structure, jax.tree.leaves(state.inner))
+    updates, new = inner.update(updates, own, params, **extra)
     return updates, PSGDKronState(new)
 
   return optax.chain(
