@@ -77,10 +77,9 @@ def new_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
   plain = decay * energy + (1 - decay) * energies
   # sum ||g_k||_F^2 over the leaves in no block (a zero when none is).
   in_blocks = {i for group in layout.groups for i in group}
-  unblocked = jnp.zeros([], dtype)
-  for i, leaf in enumerate(leaves):
-    if i not in in_blocks:
-      unblocked = unblocked + jnp.sum(jnp.square(leaf.astype(dtype)))
+  unblocked = sum((jnp.sum(jnp.square(leaf.astype(dtype)))
+                   for i, leaf in enumerate(leaves) if i not in in_blocks),
+                  jnp.zeros([], dtype))
 
   def rescue(operands):
     plain, unblocked, leaves = operands

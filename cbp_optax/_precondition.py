@@ -92,9 +92,8 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
   """Checks an update's trees; returns the new count, the step's ``terms``
   ``(t == 1, 1 - b1^t, 1 - b2^(t-1))`` (the last 1 at the first step, where
   P_1 = I) and the parameter leaves (None without ``params``)."""
-  # test_complex_gradients_are_refused: the imaginary part would be lost.
   _checks.check_real_gradients(name, updates)
-  # test_mismatched_tree_is_refused_clearly: moments of other leaves.
+  # Else the gradients would meet the moments of other leaves.
   updates_def, state_def = map(jax.tree.structure, (updates, state.mu))
   if updates_def != state_def:
     raise ValueError('precondition: ' + (
@@ -107,7 +106,6 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
       raise ValueError(
           f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
           f'{jnp.shape(g)} but its state has shape {jnp.shape(m)}.')
-  # test_params_that_do_not_match_the_gradients_are_refused.
   _checks.check_params_match(name, updates, params)
   count_inc = optax.safe_increment(state.count)
   first_step = state.count == 0
@@ -119,8 +117,7 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
 
 
 def leaf_update(rules: Rules, terms: tuple[Any, ...], g, m, v, p):
-  """One leaf's direction and new moments (eqs. 11-12; Algorithm 1, steps
-  6-9)."""
+  """One leaf's direction and moments (eqs. 11-12; Algorithm 1, steps 6-9)."""
   b1, b2, damping = rules.b1, rules.b2, rules.damping
   first_step, mu_correction, nu_correction = terms
   out_dtype = _checks.output_dtype(g, p)
@@ -150,10 +147,9 @@ def leaf_update(rules: Rules, terms: tuple[Any, ...], g, m, v, p):
           v_new.astype(v.dtype))
 
 
-def precondition(
-    b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
-    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
-) -> optax.GradientTransformation:
+def precondition(b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
+                 stats_dtype: Optional[Any] = None,
+                 zero_moment: str = 'damped') -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
   Returns :math:`P_t \hat m_t` with :math:`\hat m_t = m_t / (1 -

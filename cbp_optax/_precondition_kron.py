@@ -269,7 +269,7 @@ def precondition_kron(
     specs = jax.tree.leaves(
         numbers(params) if callable(numbers) else numbers,
         is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
-    # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
+    # zip would leave the uncovered leaves out (diagonal), silently.
     if len(specs) != len(leaves):
       raise ValueError(
           'precondition_kron: dimension_numbers must give one '
@@ -281,7 +281,6 @@ def precondition_kron(
               _matrix(jnp.shape(leaf), s, max_dim))
              for (path, leaf), s in zip(leaves, specs)]
     keys = [k for k, view in found if view is not None]
-    # test_matrices_whose_joined_paths_collide_are_refused: one factor.
     if len(set(keys)) != len(keys):
       raise ValueError('precondition_kron: two matrix leaves have the same '
                        f'path once joined ({sorted(keys)}); rename one.')
@@ -319,8 +318,7 @@ def precondition_kron(
         step, m_new, v_new = diag.leaf_update(rules, terms, g, m, v, p)
       else:
         step, m_new, v_new, factors[key] = _matrix_update(
-            rules, beta_f, terms, refresh, g, m, v, p, state.factors[key],
-            view)
+            rules, beta_f, terms, refresh, g, m, v, p, state.factors[key], view)
       steps.append(step), mus.append(m_new), nus.append(v_new)
     return treedef.unflatten(steps), KronPreconditionState(
         count=count_inc, mu=treedef.unflatten(mus),
