@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
-
 import functools
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
