@@ -94,9 +94,10 @@ def cbp(
   Start around :math:`\eta = 10^{-3}`: a coordinate whose gradient was zero
   so far is scaled by up to :math:`1/\zeta` the first time it is not (on
   Rosenbrock from the origin, :math:`\eta = 0.1` sends the second coordinate
-  to about 421; see :func:`precondition` for the remedies). Schedule a hyperparameter other than
-  ``learning_rate`` and ``weight_decay`` with ``optax.inject_hyperparams``,
-  naming ``block_fn``, ``stacked`` and ``mask`` in its ``static_args``.
+  to about 421; see :func:`precondition` for the remedies). Schedule other
+  hyperparameters than ``learning_rate`` and ``weight_decay`` with
+  ``optax.inject_hyperparams``, naming ``block_fn``, ``stacked`` and ``mask``
+  in its ``static_args``.
 
   Args:
     learning_rate: :math:`\eta \ge 0`, a float or an optax schedule.
@@ -168,11 +169,10 @@ def cbp(
       stats_dtype=stats_dtype, zero_moment=zero_moment, update_clip=update_clip)
   m3 = precondition_lib.precondition(
       b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment)
-  return _finish(
-      m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      update_clip=update_clip, weight_decay=weight_decay, mask=mask,
-      learning_rate=learning_rate)
+  return _finish(m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
+                 block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+                 update_clip=update_clip, weight_decay=weight_decay, mask=mask,
+                 learning_rate=learning_rate)
 
 
 cbp_robust = functools.partial(
@@ -189,8 +189,7 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     :math:`\eta`.
   * ``update_clip=3.0``: the lagged :math:`\hat v_{t-1}` does not bound a
     growing gradient.
-  * ``min_scale=max_scale=1.0``: :math:`S_t = I` (the block energies are
-    still kept).
+  * ``min_scale=max_scale=1.0``: :math:`S_t = I` (block energies still kept).
 
   Lemma 1's bounds hold, the lower one :math:`\min(1/(G + \zeta), 3/G)`.
 
@@ -208,8 +207,8 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     [-0.01  0.01] [-0.01 -0.01]
 
   References:
-    Layerwise Conditioned Backpropagation,
-    eq. (11), Lemma 1, Theorem 3 and Algorithm 1.
+    Layerwise Conditioned Backpropagation, eq. (11), Lemma 1, Theorem 3 and
+    Algorithm 1.
   """
 
 # doctest does not look inside a functools.partial: run its examples.
@@ -261,8 +260,7 @@ def cbp_kron(
       b1, b2, damping, every=every, max_dim=max_dim,
       dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
       zero_moment=zero_moment)
-  return _finish(
-      m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      update_clip=update_clip, weight_decay=weight_decay, mask=mask,
-      learning_rate=learning_rate)
+  return _finish(m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
+                 block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+                 update_clip=update_clip, weight_decay=weight_decay, mask=mask,
+                 learning_rate=learning_rate)
