@@ -67,7 +67,9 @@ class CenteredModel(NamedTuple):
     def spy(next_fun, call_args, call_kwargs, context):
       out = next_fun(*call_args, **call_kwargs)
       module = context.module
-      if context.method_name == '__call__' and _has_own_params(module):
+      if context.method_name == '__call__' and any(  # params of its own
+          not isinstance(v, Mapping)
+          for v in module.variables.get('params', {}).values()):
         path = path_str(module.scope.path)
         reason = core.skip_reason(self.where, path, module, check_layer)
         if reason is None and _under_map_variables(module):
@@ -82,11 +84,6 @@ class CenteredModel(NamedTuple):
     with nn.intercept_methods(spy):
       jax.eval_shape(functools.partial(self.init, **kwargs), *args)
     return core.CenterReport(sorted(centered), sorted(skipped))
-
-
-def _has_own_params(module: nn.Module) -> bool:
-  params = module.variables.get('params', {})
-  return any(not isinstance(v, Mapping) for v in params.values())
 
 
 def center(module: nn.Module, *, where: core.Where = None,

@@ -123,8 +123,7 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
   ``opt_state`` (fused steps keep no recorded count: ``recorded_only=False``)."""
   lookahead = isinstance(params, optax.LookaheadParams)
   fast = params.fast if lookahead else params
-  new_params = flax.core.unfreeze(fast)
-  new_centering = flax.core.unfreeze(centering)
+  new_params, new_centering = map(flax.core.unfreeze, (fast, centering))
   moves = []  # the layers' moves, for the optimizer's parameter copies
   for path, name, inner, entry in list(_layers(new_params, new_centering)):
     shift = transport_layer(inner, entry, mean_decay, recorded_only)
@@ -158,9 +157,8 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
   """
   if isinstance(params, optax.LookaheadParams):
     return _opt_state.unshared(params.slow)
-  if opt_state is None:
-    return _opt_state.unshared(params)
-  return _opt_state.unshared(_opt_state.evaluation_params(opt_state, params))
+  return _opt_state.unshared(params if opt_state is None else
+                             _opt_state.evaluation_params(opt_state, params))
 
 
 # A kernel-shaped CenteringMean box muon_dimension_numbers' abstract init

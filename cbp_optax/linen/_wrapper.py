@@ -18,8 +18,7 @@ from cbp_optax._paths import path_str
 
 COLLECTION = 'centering'
 
-# The entries of core.LayerState's mean, recorded, count and residual, and
-# a convolution's kernel mask.
+# The entries of LayerState's mean, recorded, count, residual and conv mask.
 MEAN, RECORDED, COUNT = 'mean', 'batch_mean', 'batch_count'
 RESIDUAL, MASK = 'bias_residual', 'kernel_mask'
 
@@ -175,10 +174,9 @@ class Centered(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(
-      self, inputs: jax.Array, *args,
-      use_running_average: Optional[bool] = None, **kwargs,
-  ) -> jax.Array:
+  def __call__(self, inputs: jax.Array, *args,
+               use_running_average: Optional[bool] = None,
+               **kwargs) -> jax.Array:
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)
     layer = self.layer

@@ -40,10 +40,6 @@ def _set_at(node: Any, path: tuple[Any, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _has_own_params(module: nnx.Module) -> bool:
-  return any(isinstance(v, nnx.Param) for v in vars(module).values())
-
-
 def _graph_paths(model: nnx.Module
                  ) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
   """Every path to every module and every Variable, by ``id``."""
@@ -150,7 +146,7 @@ def center(model: nnx.Module, *, where: core.Where = None,
   for path, module in modules:
     name = path_str(path)
     if (isinstance(module, Centered) or tuple(path) in inside_centered
-        or not _has_own_params(module)):
+        or not any(isinstance(v, nnx.Param) for v in vars(module).values())):
       continue
     reason = core.skip_reason(where, name, module, layer_spec)
     if reason:

@@ -164,8 +164,7 @@ def eval_model(model: nnx.Module,
     optimizer: its ``nnx.Optimizer``, or None.
 
   Raises:
-    ValueError: several ``schedule_free`` states, or one over part of the
-      parameters.
+    ValueError: several ``schedule_free`` states, or one over some parameters.
 
   Examples:
     >>> import jax.numpy as jnp, optax
