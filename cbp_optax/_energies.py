@@ -36,10 +36,9 @@ def block_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
 def _rescued_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
                       dtype: Any, weight: chex.Numeric
                       ) -> tuple[chex.Array, chex.Array]:
-  """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the
-  leaves in no block, as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
-  max |g|``, saturating at the dtype's largest value: finite for a finite
-  gradient."""
+  """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the leaves
+  in no block, as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m = max |g|``,
+  saturating at the dtype's largest value: finite for finite gradients."""
   largest = jnp.finfo(dtype).max
   root = jnp.sqrt(jnp.asarray(weight, dtype))
 

@@ -116,8 +116,7 @@ def _group_scales(layout: BlockLayout, energy: chex.Array, count: chex.Array,
   return _split(scales, layout.group_starts, layout.group_stacks)
 
 
-# Groups per multi-output reduction of _split (its compile time per output
-# grows past a few dozen outputs).
+# Groups per _split reduction (compile time per output grows past dozens).
 _SPLIT_CHUNK = 32
 
 
@@ -242,13 +241,12 @@ def equalize(
 ) -> optax.GradientTransformation:
   r"""Layerwise gradient-norm equalization, M1 of Conditioned Backpropagation.
 
-  Multiplies each parameter block :math:`l` by
-  :math:`s_l = \mathrm{clip}(c / \sqrt{q_l}, s_{\min}, s_{\max})` with
-  :math:`c = (\frac{1}{L}\sum_j q_j)^{1/2}` (eq. 6), where :math:`q_l` is an EMA
-  of :math:`\|g^{(l)}\|_F^2` (eq. 5). The scales of step :math:`t` use the
-  energies stored at step :math:`t-1` (:math:`s_l = 1` at :math:`t = 1`);
-  the energies are refreshed with the raw gradients afterwards (Algorithm 1,
-  steps 3-5).
+  Multiplies each parameter block :math:`l` by :math:`s_l = \mathrm{clip}(c /
+  \sqrt{q_l}, s_{\min}, s_{\max})` with :math:`c = (\frac{1}{L}\sum_j
+  q_j)^{1/2}` (eq. 6), where :math:`q_l` is an EMA of :math:`\|g^{(l)}\|_F^2`
+  (eq. 5). The scales of step :math:`t` use the energies stored at step
+  :math:`t-1` (:math:`s_l = 1` at :math:`t = 1`), which the raw gradients
+  refresh afterwards (Algorithm 1, steps 3-5).
 
   Args:
     decay: EMA decay :math:`\rho` of the block energies, in [0, 1).
@@ -288,8 +286,6 @@ def equalize(
     ('a', 'b')
     >>> tx = cbp.equalize(decay=0.0)
     >>> state = tx.init(params)
-    >>> state.energy
-    Array([0., 0.], dtype=float32)
     >>> updates, state = tx.update(grads, state)
     >>> print(updates['a']['w'], updates['b']['w'])
     [0.1 0.1 0.1] [10. 10.]
@@ -320,14 +316,12 @@ def equalize(
   def update_fn(updates, state, params=None):
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
-    # test_mismatched_tree_is_refused_clearly: energies of other blocks.
     if len(layout.names) != state.energy.shape[0]:
       raise ValueError(
           f'equalize: the gradients have {len(layout.names)} blocks but the '
           f'state was initialized for {state.energy.shape[0]}.')
     _check_recorded_bounds(state, min_scale, max_scale)
-    # test_equalize_refuses_other_leaves_with_the_same_block_count (the state
-    # is a flat vector: only the parameters show the leaves).
+    # The state is a flat vector: only the parameters show the leaves.
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
