@@ -57,8 +57,7 @@ def _stored(x: jax.Array, wide: Any) -> jax.Array:
 
 
 def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
-  """``b~ + W (mu_new - mu_old)`` for one layer (in float32 at least), and
-  the new residual."""
+  """A layer's ``b~ + W (mu_new - mu_old)`` (float32 at least), new residual."""
   wide = (residual.dtype if residual is not None else jnp.promote_types(
       jnp.promote_types(kernel.dtype, mean.dtype), jnp.float32))
   delta = _stored(new_mean, wide) - _stored(mean, wide)

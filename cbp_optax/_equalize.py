@@ -274,9 +274,8 @@ def equalize(
       not match the ``params`` given to ``update``.
 
   Examples:
-    Step 1 applies :math:`s_l = 1`; step 2 boosts the weak block up to
-    ``max_scale`` and damps the strong one (``decay=0``: :math:`q_l` is the
-    last energy):
+    Step 1 applies :math:`s_l = 1`; step 2 (``decay=0``: :math:`q_l` is the last
+    energy) boosts the weak block to ``max_scale``, damps the strong one:
 
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
@@ -314,14 +313,17 @@ def equalize(
                 dtype)
 
   def update_fn(updates, state, params=None):
+    # test_complex_gradients_are_refused: the imaginary part would be lost.
     _checks.check_real_gradients('equalize', updates)
     layout = block_layout(updates, block_fn=block_fn, stacked=stacked)
+    # test_mismatched_tree_is_refused_clearly: energies of other blocks.
     if len(layout.names) != state.energy.shape[0]:
       raise ValueError(
           f'equalize: the gradients have {len(layout.names)} blocks but the '
           f'state was initialized for {state.energy.shape[0]}.')
+    # test_an_eager_update_refuses_another_configurations_state: the bounds.
     _check_recorded_bounds(state, min_scale, max_scale)
-    # The state is a flat vector: only the parameters show the leaves.
+    # test_equalize_refuses_other_leaves_with_the_same_block_count: flat state.
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

@@ -92,8 +92,9 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
   """Checks an update's trees; returns the new count, the step's ``terms``
   ``(t == 1, 1 - b1^t, 1 - b2^(t-1))`` (the last 1 at the first step, where
   P_1 = I) and the parameter leaves (None without ``params``)."""
+  # test_complex_gradients_are_refused: the imaginary part would be lost.
   _checks.check_real_gradients(name, updates)
-  # Else the gradients would meet the moments of other leaves.
+  # test_mismatched_tree_is_refused_clearly: moments of other leaves.
   updates_def, state_def = map(jax.tree.structure, (updates, state.mu))
   if updates_def != state_def:
     raise ValueError('precondition: ' + (
@@ -106,6 +107,7 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
       raise ValueError(
           f'precondition: gradient {jax.tree_util.keystr(path)} has shape '
           f'{jnp.shape(g)} but its state has shape {jnp.shape(m)}.')
+  # test_params_that_do_not_match_the_gradients_are_refused.
   _checks.check_params_match(name, updates, params)
   count_inc = optax.safe_increment(state.count)
   first_step = state.count == 0

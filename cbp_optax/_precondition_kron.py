@@ -268,7 +268,7 @@ def precondition_kron(
     specs = jax.tree.leaves(
         numbers(params) if callable(numbers) else numbers,
         is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
-    # zip would leave the uncovered leaves out (diagonal), silently.
+    # test_dimension_numbers_must_cover_every_leaf: else leaves go diagonal.
     if len(specs) != len(leaves):
       raise ValueError(
           'precondition_kron: dimension_numbers must give one '
@@ -279,6 +279,7 @@ def precondition_kron(
               _matrix(jnp.shape(leaf), s, max_dim))
              for (path, leaf), s in zip(leaves, specs)]
     keys = [k for k, view in found if view is not None]
+    # test_matrices_whose_joined_paths_collide_are_refused: one factor.
     if len(set(keys)) != len(keys):
       raise ValueError('precondition_kron: two matrix leaves have the same '
                        f'path once joined ({sorted(keys)}); rename one.')

@@ -115,6 +115,7 @@ def transport(model: nnx.Module, mean_decay: Any = 0.99, *,
   References:
     Layerwise Conditioned Backpropagation, eq. (10), Algorithm 1 steps 10-11.
   """
+  # test_every_transport_path_validates_mean_decay: NaN means and biases.
   _checks.check_mean_decay(mean_decay)
   if optimizer is not None and opt_state is not None:
     raise ValueError('transport: pass optimizer or opt_state, not both.')
