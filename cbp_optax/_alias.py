@@ -92,7 +92,7 @@ def cbp(
   Start around :math:`\eta = 10^{-3}`: a coordinate whose gradient was zero so
   far is scaled by up to :math:`1/\zeta` the first time it is not (on Rosenbrock
   from the origin, :math:`\eta = 0.1` sends the second coordinate to about 421;
-  see :func:`precondition` for the remedies). Schedule other hyperparameters
+  see :func:`precondition` for the remedies). Schedule hyperparameters other
   than ``learning_rate`` and ``weight_decay`` with ``optax.inject_hyperparams``,
   naming ``block_fn``, ``stacked`` and ``mask`` in its ``static_args``.
 

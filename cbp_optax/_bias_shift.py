@@ -89,7 +89,8 @@ def shift_bias(spec: LayerSpec, kernel: jax.Array, bias: jax.Array,
     new_mean: ``mu_new``, shaped like ``mean``.
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
-    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`).
+    residual: a 16-bit bias's float32 residual, shaped like ``bias``
+      (:func:`needs_bias_residual`).
 
   Returns:
     The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.

@@ -298,6 +298,8 @@ def float_dtype(name: str, value: Any, why: str = '',
 
 
 # --- one-argument checks, for callers without a Spec ---
+
+
 def _check_one(constraint: Constraint, name: str, value: Any) -> None:
   check(Spec('', {name: constraint}), **{name: value})
 
@@ -329,6 +331,8 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
 
 
 # --- the trees an update receives ---
+
+
 def check_params_match(name: str, updates: Any, params: Any) -> None:
   """Refuses ``params`` (when given) without the leaves and shapes of
   ``updates``, in leaf order."""

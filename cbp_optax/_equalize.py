@@ -29,7 +29,7 @@ class EqualizeState(NamedTuple):
   Attributes:
     count: the number of updates taken, an int32 scalar.
     energy: the EMAs :math:`q_l` of eq. (5), one per block, in the order of
-      :func:`cbp_optax.block_names`.
+      :func:`cbp_optax.block_names`; zeros at init.
     min_scale: :math:`s_{\min}` of eq. (6) of the latest update (at init,
       the transform's).
     max_scale: :math:`s_{\max}` of eq. (6), likewise.
@@ -69,8 +69,8 @@ def block_scales(energy: chex.Array, count: chex.Array, min_scale: chex.Numeric,
                  max_scale: chex.Numeric) -> chex.Array:
   """The scales ``s_l = clip(c / sqrt(q_l), s_min, s_max)`` of eq. (6) from
   stored energies; ones at the first step. A zero energy (a frozen or unused
-  block) gets ``max_scale``, or one when every energy is zero: a finite scale,
-  so a zero gradient gives a zero update."""
+  block) gets ``max_scale``; when every energy is zero the ratio is one. The
+  scale is finite, so a zero gradient gives a zero update."""
   if energy.shape[0] == 0:
     return energy
   target = jnp.sqrt(jnp.mean(energy))
@@ -323,7 +323,7 @@ def equalize(
           f'state was initialized for {state.energy.shape[0]}.')
     # test_an_eager_update_refuses_another_configurations_state: the bounds.
     _check_recorded_bounds(state, min_scale, max_scale)
-    # test_equalize_refuses_other_leaves_with_the_same_block_count: flat state.
+    # test_equalize_refuses_other_leaves_with_the_same_block_count.
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

@@ -210,7 +210,7 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
 
 def _refusal(owner: Optional[tuple[type, Any]], label: str,
              form: Optional[str] = None) -> str:
-  """Why a parameter-sized tree (``form``: one no move fits) is refused."""
+  """Why a parameter-sized tree (``form``: one that fits no move) is refused."""
   holder, place = (
       ('The optimizer state', f'directly in a chain or wrapper (at {label})')
       if owner is None else (f'{owner[0].__module__}.{owner[0].__qualname__}',
@@ -230,9 +230,10 @@ def transport_state(state: Any, moves: Sequence[LayerMove], *,
                     what: str = 'opt_state', kind: TreeKind = PLAIN,
                     params: Any = None) -> Any:
   """``state`` with every parameter copy transported (see the module doc);
-  with ``LayerMove.shift`` None it only classifies. UnclassifiedStateError: an
-  unclassified parameter-shaped tree, a refused class, a copy that splits a
-  layer, or (given ``params``) one of another tree."""
+  with ``LayerMove.shift`` None it only classifies. Raises
+  UnclassifiedStateError for an unclassified parameter-shaped tree, a
+  refused class, a copy that splits a layer, or (given ``params``) one of
+  another tree."""
   if not moves:
     return state
   shapes = None if params is None else _shapes(params, kind)

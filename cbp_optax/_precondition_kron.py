@@ -274,7 +274,7 @@ def precondition_kron(
           'precondition_kron: dimension_numbers must give one '
           f'MuonDimensionNumbers or None per leaf; got {len(specs)} for '
           f'{len(leaves)} leaves.')
-    # Keys: joined paths, NNX's ``value`` left out (init's match update's).
+    # Keys: joined paths without NNX's ``value`` (the same at init and update).
     found = [('/'.join(n for n in path_names(path) if n != 'value'),
               _matrix(jnp.shape(leaf), s, max_dim))
              for (path, leaf), s in zip(leaves, specs)]

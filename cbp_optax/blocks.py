@@ -62,7 +62,8 @@ class BlockLayout(NamedTuple):
 
 
 def strip_variable_suffix(path: KeyPath) -> KeyPath:
-  # nnx.Optimizer inits on Variables (`.value` paths), updates with arrays.
+  # nnx.Optimizer inits on Variables (`.value` paths), updates with arrays:
+  # both get the same block keys.
   if (path and isinstance(path[-1], jax.tree_util.GetAttrKey)
       and path[-1].name == 'value'):
     return path[:-1]
@@ -234,7 +235,8 @@ def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
           f'{jax.tree_util.keystr(path)}).')
     groups[group].append(leaf_index)
 
-  names, starts = [], []  # block names; each group's first block
+  names: list[str] = []  # block names
+  starts: list[int] = []  # each group's first block
   for key, stack in zip(group_index, stacks):
     starts.append(len(names))
     name = _block_name(key)

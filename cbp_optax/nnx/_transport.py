@@ -158,14 +158,15 @@ def eval_model(model: nnx.Module,
   With a ``schedule_free`` state in ``optimizer``, the copy has its evaluation
   point ``x = (y - (1 - b1) z) / b1`` and the model's means (recalibrate
   BatchNorm statistics at ``x``), else the model's own parameters. It shares
-  no array with ``model``, so it outlives the donating :func:`train_step`.
+  no variable or array with ``model``, so it outlives the donating
+  :func:`train_step`.
 
   Args:
     model: the trained model.
     optimizer: its ``nnx.Optimizer``, or None.
 
   Raises:
-    ValueError: several ``schedule_free`` states, or one over some parameters.
+    ValueError: several ``schedule_free`` states, or one over part of them.
 
   Examples:
     >>> import jax.numpy as jnp, optax
