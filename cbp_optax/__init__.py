@@ -37,29 +37,11 @@ centering.register_parameter_state(KronPreconditionState)
 
 __version__ = '0.1.0'
 
-__all__ = (
-    'BlockStats',
-    'EqualizeState',
-    'KronPreconditionState',
-    'PreconditionState',
-    'block_names',
-    'blocks',
-    'cbp',
-    'cbp_kron',
-    'cbp_robust',
-    'centering',
-    'equalize',
-    'equalize_stats',
-    'kernel_blocks',
-    'layer_blocks',
-    'leaf_blocks',
-    'linen',
-    'nnx',
-    'no_blocks',
-    'precondition',
-    'precondition_kron',
-    'recommended',
-)
+__all__ = ('BlockStats', 'EqualizeState', 'KronPreconditionState',
+           'PreconditionState', 'block_names', 'blocks', 'cbp', 'cbp_kron',
+           'cbp_robust', 'centering', 'equalize', 'equalize_stats',
+           'kernel_blocks', 'layer_blocks', 'leaf_blocks', 'linen', 'nnx',
+           'no_blocks', 'precondition', 'precondition_kron', 'recommended')
 
 # Imported on first use: the Flax adapters (Flax is an optional extra).
 _LAZY_MODULES = frozenset({'linen', 'nnx'})

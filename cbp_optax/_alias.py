@@ -17,9 +17,8 @@ from cbp_optax import _precondition_kron as precondition_kron_lib
 from cbp_optax import _weight_decay as weight_decay_lib
 
 
-def _narrow_in_float32(
-    inner: optax.GradientTransformation,
-) -> optax.GradientTransformationExtraArgs:
+def _narrow_in_float32(inner: optax.GradientTransformation
+                       ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` on float32 copies of float16 gradients, casting the
   update back (saturating); other trees go through untouched."""
   inner = optax.with_extra_args_support(inner)
@@ -84,24 +83,22 @@ def cbp(
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditioned Backpropagation: M1 equalization, then M3 preconditioning.
 
-  The chain :func:`equalize` -> :func:`precondition` -> optional
-  ``optax.clip`` -> optional decoupled weight decay ->
-  ``optax.scale_by_learning_rate``: the update :math:`-\eta P_t \hat m_t`
-  of eq. (12) with :math:`m` built from :math:`S_t g_t`. Centering (M2) is a
-  reparameterization of the model (``cbp_optax.nnx.center``,
-  ``cbp_optax.linen.center``), not an optimizer step.
+  The chain :func:`equalize` -> :func:`precondition` -> optional ``optax.clip``
+  -> optional decoupled weight decay -> ``optax.scale_by_learning_rate``: the
+  update :math:`-\eta P_t \hat m_t` of eq. (12) with :math:`m` built from
+  :math:`S_t g_t`. Centering (M2) is a reparameterization of the model
+  (``cbp_optax.nnx.center``, ``cbp_optax.linen.center``), not an optimizer step.
 
-  Start around :math:`\eta = 10^{-3}`: a coordinate whose gradient was zero
-  so far is scaled by up to :math:`1/\zeta` the first time it is not (on
-  Rosenbrock from the origin, :math:`\eta = 0.1` sends the second coordinate
-  to about 421; see :func:`precondition` for the remedies). Schedule a hyperparameter other than
-  ``learning_rate`` and ``weight_decay`` with ``optax.inject_hyperparams``,
+  Start around :math:`\eta = 10^{-3}`: a coordinate whose gradient was zero so
+  far is scaled by up to :math:`1/\zeta` the first time it is not (on Rosenbrock
+  from the origin, :math:`\eta = 0.1` sends the second coordinate to about 421;
+  see :func:`precondition` for the remedies). Schedule hyperparameters other
+  than ``learning_rate`` and ``weight_decay`` with ``optax.inject_hyperparams``,
   naming ``block_fn``, ``stacked`` and ``mask`` in its ``static_args``.
 
   Args:
     learning_rate: :math:`\eta \ge 0`, a float or an optax schedule.
-    b1: momentum decay :math:`\beta_1` in [0, 1) (0 gives the analysed
-      momentum-free method).
+    b1: momentum decay :math:`\beta_1` in [0, 1) (0: momentum-free, §5.4).
     b2: second-moment decay :math:`\beta_2` in [0, 1).
     damping: preconditioner damping :math:`\zeta > 0`.
     decay: block-energy EMA decay :math:`\rho` of M1 (eq. 5), in [0, 1).
@@ -109,10 +106,9 @@ def cbp(
     max_scale: :math:`s_{\max} \ge s_{\min}` of eq. (6).
     weight_decay: decoupled weight decay :math:`\ge 0` (a number or a
       schedule), before the learning rate; None leaves it out of the chain.
-    mask: which parameters the weight decay applies to, as in
-      ``optax.add_decayed_weights``; only with ``weight_decay``. None: every
-      leaf of rank >= 2 but those named ``bias``, ``scale`` or
-      ``embedding``.
+    mask: the leaves ``weight_decay`` applies to, as in
+      ``optax.add_decayed_weights`` (only with it). None: every leaf of rank
+      >= 2 but those named ``bias``, ``scale`` or ``embedding``.
     block_fn: grouping of leaves into M1 blocks, see :func:`equalize`.
     stacked: layer-stacked leaves, see :func:`equalize`.
     stats_dtype: a real floating dtype for all optimizer statistics (default
@@ -156,8 +152,6 @@ def cbp(
     >>> print(updates['dense']['kernel'].round(4))
     [[-0.0998 -0.0998]
      [-0.0998 -0.0998]]
-    >>> updates['dense']['kernel'].dtype
-    dtype('float32')
 
   References:
     Layerwise Conditioned Backpropagation, §4.4 (eq. 12) and Algorithm 1.
@@ -168,11 +162,10 @@ def cbp(
       stats_dtype=stats_dtype, zero_moment=zero_moment, update_clip=update_clip)
   m3 = precondition_lib.precondition(
       b1, b2, damping, stats_dtype=stats_dtype, zero_moment=zero_moment)
-  return _finish(
-      m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      update_clip=update_clip, weight_decay=weight_decay, mask=mask,
-      learning_rate=learning_rate)
+  return _finish(m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
+                 block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+                 update_clip=update_clip, weight_decay=weight_decay, mask=mask,
+                 learning_rate=learning_rate)
 
 
 cbp_robust = functools.partial(
@@ -189,8 +182,7 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     :math:`\eta`.
   * ``update_clip=3.0``: the lagged :math:`\hat v_{t-1}` does not bound a
     growing gradient.
-  * ``min_scale=max_scale=1.0``: :math:`S_t = I` (the block energies are
-    still kept).
+  * ``min_scale=max_scale=1.0``: :math:`S_t = I` (block energies still kept).
 
   Lemma 1's bounds hold, the lower one :math:`\min(1/(G + \zeta), 3/G)`.
 
@@ -208,8 +200,8 @@ cbp_robust.__doc__ = r"""CBP made robust: :func:`cbp` with four departures from 
     [-0.01  0.01] [-0.01 -0.01]
 
   References:
-    Layerwise Conditioned Backpropagation,
-    eq. (11), Lemma 1, Theorem 3 and Algorithm 1.
+    Layerwise Conditioned Backpropagation, eq. (11), Lemma 1, Theorem 3 and
+    Algorithm 1.
   """
 
 # doctest does not look inside a functools.partial: run its examples.
@@ -261,8 +253,7 @@ def cbp_kron(
       b1, b2, damping, every=every, max_dim=max_dim,
       dimension_numbers=dimension_numbers, stats_dtype=stats_dtype,
       zero_moment=zero_moment)
-  return _finish(
-      m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
-      block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
-      update_clip=update_clip, weight_decay=weight_decay, mask=mask,
-      learning_rate=learning_rate)
+  return _finish(m3, decay=decay, min_scale=min_scale, max_scale=max_scale,
+                 block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype,
+                 update_clip=update_clip, weight_decay=weight_decay, mask=mask,
+                 learning_rate=learning_rate)

@@ -28,8 +28,7 @@ def bias_shift(spec: LayerSpec, kernel: jax.Array, delta: jax.Array) -> jax.Arra
                          precision=lax.Precision.HIGHEST)
   if spec.transpose_kernel:  # (*window, C_out, C_in): the same window sum
     kernel = jnp.swapaxes(kernel, -1, -2)
-  # A constant image `delta` gives the window-summed kernel contracted with
-  # `delta` within each feature group.
+  # A constant image `delta`: the window-summed kernel times `delta`, per group.
   groups = spec.feature_group_count
   in_per_group, out_features = kernel.shape[-2], kernel.shape[-1]
   window_sum = jnp.sum(kernel, axis=tuple(range(kernel.ndim - 2)))
@@ -58,8 +57,7 @@ def _stored(x: jax.Array, wide: Any) -> jax.Array:
 
 
 def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
-  """``b~ + W (mu_new - mu_old)`` for one layer (in float32 at least), and
-  the new residual."""
+  """A layer's ``b~ + W (mu_new - mu_old)`` (float32 at least), new residual."""
   wide = (residual.dtype if residual is not None else jnp.promote_types(
       jnp.promote_types(kernel.dtype, mean.dtype), jnp.float32))
   delta = _stored(new_mean, wide) - _stored(mean, wide)
@@ -73,12 +71,11 @@ def _moved_bias(spec, kernel, bias, mean, new_mean, residual):
   return rounded.astype(bias.dtype), exact - rounded
 
 
-def shift_bias(
-    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
-    new_mean: jax.Array, *, mask: Optional[jax.Array] = None,
-    mean_stack_axes: Optional[tuple[int, ...]] = None,
-    residual: Optional[jax.Array] = None,
-) -> Any:
+def shift_bias(spec: LayerSpec, kernel: jax.Array, bias: jax.Array,
+               mean: jax.Array, new_mean: jax.Array, *,
+               mask: Optional[jax.Array] = None,
+               mean_stack_axes: Optional[tuple[int, ...]] = None,
+               residual: Optional[jax.Array] = None) -> Any:
   """The bias transport of eq. (10) alone: ``b~ + W (mu_new - mu_old)``.
 
   For one layer or one stack (each slice by its own kernel); an optimizer's
@@ -92,8 +89,8 @@ def shift_bias(
     new_mean: ``mu_new``, shaped like ``mean``.
     mask: a convolution's kernel mask (unstacked or stacked like ``kernel``).
     mean_stack_axes: where ``mean``'s stack axes are, when the caller knows.
-    residual: a 16-bit bias's float32 residual (:func:`needs_bias_residual`),
-      shaped like ``bias``.
+    residual: a 16-bit bias's float32 residual, shaped like ``bias``
+      (:func:`needs_bias_residual`).
 
   Returns:
     The new bias; ``(new_bias, new_residual)`` when ``residual`` is given.

@@ -85,8 +85,7 @@ class Constraint:
     raise NotImplementedError
 
   def arrived_as_value(self, value: Any) -> bool:
-    """Whether ``inject_hyperparams`` replaced this function argument by its
-    value at the step count."""
+    """Whether ``inject_hyperparams`` passed this function's value at a step."""
     del value
     return False
 
@@ -298,7 +297,7 @@ def float_dtype(name: str, value: Any, why: str = '',
   return dtype
 
 
-# --- one-argument checks, for callers without a Spec ----------------------------
+# --- one-argument checks, for callers without a Spec ---
 
 
 def _check_one(constraint: Constraint, name: str, value: Any) -> None:
@@ -331,7 +330,7 @@ def schedule_call_error(argument: str, function: str, value: Any) -> TypeError:
       + static_args_remedy(None, (argument,)))
 
 
-# --- the trees an update receives -----------------------------------------------
+# --- the trees an update receives ---
 
 
 def check_params_match(name: str, updates: Any, params: Any) -> None:

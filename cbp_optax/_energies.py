@@ -36,10 +36,9 @@ def block_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
 def _rescued_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
                       dtype: Any, weight: chex.Numeric
                       ) -> tuple[chex.Array, chex.Array]:
-  """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the
-  leaves in no block, as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m =
-  max |g|``, saturating at the dtype's largest value: finite for a finite
-  gradient."""
+  """``weight * ||g_l||_F^2`` of every block, and ``||g_k||_F^2`` of the leaves
+  in no block, as ``(sqrt(weight) m)^2 * sum((g / m)^2)`` with ``m = max |g|``,
+  saturating at the dtype's largest value: finite for finite gradients."""
   largest = jnp.finfo(dtype).max
   root = jnp.sqrt(jnp.asarray(weight, dtype))
 
@@ -77,10 +76,9 @@ def new_energies(layout: BlockLayout, leaves: Sequence[chex.Array],
   plain = decay * energy + (1 - decay) * energies
   # sum ||g_k||_F^2 over the leaves in no block (a zero when none is).
   in_blocks = {i for group in layout.groups for i in group}
-  unblocked = jnp.zeros([], dtype)
-  for i, leaf in enumerate(leaves):
-    if i not in in_blocks:
-      unblocked = unblocked + jnp.sum(jnp.square(leaf.astype(dtype)))
+  unblocked = sum((jnp.sum(jnp.square(leaf.astype(dtype)))
+                   for i, leaf in enumerate(leaves) if i not in in_blocks),
+                  jnp.zeros([], dtype))
 
   def rescue(operands):
     plain, unblocked, leaves = operands

@@ -29,7 +29,7 @@ class EqualizeState(NamedTuple):
   Attributes:
     count: the number of updates taken, an int32 scalar.
     energy: the EMAs :math:`q_l` of eq. (5), one per block, in the order of
-      :func:`cbp_optax.block_names`.
+      :func:`cbp_optax.block_names`; zeros at init.
     min_scale: :math:`s_{\min}` of eq. (6) of the latest update (at init,
       the transform's).
     max_scale: :math:`s_{\max}` of eq. (6), likewise.
@@ -68,12 +68,9 @@ def stats_dtype_for(tree: Any, stats_dtype: Optional[Any] = None) -> jnp.dtype:
 def block_scales(energy: chex.Array, count: chex.Array, min_scale: chex.Numeric,
                  max_scale: chex.Numeric) -> chex.Array:
   """The scales ``s_l = clip(c / sqrt(q_l), s_min, s_max)`` of eq. (6) from
-  stored energies; ones at the first step.
-
-  A zero energy (a frozen or unused block) has an infinite ratio and gets
-  ``max_scale``; when every energy is zero the ratio is one. Either way the
-  scale is finite, so a zero gradient gives a zero update.
-  """
+  stored energies; ones at the first step. A zero energy (a frozen or unused
+  block) gets ``max_scale``; when every energy is zero the ratio is one. The
+  scale is finite, so a zero gradient gives a zero update."""
   if energy.shape[0] == 0:
     return energy
   target = jnp.sqrt(jnp.mean(energy))
@@ -100,11 +97,10 @@ def _group_scales(layout: BlockLayout, energy: chex.Array, count: chex.Array,
                   ) -> tuple[Optional[chex.Array], ...]:
   """:func:`block_scales`, bit for bit, as one array per group of leaves.
 
-  For compile time: a slice of the scale vector fused into a per-leaf kernel
-  makes that kernel distinct; a buffer per group, from a few multi-output
-  reductions (:func:`_split`), keeps same-shaped leaves' kernels identical.
-  Equal concrete bounds give every group one shared scale, and None where
-  it is one at every step (the leaves are left unmultiplied, exactly).
+  For compile time: a buffer per group, from a few multi-output reductions
+  (:func:`_split`), keeps same-shaped leaves' kernels identical, where a fused
+  slice of the scale vector would make each distinct. Equal concrete bounds
+  give one shared scale, None where it is one (leaves left unmultiplied).
   """
   if not layout.groups:
     return ()
@@ -120,19 +116,15 @@ def _group_scales(layout: BlockLayout, energy: chex.Array, count: chex.Array,
   return _split(scales, layout.group_starts, layout.group_stacks)
 
 
-# Groups per multi-output reduction of _split (its compile time per output
-# grows past a few dozen outputs).
+# Groups per _split reduction (compile time per output grows past dozens).
 _SPLIT_CHUNK = 32
 
 
 def _split(vector: chex.Array, starts: Sequence[int],
            stacks: Sequence[Optional[int]]) -> tuple[chex.Array, ...]:
-  """``vector[start]`` (or ``vector[start:start + stack]``) for each group.
-
-  As variadic ``lax.reduce`` calls over ``(vector, -0.0)`` pairs: ``x +
-  (-0.0)`` is ``x`` for every float, so each output is its slice exactly,
-  and a reduction with many outputs compiles as one kernel.
-  """
+  """``vector[start]`` (or ``vector[start:start + stack]``) for each group,
+  as variadic ``lax.reduce`` calls over ``(vector, -0.0)`` pairs: ``x + (-0.0)``
+  is ``x`` exactly, and a many-output reduction compiles as one kernel."""
   out: list[Optional[chex.Array]] = [None] * len(starts)
   by_stack: dict[Optional[int], list[int]] = {}
   for i, stack in enumerate(stacks):
@@ -141,15 +133,13 @@ def _split(vector: chex.Array, starts: Sequence[int],
   pairs = jnp.stack([vector, jnp.full_like(vector, minus_zero)], axis=1)
   add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))
   for stack, members in by_stack.items():
-    width = 1 if stack is None else stack
     for first in range(0, len(members), _SPLIT_CHUNK):
       chunk = members[first:first + _SPLIT_CHUNK]
       if stack is None:  # rows (2,) -> scalars
         operands = tuple(pairs[starts[i]] for i in chunk)
-      else:  # (width, 2) -> (width,)
-        operands = tuple(
-            jax.lax.slice_in_dim(pairs, starts[i], starts[i] + width)
-            for i in chunk)
+      else:  # (stack, 2) -> (stack,)
+        operands = tuple(jax.lax.slice_in_dim(pairs, starts[i],
+                                              starts[i] + stack) for i in chunk)
       reduced = jax.lax.reduce(operands, (minus_zero,) * len(chunk), add,
                                (operands[0].ndim - 1,))
       for i, value in zip(chunk, reduced):
@@ -183,9 +173,8 @@ class RecordedBoundsError(ValueError):
 
 def _check_recorded_bounds(state: EqualizeState, min_scale: Any,
                            max_scale: Any) -> None:
-  """Refuses a concrete state whose recorded bounds are not the transform's
-  numbers (a state of another configuration, which the update would
-  silently change); array bounds (``inject_hyperparams``) are not checked."""
+  """Refuses a concrete state of another configuration (recorded bounds not
+  the transform's numbers); array bounds (``inject_hyperparams``) pass."""
   for name, recorded, own in (('min_scale', state.min_scale, min_scale),
                               ('max_scale', state.max_scale, max_scale)):
     if (not isinstance(own, (numbers.Real, np.generic))
@@ -242,8 +231,7 @@ ARGUMENTS = dict(decay=_checks.decay(), min_scale=_checks.positive(),
                  stacked=_checks.Function())
 SCALES_ORDERED = _checks.ordered('min_scale', 'max_scale')
 _SPEC = _checks.Spec('cbp.equalize', dict(
-    ARGUMENTS, stats_dtype=_checks.STATS_DTYPE),
-    relations=(SCALES_ORDERED,))
+    ARGUMENTS, stats_dtype=_checks.STATS_DTYPE), relations=(SCALES_ORDERED,))
 
 
 def equalize(
@@ -253,13 +241,12 @@ def equalize(
 ) -> optax.GradientTransformation:
   r"""Layerwise gradient-norm equalization, M1 of Conditioned Backpropagation.
 
-  Multiplies each parameter block :math:`l` by
-  :math:`s_l = \mathrm{clip}(c / \sqrt{q_l}, s_{\min}, s_{\max})` with
-  :math:`c = (\frac{1}{L}\sum_j q_j)^{1/2}` (eq. 6), where :math:`q_l` is an EMA
-  of :math:`\|g^{(l)}\|_F^2` (eq. 5). The scales of step :math:`t` use the
-  energies stored at step :math:`t-1` (:math:`s_l = 1` at :math:`t = 1`);
-  the energies are refreshed with the raw gradients afterwards (Algorithm 1,
-  steps 3-5).
+  Multiplies each parameter block :math:`l` by :math:`s_l = \mathrm{clip}(c /
+  \sqrt{q_l}, s_{\min}, s_{\max})` with :math:`c = (\frac{1}{L}\sum_j
+  q_j)^{1/2}` (eq. 6), where :math:`q_l` is an EMA of :math:`\|g^{(l)}\|_F^2`
+  (eq. 5). The scales of step :math:`t` use the energies stored at step
+  :math:`t-1` (:math:`s_l = 1` at :math:`t = 1`), which the raw gradients
+  refresh afterwards (Algorithm 1, steps 3-5).
 
   Args:
     decay: EMA decay :math:`\rho` of the block energies, in [0, 1).
@@ -287,9 +274,8 @@ def equalize(
       not match the ``params`` given to ``update``.
 
   Examples:
-    Step 1 applies :math:`s_l = 1`; step 2 boosts the weak block up to
-    ``max_scale`` and damps the strong one (``decay=0``: :math:`q_l` is the
-    last energy):
+    Step 1 applies :math:`s_l = 1`; step 2 (``decay=0``: :math:`q_l` is the last
+    energy) boosts the weak block to ``max_scale``, damps the strong one:
 
     >>> import jax.numpy as jnp
     >>> import cbp_optax as cbp
@@ -299,8 +285,6 @@ def equalize(
     ('a', 'b')
     >>> tx = cbp.equalize(decay=0.0)
     >>> state = tx.init(params)
-    >>> state.energy
-    Array([0., 0.], dtype=float32)
     >>> updates, state = tx.update(grads, state)
     >>> print(updates['a']['w'], updates['b']['w'])
     [0.1 0.1 0.1] [10. 10.]
@@ -309,8 +293,8 @@ def equalize(
     [0.4 0.4 0.4] [7.072... 7.072...]
 
   References:
-    Layerwise Conditioned Backpropagation,
-    §4.1 (eqs. 5-7) and Algorithm 1, steps 3-5.
+    Layerwise Conditioned Backpropagation, §4.1 (eqs. 5-7), Algorithm 1,
+    steps 3-5.
   """
   _checks.check(_SPEC, decay=decay, min_scale=min_scale, max_scale=max_scale,
       block_fn=block_fn, stacked=stacked, stats_dtype=stats_dtype)
@@ -339,8 +323,7 @@ def equalize(
           f'state was initialized for {state.energy.shape[0]}.')
     # test_an_eager_update_refuses_another_configurations_state: the bounds.
     _check_recorded_bounds(state, min_scale, max_scale)
-    # test_equalize_refuses_other_leaves_with_the_same_block_count (the state
-    # is a flat vector: only the parameters show the leaves).
+    # test_equalize_refuses_other_leaves_with_the_same_block_count.
     _checks.check_params_match('equalize', updates, params)
     leaves, treedef = jax.tree.flatten(updates)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

@@ -62,8 +62,7 @@ def _injected_bounds(opt_state: Any, state: EqualizeState) -> dict[str, Any]:
 def equalize_stats(
     opt_state: Any, params: Any, *, block_fn: Optional[BlockFn] = None,
     stacked: Optional[StackedFn] = None) -> dict[str, BlockStats]:
-  """Each block's energy ``q_l`` (eq. 5) and the scale ``s_l`` (eq. 6) the
-  next step applies.
+  """Each block's energy ``q_l`` (eq. 5) and next step's scale ``s_l`` (eq. 6).
 
   The scales are eq. (6)'s from the stored energies and the clip bounds the
   state records (the latest update's); under ``optax.inject_hyperparams`` an

@@ -41,24 +41,17 @@ def normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...
   return tuple(sorted(a % ndim for a in axes))
 
 
-def dense_spec(
-    axis: Union[int, Sequence[int]],
-    in_shape: Sequence[int],
-    out_shape: Sequence[int],
-) -> LayerSpec:
+def dense_spec(axis: Union[int, Sequence[int]], in_shape: Sequence[int],
+               out_shape: Sequence[int]) -> LayerSpec:
   """A dense layer contracting ``axis`` (``in_shape`` in kernel order)."""
   axis = (axis,) if isinstance(axis, int) else tuple(axis)
   in_shape, out_shape = tuple(in_shape), tuple(out_shape)
   return LayerSpec(DENSE, axis, in_shape, in_shape + out_shape, out_shape)
 
 
-def conv_spec(
-    kernel_size: Sequence[int],
-    in_features: int,
-    out_features: int,
-    feature_group_count: int,
-    transpose_kernel: bool = False,
-) -> LayerSpec:
+def conv_spec(kernel_size: Sequence[int], in_features: int, out_features: int,
+              feature_group_count: int,
+              transpose_kernel: bool = False) -> LayerSpec:
   """A convolution with a ``(*window, C_in/G, C_out)`` kernel, or a stride-1
   transposed one (``(*window, C_out, C_in)``)."""
   channels = (in_features // feature_group_count, out_features)

@@ -44,8 +44,7 @@ class TreeKind(NamedTuple):
 
 PLAIN = TreeKind()
 
-# Registered (by users, and cbp_optax's own states): class -> the fields
-# holding parameters.
+# Registered (by users and cbp_optax's own states): class -> parameter fields.
 _PARAMETER_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -211,8 +210,7 @@ def transport_copy(copy: Any, moves: Sequence[LayerMove], where: str,
 
 def _refusal(owner: Optional[tuple[type, Any]], label: str,
              form: Optional[str] = None) -> str:
-  """Why a parameter-sized tree (in a ``form`` no move applies to) in no
-  known place is refused."""
+  """Why a parameter-sized tree (``form``: one that fits no move) is refused."""
   holder, place = (
       ('The optimizer state', f'directly in a chain or wrapper (at {label})')
       if owner is None else (f'{owner[0].__module__}.{owner[0].__qualname__}',
@@ -233,9 +231,9 @@ def transport_state(state: Any, moves: Sequence[LayerMove], *,
                     params: Any = None) -> Any:
   """``state`` with every parameter copy transported (see the module doc);
   with ``LayerMove.shift`` None it only classifies. Raises
-  UnclassifiedStateError for an unclassified parameter-shaped tree, a refused
-  class, a copy that splits a layer, or (given ``params``) one of another
-  tree."""
+  UnclassifiedStateError for an unclassified parameter-shaped tree, a
+  refused class, a copy that splits a layer, or (given ``params``) one of
+  another tree."""
   if not moves:
     return state
   shapes = None if params is None else _shapes(params, kind)

@@ -119,8 +119,7 @@ def begin_update(name: str, rules: Rules, updates: Any, state: Any,
 
 
 def leaf_update(rules: Rules, terms: tuple[Any, ...], g, m, v, p):
-  """One leaf's direction and new moments (eqs. 11-12; Algorithm 1, steps
-  6-9)."""
+  """One leaf's direction and moments (eqs. 11-12; Algorithm 1, steps 6-9)."""
   b1, b2, damping = rules.b1, rules.b2, rules.damping
   first_step, mu_correction, nu_correction = terms
   out_dtype = _checks.output_dtype(g, p)
@@ -150,20 +149,18 @@ def leaf_update(rules: Rules, terms: tuple[Any, ...], g, m, v, p):
           v_new.astype(v.dtype))
 
 
-def precondition(
-    b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
-    stats_dtype: Optional[Any] = None, zero_moment: str = 'damped',
-) -> optax.GradientTransformation:
+def precondition(b1: float = 0.9, b2: float = 0.999, damping: float = 1e-3, *,
+                 stats_dtype: Optional[Any] = None,
+                 zero_moment: str = 'damped') -> optax.GradientTransformation:
   r"""Damped, lagged diagonal preconditioner with momentum, M3 of CBP.
 
-  Returns :math:`P_t \hat m_t` with :math:`\hat m_t = m_t / (1 -
-  \beta_1^t)` (eq. 12) and :math:`P_t = 1 / (\sqrt{\hat v_{t-1}} + \zeta)`
-  from the *stored* second moment :math:`\hat v_{t-1} = v_{t-1} / (1 -
-  \beta_2^{t-1})` (eq. 11), :math:`P_1 = I`; :math:`v` is refreshed with
-  the current gradient afterwards (Algorithm 1, steps 6-9). The lag keeps
-  :math:`P_t` independent of the current minibatch (Theorem 3); the damping
-  outside the root bounds it: :math:`1/(G + \zeta) \le P_t \le 1/\zeta`
-  (Lemma 1).
+  Returns :math:`P_t \hat m_t` with :math:`\hat m_t = m_t / (1 - \beta_1^t)`
+  (eq. 12) and :math:`P_t = 1 / (\sqrt{\hat v_{t-1}} + \zeta)` from the *stored*
+  second moment :math:`\hat v_{t-1} = v_{t-1} / (1 - \beta_2^{t-1})` (eq. 11),
+  :math:`P_1 = I`; :math:`v` is refreshed with the current gradient afterwards
+  (Algorithm 1, steps 6-9). The lag keeps :math:`P_t` independent of the current
+  minibatch (Theorem 3); the damping outside the root bounds it: :math:`1/(G +
+  \zeta) \le P_t \le 1/\zeta` (Lemma 1).
 
   Because of the lag, a coordinate whose gradients were exactly zero so far
   is multiplied by :math:`1/\zeta` the first time its gradient is non-zero:
@@ -171,8 +168,7 @@ def precondition(
   warm-up, or ``zero_moment='identity'``.
 
   Args:
-    b1: momentum decay :math:`\beta_1` in [0, 1); 0 gives the momentum-free
-      method of §5.4.
+    b1: momentum decay :math:`\beta_1` in [0, 1) (0: momentum-free, §5.4).
     b2: second-moment decay :math:`\beta_2` in [0, 1).
     damping: :math:`\zeta > 0`.
     stats_dtype: a real floating dtype for both moments; default float32
@@ -192,8 +188,7 @@ def precondition(
     TypeError: a hyperparameter of the wrong type, or a non-float
       ``stats_dtype``; at update, complex gradients.
     ValueError: a non-scalar or out-of-range hyperparameter, an unknown
-      ``zero_moment``; at update, gradients or ``params`` that do not match
-      the state.
+      ``zero_moment``; at update, gradients or ``params`` unlike the state.
 
   Examples:
     Momentum-free, so the update is :math:`P_t g_t`: step 1 returns the

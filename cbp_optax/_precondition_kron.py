@@ -234,9 +234,8 @@ def precondition_kron(
 
   Raises:
     TypeError, ValueError: as :func:`cbp_optax.precondition`, and for an
-      ``every`` or ``max_dim`` that is not a positive int, a
-      ``factor_decay`` outside [0, 1), or ``dimension_numbers`` that do not
-      cover the leaves.
+      ``every`` or ``max_dim`` that is not a positive int, a ``factor_decay``
+      outside [0, 1), or ``dimension_numbers`` not covering the leaves.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -275,8 +274,7 @@ def precondition_kron(
           'precondition_kron: dimension_numbers must give one '
           f'MuonDimensionNumbers or None per leaf; got {len(specs)} for '
           f'{len(leaves)} leaves.')
-    # A key: the path joined by slashes, an NNX Variable's ``value`` left
-    # out (init and update see the same keys).
+    # Keys: joined paths without NNX's ``value`` (the same at init and update).
     found = [('/'.join(n for n in path_names(path) if n != 'value'),
               _matrix(jnp.shape(leaf), s, max_dim))
              for (path, leaf), s in zip(leaves, specs)]
@@ -319,8 +317,7 @@ def precondition_kron(
         step, m_new, v_new = diag.leaf_update(rules, terms, g, m, v, p)
       else:
         step, m_new, v_new, factors[key] = _matrix_update(
-            rules, beta_f, terms, refresh, g, m, v, p, state.factors[key],
-            view)
+            rules, beta_f, terms, refresh, g, m, v, p, state.factors[key], view)
       steps.append(step), mus.append(m_new), nus.append(v_new)
     return treedef.unflatten(steps), KronPreconditionState(
         count=count_inc, mu=treedef.unflatten(mus),

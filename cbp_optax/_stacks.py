@@ -77,10 +77,9 @@ def from_front(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   return jnp.moveaxis(x, tuple(range(len(axes))), axes)
 
 
-def layer_axes(
-    spec: LayerSpec, kernel: jax.Array, bias: jax.Array, mean: jax.Array,
-    mean_stack_axes: Optional[tuple[int, ...]],
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def layer_axes(spec: LayerSpec, kernel: jax.Array, bias: jax.Array,
+               mean: jax.Array, mean_stack_axes: Optional[tuple[int, ...]]
+               ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
   """The stack axes of ``mean``, ``kernel`` and ``bias``, which must agree."""
   mean_axes = stack_axes_of('mean', mean, spec.mean_shape, mean_stack_axes, spec)
   kernel_axes = stack_axes_of('kernel', kernel, spec.kernel_shape, mean_axes, spec)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
-
 import functools
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.extend.core
@@ -138,8 +137,7 @@ def conditioned_update(
     inputs_ok, decided = all_finite(loss, changed), []
 
     def ok_of(applied):
-      decided.append(jnp.logical_and(inputs_ok,
-                                     grads_finite(grads, applied)))
+      decided.append(jnp.logical_and(inputs_ok, grads_finite(grads, applied)))
       return decided[-1]
 
   result = select(ok_of, apply_step, skip_step, *operands, grads,

@@ -46,9 +46,8 @@ class Mask(_checks.Constraint):
           'a function was passed, ' + _checks.static_args_remedy(spec, (name,))))
 
 
-MASK_NEEDS_DECAY = _checks.needs(
-    'mask', 'weight_decay',
-    'mask selects the parameters that weight_decay applies to')
+MASK_NEEDS_DECAY = _checks.needs('mask', 'weight_decay', 'mask selects the '
+                                 'parameters that weight_decay applies to')
 
 
 def decayed_weights(weight_decay: Any, mask: Any

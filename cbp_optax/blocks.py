@@ -31,8 +31,7 @@ _NO_LEAF = object()
 
 
 def _preset(fn):
-  """Makes a ``block_fn`` preset refuse the one-argument call of
-  ``optax.inject_hyperparams`` (the step count) with the fix."""
+  """Makes a ``block_fn`` preset refuse ``inject_hyperparams``' step call."""
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -63,8 +62,8 @@ class BlockLayout(NamedTuple):
 
 
 def strip_variable_suffix(path: KeyPath) -> KeyPath:
-  # nnx.Optimizer inits on Variables (paths end in `.value`) and updates
-  # with arrays: both get the same block keys.
+  # nnx.Optimizer inits on Variables (`.value` paths), updates with arrays:
+  # both get the same block keys.
   if (path and isinstance(path[-1], jax.tree_util.GetAttrKey)
       and path[-1].name == 'value'):
     return path[:-1]
@@ -236,8 +235,8 @@ def block_layout(tree: Any, *, block_fn: Optional[BlockFn] = None,
           f'{jax.tree_util.keystr(path)}).')
     groups[group].append(leaf_index)
 
-  names: list[str] = []
-  starts: list[int] = []
+  names: list[str] = []  # block names
+  starts: list[int] = []  # each group's first block
   for key, stack in zip(group_index, stacks):
     starts.append(len(names))
     name = _block_name(key)
@@ -283,9 +282,8 @@ def stack_root(param_shapes: dict[tuple[str, ...], tuple[int, ...]],
 
   Walks up from ``layer_path`` while every parameter under the module has a
   leading axis of ``stack_size`` and none of the ``unstacked`` layers (whose
-  shapes are their own, like a head ``Linear(4, 4)`` beside a stack of four)
-  is under it.
-  """
+  shapes are their own, like a head ``Linear(4, 4)`` beside a stack of four) is
+  under it."""
   root = layer_path
   for depth in range(len(layer_path), -1, -1):
     prefix = layer_path[:depth]

@@ -117,15 +117,6 @@ def check_where(where: Any) -> Where:
       f'where=lambda path, layer: path.startswith({example!r})).')
 
 
-def selected(where: Where, path: str, layer: Any) -> bool:
-  """Whether ``center(..., where=where)`` centers ``layer`` at ``path``."""
-  if where is None:
-    return True
-  if isinstance(where, (type, tuple)):
-    return isinstance(layer, where)
-  return bool(where(path, layer))
-
-
 def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
   """The dtype of ``mu``: ``requested``, else the layer's ``param_dtype``
   (TypeError unless a real floating-point dtype)."""
@@ -136,10 +127,8 @@ def mean_dtype(requested: Any, param_dtype: Any) -> jnp.dtype:
       + ': the mean of the inputs is not an integer.')
 
 
-def batch_mean(
-    inputs: jax.Array, spec: LayerSpec, dtype: Any,
-    axis_name: Optional[Any] = None,
-) -> jax.Array:
+def batch_mean(inputs: jax.Array, spec: LayerSpec, dtype: Any,
+               axis_name: Optional[Any] = None) -> jax.Array:
   """The input mean over every axis but the feature axes (global under
   ``jit``; ``axis_name`` also averages over a mapped batch axis)."""
   axes = feature_axes(spec, inputs.ndim)
@@ -191,13 +180,13 @@ def ema(mean: jax.Array, recorded: jax.Array, decay: Any) -> jax.Array:
 
 
 class LayerState(NamedTuple):
-  """One centered layer's variables: what an adapter (``cbp_optax.nnx``,
-  ``cbp_optax.linen``) hands :func:`record` and :func:`refresh`, which
-  return the next ones. ``kernel`` (unmasked; ``mask`` for a convolution),
-  ``bias`` (``b~``) and ``mean`` (``mu``, eq. 8) may carry stack axes
-  (``stack_axes``: ``mean``'s, where known); ``count`` is the input
-  positions ``recorded`` pools (None: none kept); ``residual`` is a 16-bit
-  bias's float32 residual (:func:`needs_bias_residual`)."""
+  """One centered layer's variables, which an adapter (``cbp_optax.nnx``,
+  ``cbp_optax.linen``) hands :func:`record` and :func:`refresh` and gets back.
+  ``kernel`` (unmasked; ``mask`` for a convolution), ``bias`` (``b~``) and
+  ``mean`` (``mu``, eq. 8) may carry stack axes (``stack_axes``: ``mean``'s,
+  where known); ``count``: the input positions ``recorded`` pools (None: none
+  kept); ``residual``: a 16-bit bias's float32 residual
+  (:func:`needs_bias_residual`)."""
 
   spec: LayerSpec
   kernel: jax.Array
@@ -253,12 +242,12 @@ def zero_state(spec: LayerSpec, mean_dtype: Any, bias: Any,
                kernel_shape: Optional[Shape] = None,
                stack_axes: Optional[Sequence[int]] = None,
                remedy: str = AMBIGUOUS_STACK_REMEDY) -> LayerState:
-  """A new layer's statistics, all zero: ``mu`` and the recorded mean (of
-  ``mean_dtype``), the recorded count (feature axes 1, a float of 32 bits or
-  more: no wrap-around) and, for a 16-bit ``bias`` (anything with a shape and
-  dtype), its float32 residual. Stacked as ``kernel_shape`` (default the
-  spec's) is: ``stack_axes`` are its kernel's, where the shapes cannot tell;
-  ``remedy`` says how to tell them. ``kernel`` and ``bias`` are None."""
+  """A new layer's statistics, all zero: ``mu`` and the recorded mean
+  (``mean_dtype``), the recorded count (feature axes 1, a float of >= 32 bits:
+  no wrap-around) and, for a 16-bit ``bias`` (anything with a shape and dtype),
+  its float32 residual. Stacked as ``kernel_shape`` (default the spec's) is:
+  ``stack_axes`` are its kernel's where the shapes cannot tell, and ``remedy``
+  says how to tell them. ``kernel`` and ``bias`` are None."""
   kernel_shape = tuple(kernel_shape or spec.kernel_shape)
   axes = _kernel_stack_axes(spec, kernel_shape, stack_axes, remedy)
   shape = list(spec.mean_shape)
@@ -277,9 +266,8 @@ def zero_state(spec: LayerSpec, mean_dtype: Any, bias: Any,
 
 def record(layer: LayerState, inputs: jax.Array,
            axis_name: Any) -> LayerState:
-  """``layer`` after one training call on ``inputs``: the input mean since
-  the last transport, pooled by input positions (the last call's without a
-  count)."""
+  """``layer`` after one training call on ``inputs``: the input mean since the
+  last transport, pooled by input positions (no count: the last call's)."""
   spec, recorded, count = layer.spec, layer.recorded, layer.count
   if count is None:
     return layer._replace(
@@ -452,8 +440,7 @@ def stacked_blocks(
   return stacked_predicate(roots)
 
 
-# Where centering a layer in place puts its parameters: one level down,
-# under this key (the wrapper's ``layer``).
+# Centering in place puts a layer's parameters one level down, under this key.
 LAYER_KEY = 'layer'
 
 
@@ -476,11 +463,9 @@ def centered_after_init(
     i = path.index(LAYER_KEY)
     old = path[:i] + path[i + 1:]
     if old in suffixes:
-      return (
-          'the model was centered after the optimizer was built: '
-          f"{center} moved '{'/'.join(old)}' to '{'/'.join(path)}', "
-          f'and the optimizer state still has the old layout. {remedy}'
-      )
+      return ('the model was centered after the optimizer was built: '
+              f"{center} moved '{'/'.join(old)}' to '{'/'.join(path)}', "
+              f'and the optimizer state still has the old layout. {remedy}')
   return None
 
 
@@ -499,7 +484,11 @@ def skip_reason(where: Where, path: str, layer: Any,
   except (TypeError, ValueError):
     return (f'{type(layer).__name__}: not a layer type centering knows (exact '
             'Linear/Dense, LinearGeneral/DenseGeneral, Conv, ConvTranspose)')
-  return None if selected(where, path, layer) else 'not selected by where'
+  if isinstance(where, (type, tuple)):
+    selected = isinstance(layer, where)
+  else:
+    selected = where is None or bool(where(path, layer))
+  return None if selected else 'not selected by where'
 
 
 class CenterReport(NamedTuple):
@@ -521,6 +510,5 @@ class CenterReport(NamedTuple):
     for path, reason in self.skipped:
       by_reason.setdefault(reason, []).append(path)
     for reason, paths in by_reason.items():
-      lines.append(f'left as is ({len(paths)}): {", ".join(paths)} '
-                   f'- {reason}')
+      lines.append(f'left as is ({len(paths)}): {", ".join(paths)} - {reason}')
     return '\n'.join(lines)

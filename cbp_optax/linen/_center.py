@@ -12,7 +12,6 @@ import jax
 
 from cbp_optax import centering as core
 from cbp_optax._paths import path_str
-
 from cbp_optax.linen._wrapper import MEAN
 from cbp_optax.linen._wrapper import SUPPORTED
 from cbp_optax.linen._wrapper import centered_call
@@ -20,17 +19,13 @@ from cbp_optax.linen._wrapper import entries
 from cbp_optax.linen._wrapper import check_layer
 
 
-_MAPPED_REASON = ('inside nn.map_variables: it computes with transformed '
-                  'parameters, which the transport cannot see')
-
-
 def _under_map_variables(module: nn.Module) -> bool:
   return 'map_variables(' in module.scope.path_text
 
 
 class CenteredModel(NamedTuple):
-  """A Linen module run with every supported layer centered (see :func:`center`);
-  ``init`` and ``apply`` take what the module's own do."""
+  """A Linen module run with every supported layer centered (see
+  :func:`center`); ``init`` and ``apply`` take what the module's own do."""
 
   module: nn.Module
   where: core.Where = None
@@ -72,11 +67,14 @@ class CenteredModel(NamedTuple):
     def spy(next_fun, call_args, call_kwargs, context):
       out = next_fun(*call_args, **call_kwargs)
       module = context.module
-      if context.method_name == '__call__' and _has_own_params(module):
+      if context.method_name == '__call__' and any(  # params of its own
+          not isinstance(v, Mapping)
+          for v in module.variables.get('params', {}).values()):
         path = path_str(module.scope.path)
         reason = core.skip_reason(self.where, path, module, check_layer)
         if reason is None and _under_map_variables(module):
-          reason = _MAPPED_REASON
+          reason = ('inside nn.map_variables: it computes with transformed '
+                    'parameters, which the transport cannot see')
         if reason:
           skipped.add((path or core.MODEL_PATH, reason))
         else:
@@ -88,15 +86,9 @@ class CenteredModel(NamedTuple):
     return core.CenterReport(sorted(centered), sorted(skipped))
 
 
-def _has_own_params(module: nn.Module) -> bool:
-  params = module.variables.get('params', {})
-  return any(not isinstance(v, Mapping) for v in params.values())
-
-
-def center(
-    module: nn.Module, *, where: core.Where = None,
-    mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
-) -> CenteredModel:
+def center(module: nn.Module, *, where: core.Where = None,
+           mean_dtype: Optional[Any] = None,
+           axis_name: Optional[Any] = None) -> CenteredModel:
   """Centers every supported linear layer of an unmodified Linen module.
 
   Every ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv`` and stride-1

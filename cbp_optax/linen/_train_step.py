@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
-
 import functools
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
@@ -27,9 +26,8 @@ from cbp_optax.linen._wrapper import COUNT
 class TrainState(train_state.TrainState):
   """``flax.training.train_state.TrainState`` with the model's other state.
 
-  ``centering`` is ``variables['centering']``, ``model_state`` the other
-  updated collections (``batch_stats``); ``skipped_steps`` counts
-  non-finite batches.
+  ``centering`` is ``variables['centering']``, ``model_state`` the other updated
+  collections (``batch_stats``); ``skipped_steps`` counts non-finite batches.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -71,10 +69,9 @@ def _transport_unless_skipped(state: TrainState, skipped: jax.Array,
                       lambda state: state, state)
 
 
-def train_step(
-    loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
-    donate: bool = True,
-) -> Callable[..., tuple[TrainState, StepOutput]]:
+def train_step(loss_fn: Callable[..., Any], *, mean_decay: Any = 0.99,
+               donate: bool = True
+               ) -> Callable[..., tuple[TrainState, StepOutput]]:
   """One jit-compiled CBP iteration for a Linen model (Algorithm 1, 1-11).
 
   ``step(state, *batch)`` runs forward, backward, ``state.tx`` (any optax
@@ -85,9 +82,8 @@ def train_step(
 
   Args:
     loss_fn: ``loss_fn(apply, *batch)`` returning a scalar loss or ``(loss,
-      aux)``; ``apply(*args, **kwargs)`` (call it once) runs
-      ``state.apply_fn`` on the state's variables, e.g. with
-      ``rngs={'dropout': key}``.
+      aux)``; ``apply(*args, **kwargs)`` (call it once) runs ``state.apply_fn``
+      on the state's variables, e.g. with ``rngs={'dropout': key}``.
     mean_decay: the EMA decay ``rho`` of the centering means, in ``[0, 1)``.
     donate: donate the input state's buffers to the step.
 

@@ -22,7 +22,6 @@ from cbp_optax._stacks import einsum_kernel_dims
 from cbp_optax._stacks import place_kernel_dims
 from cbp_optax import _checks
 from cbp_optax import centering as core
-
 from cbp_optax.linen._center import CenteredModel
 from cbp_optax.linen._wrapper import CenteringMean
 from cbp_optax.linen._wrapper import CONV
@@ -55,17 +54,6 @@ def _move(path, name, inner, shift=None) -> _opt_state.LayerMove:
       kernel_trained=True, shift=shift)
 
 
-def _transport_tree(params, centering, mean_decay, recorded_only):
-  """The transported (unfrozen) ``params`` and ``centering``, and the
-  moves of their layers for the optimizer's copies."""
-  params, centering = flax.core.unfreeze(params), flax.core.unfreeze(centering)
-  moves = []
-  for path, name, inner, entry in list(_layers(params, centering)):
-    shift = transport_layer(inner, entry, mean_decay, recorded_only)
-    moves.append(_move(path, name, inner, shift))
-  return params, centering, moves
-
-
 def like(container: Any, tree: Any) -> Any:
   """``tree`` as a FrozenDict where ``container`` is one, else a dict."""
   if isinstance(container, flax.core.FrozenDict):
@@ -83,10 +71,8 @@ def check_opt_state(params: Any, centering: Any, opt_state: Any) -> None:
                              params=params)
 
 
-def transport(
-    params: Any, centering: Any, mean_decay: Any = 0.99, *,
-    opt_state: Any = None,
-) -> tuple[Any, ...]:
+def transport(params: Any, centering: Any, mean_decay: Any = 0.99, *,
+              opt_state: Any = None) -> tuple[Any, ...]:
   """Mean refresh and bias transport for every centered layer (pure).
 
   As ``cbp_optax.nnx.transport`` (Algorithm 1, steps 10-11, eq. 10), with
@@ -137,13 +123,15 @@ def transport_collections(params: Any, centering: Any, mean_decay: Any,
   ``opt_state`` (fused steps keep no recorded count: ``recorded_only=False``)."""
   lookahead = isinstance(params, optax.LookaheadParams)
   fast = params.fast if lookahead else params
-  new_params, new_centering, moves = _transport_tree(
-      fast, centering, mean_decay, recorded_only)
+  new_params, new_centering = map(flax.core.unfreeze, (fast, centering))
+  moves = []  # the layers' moves, for the optimizer's parameter copies
+  for path, name, inner, entry in list(_layers(new_params, new_centering)):
+    shift = transport_layer(inner, entry, mean_decay, recorded_only)
+    moves.append(_move(path, name, inner, shift))
   new_params, new_centering = like(fast, new_params), like(centering,
                                                            new_centering)
   if lookahead:
-    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow',
-                                     FLAX)
+    slow = _opt_state.transport_copy(params.slow, moves, 'params.slow', FLAX)
     new_params = params._replace(fast=new_params, slow=slow)
   if opt_state is None:
     return new_params, new_centering
@@ -169,9 +157,8 @@ def eval_params(params: Any, opt_state: Any = None) -> Any:
   """
   if isinstance(params, optax.LookaheadParams):
     return _opt_state.unshared(params.slow)
-  if opt_state is None:
-    return _opt_state.unshared(params)
-  return _opt_state.unshared(_opt_state.evaluation_params(opt_state, params))
+  return _opt_state.unshared(params if opt_state is None else
+                             _opt_state.evaluation_params(opt_state, params))
 
 
 # A kernel-shaped CenteringMean box muon_dimension_numbers' abstract init

@@ -18,8 +18,7 @@ from cbp_optax._paths import path_str
 
 COLLECTION = 'centering'
 
-# The entries of core.LayerState's mean, recorded, count and residual, and
-# a convolution's kernel mask.
+# The entries of LayerState's mean, recorded, count, residual and conv mask.
 MEAN, RECORDED, COUNT = 'mean', 'batch_mean', 'batch_count'
 RESIDUAL, MASK = 'bias_residual', 'kernel_mask'
 
@@ -81,22 +80,11 @@ def layer_spec(layer: nn.Module, inputs: jax.Array) -> core.LayerSpec:
                          _features(layer.features))
 
 
-def _no_collection_message(host: nn.Module) -> str:
-  path = path_str(host.scope.path) or core.MODEL_PATH
-  return (
-      f'the centered layer {path!r} finds no {COLLECTION!r} collection: pass '
-      "it with the parameters, apply({'params': ..., 'centering': ...}, x), "
-      "and in nn.scan/nn.vmap give it the axis of 'params', variable_axes="
-      "{'params': 0, 'centering': 0} (a layer whose parameters the transform"
-      ' broadcasts cannot be centered there: leave it out with where=).')
-
-
-def centered_call(
-    host: nn.Module, layer: nn.Module,
-    layer_fn: Callable[[jax.Array], jax.Array],
-    kernel_of: Callable[[], jax.Array], inputs: jax.Array,
-    use_running_average: bool, mean_dtype: Any, axis_name: Any,
-) -> jax.Array:
+def centered_call(host: nn.Module, layer: nn.Module,
+                  layer_fn: Callable[[jax.Array], jax.Array],
+                  kernel_of: Callable[[], jax.Array], inputs: jax.Array,
+                  use_running_average: bool, mean_dtype: Any,
+                  axis_name: Any) -> jax.Array:
   """Eq. (8) for ``layer`` (run as ``layer_fn``), with the statistics in
   ``host``'s ``'centering'`` collection."""
   spec, mask = layer_spec(layer, inputs), getattr(layer, 'mask', None)
@@ -107,7 +95,14 @@ def centered_call(
     mean = host.variable(COLLECTION, MEAN,
                          lambda: CenteringMean(zero().mean, spec))
   except flax.errors.ScopeCollectionNotFound as error:
-    raise ValueError(_no_collection_message(host)) from error
+    path = path_str(host.scope.path) or core.MODEL_PATH
+    raise ValueError(
+        f'the centered layer {path!r} finds no {COLLECTION!r} collection: pass'
+        " it with the parameters, apply({'params': ..., 'centering': ...}, x),"
+        " and in nn.scan/nn.vmap give it the axis of 'params', variable_axes="
+        "{'params': 0, 'centering': 0} (a layer whose parameters the transform"
+        ' broadcasts cannot be centered there: leave it out with where=).'
+    ) from error
   recorded = host.variable(COLLECTION, RECORDED, lambda: zero().recorded)
   # An older collection without a count records the last call only, and
   # one without a residual rounds its 16-bit bias.
@@ -129,7 +124,6 @@ def centered_call(
     if count is not None:
       _untransported.check('linen', count.value, new.count, mean.value)
       count.value = new.count
-
   return core.centered_output(spec, layer_fn, inputs, kernel_of, mean.value,
                               mask)
 
@@ -180,10 +174,9 @@ class Centered(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(
-      self, inputs: jax.Array, *args,
-      use_running_average: Optional[bool] = None, **kwargs,
-  ) -> jax.Array:
+  def __call__(self, inputs: jax.Array, *args,
+               use_running_average: Optional[bool] = None,
+               **kwargs) -> jax.Array:
     if use_running_average is None:
       use_running_average = bool(self.use_running_average)
     layer = self.layer

@@ -7,7 +7,6 @@ from typing import Any, Callable, Optional
 from flax import nnx
 
 from cbp_optax import centering as core
-
 from cbp_optax._paths import path_str
 from cbp_optax._stacks import resolve_stack_axes
 from cbp_optax.nnx._wrapper import Centered
@@ -41,13 +40,8 @@ def _set_at(node: Any, path: tuple[Any, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _has_own_params(module: nnx.Module) -> bool:
-  return any(isinstance(v, nnx.Param) for v in vars(module).values())
-
-
-def _graph_paths(
-    model: nnx.Module,
-) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+def _graph_paths(model: nnx.Module
+                 ) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
   """Every path to every module and every Variable, by ``id``."""
   modules: dict[int, list[str]] = {}
   variables: dict[int, list[str]] = {}
@@ -77,17 +71,8 @@ def _graph_paths(
   return modules, variables
 
 
-def _check_not_shared(paths: list[str]) -> None:
-  if len(paths) > 1:
-    raise ValueError(
-        f'center: one layer is reachable at {" and ".join(map(repr, paths))}:'
-        ' a shared layer would be centered at one path only; give each call '
-        'site its own layer, or leave it out with where=.')
-
-
-def _check_bias_not_tied(
-    name: str, layer: nnx.Module, variable_paths: dict[int, list[str]]
-) -> None:
+def _check_bias_not_tied(name: str, layer: nnx.Module,
+                         variable_paths: dict[int, list[str]]) -> None:
   """Refuses a layer whose bias Variable is held elsewhere too: eq. 10's
   move is right for this layer only (a tied kernel is fine)."""
   paths = variable_paths.get(id(layer.bias), [])
@@ -100,16 +85,14 @@ def _check_bias_not_tied(
         f'path, layer: path not in {holders!r}.')
 
 
-def center(
-    model: nnx.Module, *, where: core.Where = None,
-    mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
-) -> CenterReport:
+def center(model: nnx.Module, *, where: core.Where = None,
+           mean_dtype: Optional[Any] = None,
+           axis_name: Optional[Any] = None) -> CenterReport:
   """Centers every supported linear layer of a built model, in place.
 
   Each ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Conv`` and stride-1
-  ``nnx.ConvTranspose`` (exact types, with a bias) becomes ``Centered(layer)``
-  wherever it sits (stacks included), computing what it did while ``mu`` is
-  zero.
+  ``nnx.ConvTranspose`` (exact types, with a bias), stacks included, becomes
+  ``Centered(layer)``, computing what it did while ``mu`` is zero.
 
   Args:
     model: the model; changed in place.
@@ -152,7 +135,7 @@ def center(
   where = core.check_where(where)
   if mean_dtype is not None:
     core.mean_dtype(mean_dtype, None)
-  centered, skipped, chosen = [], [], []
+  skipped, chosen = [], []
   inside_centered = set()
   modules = list(nnx.iter_modules(model))
   module_paths, variable_paths = _graph_paths(model)
@@ -163,13 +146,17 @@ def center(
   for path, module in modules:
     name = path_str(path)
     if (isinstance(module, Centered) or tuple(path) in inside_centered
-        or not _has_own_params(module)):
+        or not any(isinstance(v, nnx.Param) for v in vars(module).values())):
       continue
     reason = core.skip_reason(where, name, module, layer_spec)
     if reason:
       skipped.append((name or core.MODEL_PATH, reason))
       continue
-    _check_not_shared(module_paths.get(id(module), [name]))
+    if len(paths := module_paths.get(id(module), [name])) > 1:
+      raise ValueError(
+          f'center: one layer is reachable at {" and ".join(map(repr, paths))}'
+          ': a shared layer would be centered at one path only; give each call'
+          ' site its own layer, or leave it out with where=.')
     _check_bias_not_tied(name, module, variable_paths)
     if not path:
       raise ValueError('center: the model itself is a linear layer, which '
@@ -181,13 +168,12 @@ def center(
              for path, module in chosen]
   for path, layer in wrapped:
     _set_at(model, path, layer)
-    centered.append(path_str(path))
-  return CenterReport(centered=sorted(centered), skipped=sorted(skipped))
+  return CenterReport(centered=sorted(path_str(path) for path, _ in wrapped),
+                      skipped=sorted(skipped))
 
 
-def stacked_blocks(
-    model: nnx.Module, *stack_paths: str
-) -> Callable[[Any, Any], bool]:
+def stacked_blocks(model: nnx.Module,
+                   *stack_paths: str) -> Callable[[Any, Any], bool]:
   """The ``stacked=`` predicate of ``cbp.cbp`` / ``cbp.equalize`` for ``model``.
 
   M1 (eq. 7) sees one block per layer of a stack; roots are found from the

@@ -258,15 +258,14 @@ def train_step(
 ) -> Callable[..., StepOutput]:
   """One jit-compiled CBP iteration for an NNX model (Algorithm 1, steps 1-11).
 
-  ``step(model, optimizer, *args)`` runs ``loss_fn(model, *args)``, the
-  backward pass, ``optimizer.update`` (any optax transform: ``cbp.cbp``,
-  ``optax.adam`` for "Adam + Center", ...) and :func:`transport` of the model
-  and the optimizer's parameter copies, as one donated program (also
-  callable inside your own ``@nnx.jit``, bit for bit). ``args`` may hold
-  arrays or graph nodes (``nnx.Rngs``). A non-finite loss, gradient or
-  statistic skips the step: nothing changes, ``StepOutput.skipped`` is True
-  and an :class:`Optimizer` counts it. ``step.lower(model, optimizer,
-  *args)`` lowers the program a call runs.
+  ``step(model, optimizer, *args)`` runs ``loss_fn(model, *args)``, the backward
+  pass, ``optimizer.update`` (any optax transform: ``cbp.cbp``, ``optax.adam``
+  for "Adam + Center", ...) and :func:`transport` of the model and the
+  optimizer's parameter copies, as one donated program (also callable inside
+  your own ``@nnx.jit``, bit for bit). ``args`` may hold arrays or graph nodes
+  (``nnx.Rngs``). A non-finite loss, gradient or statistic skips the step:
+  nothing changes, ``StepOutput.skipped`` is True and an :class:`Optimizer`
+  counts it. ``step.lower(model, optimizer, *args)`` lowers a call's program.
 
   Args:
     loss_fn: ``loss_fn(model, *args)`` returning a scalar loss or ``(loss,

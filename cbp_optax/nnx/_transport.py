@@ -17,7 +17,6 @@ from cbp_optax._stacks import place_kernel_dims
 from cbp_optax._stacks import resolve_stack_axes
 from cbp_optax import _checks
 from cbp_optax import centering as core
-
 from cbp_optax.nnx._center import centered_paths
 from cbp_optax.nnx._center import centered_layers
 from cbp_optax.nnx._wrapper import Centered
@@ -53,10 +52,8 @@ def _layer_moves(
     kernel_path = where.get(id(layer.layer.kernel), path + _KERNEL)
     moves.append(_opt_state.LayerMove(
         path=path, kernel_key=_KERNEL, bias_key=_BIAS,
-        bias_shape=tuple(layer.layer.bias.shape),
-        kernel=layer.layer.kernel[...],
-        kernel_trained=kernel_path in trained,
-        shift=shift,
+        bias_shape=tuple(layer.layer.bias.shape), shift=shift,
+        kernel=layer.layer.kernel[...], kernel_trained=kernel_path in trained,
         kernel_path=None if kernel_path == path + _KERNEL else kernel_path))
   return moves
 
@@ -73,10 +70,9 @@ def check_optimizer_state(model: nnx.Module, optimizer: nnx.Optimizer,
       params=nnx.state(model, optimizer.wrt))
 
 
-def transport(
-    model: nnx.Module, mean_decay: Any = 0.99, *,
-    optimizer: Optional[nnx.Optimizer] = None, opt_state: Any = None,
-) -> Any:
+def transport(model: nnx.Module, mean_decay: Any = 0.99, *,
+              optimizer: Optional[nnx.Optimizer] = None,
+              opt_state: Any = None) -> Any:
   """Mean refresh and bias transport for every centered layer, in place.
 
   ``mu_new = mean_decay * mu + (1 - mean_decay) * batch_mean``, then
@@ -159,10 +155,10 @@ def eval_model(model: nnx.Module,
                optimizer: Optional[nnx.Optimizer] = None) -> nnx.Module:
   """A copy of ``model`` to evaluate: in eval mode, at the evaluation point.
 
-  With a ``schedule_free`` state in ``optimizer``, the copy has its
-  evaluation point ``x = (y - (1 - b1) z) / b1`` and the model's means
-  (recalibrate BatchNorm statistics at ``x``); otherwise the model's own.
-  It shares no variable or array with ``model``, so it outlives the donating
+  With a ``schedule_free`` state in ``optimizer``, the copy has its evaluation
+  point ``x = (y - (1 - b1) z) / b1`` and the model's means (recalibrate
+  BatchNorm statistics at ``x``), else the model's own parameters. It shares
+  no variable or array with ``model``, so it outlives the donating
   :func:`train_step`.
 
   Args:
@@ -170,8 +166,7 @@ def eval_model(model: nnx.Module,
     optimizer: its ``nnx.Optimizer``, or None.
 
   Raises:
-    ValueError: several ``schedule_free`` states, or one over part of the
-      parameters.
+    ValueError: several ``schedule_free`` states, or one over part of them.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -226,7 +221,6 @@ def muon_dimension_numbers(model: nnx.Module) -> Callable[[Any], Any]:
     >>> dims(nnx.state(model, nnx.Param))['layers'][0]['layer']['kernel']
     MuonDimensionNumbers(reduction_axis=(0, 1, 2), output_axis=(3,))
   """
-  # Read when muon calls it, from the model as it is then.
   model_ref = weakref.ref(model)
   fallback = _muon_table(model)
 

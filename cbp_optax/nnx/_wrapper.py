@@ -75,11 +75,10 @@ def layer_spec(layer: nnx.Module, check: bool = True) -> core.LayerSpec:
 class Centered(nnx.Module):
   """A linear layer reparameterized as ``z = W (a - mu) + b~`` (paper eq. 8).
 
-  ``mu`` starts at zero. In training the forward pass records its input's
-  mean, pooled over calls (``batch_count``; 1,000 calls without a transport
-  warn: :class:`cbp_optax.centering.UntransportedWarning`), to which
-  :func:`transport` moves ``mu``. A convolution runs as the plain layer minus
-  ``W mu`` (eq. 9).
+  ``mu`` starts at zero. In training the forward pass records its input's mean,
+  pooled over calls (``batch_count``; 1,000 calls without a transport warn:
+  :class:`cbp_optax.centering.UntransportedWarning`), to which :func:`transport`
+  moves ``mu``. A convolution runs as the plain layer minus ``W mu`` (eq. 9).
 
   Args:
     layer: an ``nnx.Linear``, ``nnx.LinearGeneral`` (no batch axes),
@@ -109,11 +108,10 @@ class Centered(nnx.Module):
   References:
     Layerwise Conditioned Backpropagation, §4.2, eqs. (8) and (9).
   """
-  def __init__(
-      self, layer: nnx.Module, *, use_running_average: bool = False,
-      mean_dtype: Optional[Any] = None, axis_name: Optional[Any] = None,
-      stack_axes: Optional[Sequence[int]] = None,
-  ):
+  def __init__(self, layer: nnx.Module, *, use_running_average: bool = False,
+               mean_dtype: Optional[Any] = None,
+               axis_name: Optional[Any] = None,
+               stack_axes: Optional[Sequence[int]] = None):
     _checks.check_bool('use_running_average', use_running_average)
     spec = layer_spec(layer)
     zero = core.zero_state(spec, core.mean_dtype(mean_dtype, layer.param_dtype),
