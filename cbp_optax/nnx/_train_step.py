@@ -1,4 +1,8 @@
-"""The fused NNX step: Algorithm 1 as one compiled iteration."""
+"""The fused NNX step: Algorithm 1 as one compiled iteration.
+
+``jax.jit`` over ``nnx.flatten``'s values, not ``nnx.jit``, which takes no
+XLA ``compiler_options`` (:func:`cbp_optax._step.compiler_options`).
+"""
 
 from __future__ import annotations
 
