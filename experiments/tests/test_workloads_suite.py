@@ -213,9 +213,9 @@ def test_new_peer_arms_are_the_optax_optimizers(name, reference):
 
 
 def test_psgd_kron_arm_steps_an_nnx_model_as_an_optax_loop():
-  # nnx.Optimizer keeps psgd-jax's state lists as nnx.State mappings, which
-  # psgd-jax iterated as lists: its second NNX update raised AttributeError
-  # (the dev workloads tutorial-cnn and transformer).
+  # nnx.Optimizer turns psgd-jax's state lists into nnx.State mappings after
+  # an update: psgd-jax iterated them as lists (AttributeError at the second
+  # NNX update) and a scanned training loop's carry changed structure.
   pytest.importorskip('psgd_jax')
   ctx = arms_lib.Context(steps=20)
   tx = arms_lib.builtin_arms()['psgd_kron'].make(0.1, ctx)
@@ -224,11 +224,13 @@ def test_psgd_kron_arm_steps_an_nnx_model_as_an_optax_loop():
   params = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   optimizer = cbp.nnx.Optimizer(model, tx)
   step = cbp.nnx.train_step(lambda m, x: jnp.mean(m(x) ** 2))
+  structure = jax.tree.structure(nnx.state(optimizer))
   state = tx.init(params)
   loss = lambda p, x: jnp.mean(nnx.merge(nnx.graphdef(model), p)(x) ** 2)
   for i in range(3):
     x = jnp.full((2, 5, 5, 1), 1.0 + i)
     assert not bool(step(model, optimizer, x).skipped)
+    assert jax.tree.structure(nnx.state(optimizer)) == structure
     updates, state = tx.update(jax.grad(loss)(params, x), state, params)
     params = optax.apply_updates(params, updates)
   chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)),

@@ -198,10 +198,13 @@ def _cbp_kron(lr, ctx):
 
 
 class PSGDKronState(NamedTuple):
-  """psgd_jax's PSGD Kron state (a dict: its momentum and its triangular
+  """psgd_jax's PSGD Kron state (its momentum and its triangular
   preconditioners, gradient statistics only), in a type the transport can
-  be told about (``cbp.centering.register_parameter_state``)."""
-  inner: Any
+  be told about (``cbp.centering.register_parameter_state``). ``leaves``:
+  its leaves under zero-padded string keys. nnx.Optimizer turns a state's
+  lists into nnx.State mappings after an update (not at init): psgd-jax
+  iterated them as lists, and a scanned loop's carry changed structure."""
+  leaves: Any
 
 
 def _psgd_kron(lr, ctx):
@@ -210,18 +213,21 @@ def _psgd_kron(lr, ctx):
   from psgd_jax import kron as psgd  # pylint: disable=g-import-not-at-top
   inner = psgd.scale_by_kron(b1=0.9)
 
-  def init(params):
+  def own_init(params):
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its sizes
-      return PSGDKronState(inner.init(params))
+      return inner.init(params)
+
+  def flat(state):
+    return PSGDKronState({f'{i:06d}': leaf for i, leaf
+                          in enumerate(jax.tree.leaves(state))})
 
   def update(updates, state, params=None, **extra):
-    # nnx.Optimizer keeps the state's lists as nnx.State mappings, which
-    # psgd-jax iterates as lists (their keys): rebuild its own structure.
-    structure = jax.tree.structure(jax.eval_shape(init, updates).inner)
-    own = jax.tree.unflatten(structure, jax.tree.leaves(state.inner))
+    structure = jax.tree.structure(jax.eval_shape(own_init, updates))
+    own = jax.tree.unflatten(structure, jax.tree.leaves(state.leaves))
     updates, new = inner.update(updates, own, params, **extra)
-    return updates, PSGDKronState(new)
+    return updates, flat(new)
 
+  init = lambda params: flat(own_init(params))
   return optax.chain(
       optax.GradientTransformationExtraArgs(init, update),
       optax.add_decayed_weights(WEIGHT_DECAY, decay_mask),
